@@ -107,6 +107,7 @@ class Settings:
     min_pixels: int = 0  # Qwen processors' visual-token bounds; 0 keeps the model's own
     max_pixels: int = 0
     compile: bool = True  # static cache + torch.compile on CUDA (never on CPU or bitsandbytes)
+    cache_len: int = 2048  # KV-cache length compiled at warm-up; longer requests grow it once
 
     @classmethod
     def from_env(cls, env: Optional[dict] = None) -> "Settings":
@@ -129,6 +130,7 @@ class Settings:
             min_pixels=_env_int(env, "VLM_MIN_PIXELS", 0),
             max_pixels=_env_int(env, "VLM_MAX_PIXELS", 0),
             compile=_env_bool(env, "VLM_COMPILE", True),
+            cache_len=_env_int(env, "VLM_CACHE_LEN", 2048, 256),
         )
 
 
@@ -670,25 +672,23 @@ class Engine:
     def _generate_native(self, items: list[Prepared]) -> list[Generation]:
         import torch
 
-        prompts = [self.adapter.prompt(self.processor, item.turns) for item in items]
-        images = [item.images for item in items]
-        processor_inputs: dict = {"text": prompts, "padding": True, "return_tensors": "pt"}
-        if any(images):
-            processor_inputs["images"] = images if len(items) > 1 else images[0]
-        inputs = self.processor(**processor_inputs).to(self.model.device)
-        if "pixel_values" in inputs:
-            inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
+        rows = len(items)
+        # On the compiled path the batch is padded to a fixed size (copies of the last item, whose
+        # answers are dropped) so that a new batch size never triggers a recompilation.
+        padded = items + [items[-1]] * (self.row_bucket(rows) - rows)
+        inputs = self.processor_inputs(padded)
         params = items[0].params
-        kwargs = self.sampling_kwargs(params)
-        kwargs["max_new_tokens"] = max(item.params.max_new_tokens for item in items)
-        kwargs["pad_token_id"] = self.tokenizer.pad_token_id
+        max_new_tokens = max(item.params.max_new_tokens for item in items)
+        min_new_tokens = [item.params.min_new_tokens for item in padded]
         with torch.inference_mode():
-            output = self.model.generate(**inputs, **kwargs)
-        prompt_length = inputs["input_ids"].shape[1]
+            if params.do_sample:
+                tokens = self._sample(inputs, params, max_new_tokens, min_new_tokens)
+            else:
+                tokens = self.greedy_decode(inputs, max_new_tokens, min_new_tokens)
         attention = inputs["attention_mask"]
         results = []
         for row, item in enumerate(items):
-            ids = output[row, prompt_length:].tolist()[: item.params.max_new_tokens]
+            ids = tokens[row][: item.params.max_new_tokens]
             kept = ids[: _trimmed_length(ids, self.eos_ids)]
             results.append(
                 Generation(
@@ -700,6 +700,156 @@ class Engine:
                 )
             )
         return results
+
+    def processor_inputs(self, items: list[Prepared]):
+        """Chat-templated prompts and pixels for a batch, left-padded, on the model's device."""
+        prompts = [self.adapter.prompt(self.processor, item.turns) for item in items]
+        images = [item.images for item in items]
+        kwargs: dict = {"text": prompts, "padding": True, "return_tensors": "pt"}
+        if any(images):
+            kwargs["images"] = images if len(items) > 1 else images[0]
+        inputs = self.processor(**kwargs).to(self.model.device)
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
+        return inputs
+
+    # ---- decoding -----------------------------------------------------------------------------
+
+    ROW_BUCKETS = (1, 4, 16, 64)
+    CACHE_LEN_STEP = 256
+
+    def row_bucket(self, rows: int) -> int:
+        if not self.compiled:
+            return rows
+        return next((b for b in self.ROW_BUCKETS if b >= rows), rows)
+
+    def cache_length(self, needed: int) -> int:
+        """KV-cache length for a batch. Compiled: one length for all batches, grown (once, with a
+        recompilation) only by a request longer than any before; eager: exactly what is needed."""
+        if not self.compiled:
+            return needed
+        step = self.CACHE_LEN_STEP
+        self._cache_len = max(getattr(self, "_cache_len", 0), self.settings.cache_len, -(-needed // step) * step)
+        return self._cache_len
+
+    def static_cache(self, rows: int, length: int):
+        from transformers import StaticCache
+
+        caches = getattr(self, "_caches", {})
+        cache = caches.get((rows, length))
+        if cache is None:
+            caches = {key: c for key, c in caches.items() if key[1] == length}
+            cache = caches[(rows, length)] = StaticCache(
+                config=self.model.config.get_text_config(decoder=True), max_cache_len=length
+            )
+            self._caches = caches
+        else:
+            cache.reset()
+        return cache
+
+    def decode_step(self):
+        """The model's forward for one new token per row; compiled with CUDA graphs when on GPU."""
+        if self.compiled:
+            if getattr(self, "_compiled_forward", None) is None:
+                self._compiled_forward = self.model.get_compiled_call(None)
+            return self._compiled_forward
+        return self.model
+
+    def greedy_decode(self, inputs, max_new_tokens: int, min_new_tokens: list[int]) -> list[list[int]]:
+        """Greedy decoding over a static KV cache, without generate()'s per-step Python.
+
+        Same tokens as `model.generate(do_sample=False)`: positions are continued from the
+        prompt's exactly as generate continues them; the model's repetition penalty is applied."""
+        import torch
+        from transformers import RepetitionPenaltyLogitsProcessor
+
+        model, device = self.model, self.model.device
+        input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+        rows, prompt_length = input_ids.shape
+        length = self.cache_length(prompt_length + max_new_tokens)
+        cache = self.static_cache(rows, length)
+        model_inputs = dict(inputs)
+        position_ids = model._prepare_position_ids_for_generation(input_ids, model_inputs)
+        # A full-length mask of fixed shape: positions not yet written are hidden by causality.
+        full_mask = torch.ones((rows, length), dtype=attention_mask.dtype, device=device)
+        full_mask[:, :prompt_length] = attention_mask
+        output = model(
+            **model_inputs,
+            position_ids=position_ids,
+            past_key_values=cache,
+            cache_position=torch.arange(prompt_length, device=device),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        penalty = getattr(model.generation_config, "repetition_penalty", None) or 1.0
+        penalize = RepetitionPenaltyLogitsProcessor(penalty) if penalty != 1.0 else None
+        history = torch.cat(
+            [input_ids, torch.zeros((rows, max_new_tokens), dtype=input_ids.dtype, device=device)], dim=1
+        )
+        eos = torch.tensor(sorted(self.eos_ids), device=device)
+        min_new = torch.tensor(min_new_tokens, device=device)
+        finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        position = position_ids[..., -1:].clone()
+        cache_position = torch.tensor([prompt_length], device=device)
+        step_forward = self.decode_step()
+        for step in range(max_new_tokens):
+            logits = output.logits[:, -1, :].float()
+            if penalize is not None:
+                logits = penalize(history[:, : prompt_length + step], logits)
+            if min_new_tokens and step < max(min_new_tokens) and len(eos):
+                blocked = (step < min_new)[:, None] & torch.isin(
+                    torch.arange(logits.shape[-1], device=device), eos
+                )[None, :]
+                logits = logits.masked_fill(blocked, float("-inf"))
+            token = logits.argmax(dim=-1)
+            history[:, prompt_length + step] = token
+            finished |= torch.isin(token, eos)
+            # Check for the end only every 16 tokens: each check waits for the GPU.
+            if step + 1 == max_new_tokens or ((step + 1) % 16 == 0 and bool(finished.all())):
+                break
+            position += 1
+            output = step_forward(
+                input_ids=token[:, None],
+                attention_mask=full_mask,
+                position_ids=position,
+                past_key_values=cache,
+                cache_position=cache_position,
+                use_cache=True,
+                logits_to_keep=1,
+            )
+            cache_position += 1
+        generated = history[:, prompt_length : prompt_length + step + 1]
+        return generated.tolist()
+
+    def _sample(self, inputs, params: GenerationParams, max_new_tokens: int, min_new_tokens: list[int]):
+        kwargs = self.sampling_kwargs(params)
+        kwargs.update(max_new_tokens=max_new_tokens, pad_token_id=self.tokenizer.pad_token_id)
+        if self.compiled:
+            kwargs.update(cache_implementation="static", max_cache_len=self.cache_length(
+                inputs["input_ids"].shape[1] + max_new_tokens))
+        if min_new_tokens and max(min_new_tokens):
+            kwargs["min_new_tokens"] = max(min_new_tokens)
+        output = self.model.generate(**inputs, **kwargs)
+        return output[:, inputs["input_ids"].shape[1]:].tolist()
+
+    def warm_up(self) -> float:
+        """Compile and record every batch size at boot, so no request pays for it. Returns seconds."""
+        if not self.compiled:
+            return 0.0
+        from PIL import Image
+
+        started = time.perf_counter()
+        image = Image.new("RGB", (448, 448), (127, 127, 127))
+        params = GenerationParams(max_new_tokens=8, temperature=0.0, top_p=1.0, do_sample=False)
+        for rows in self.ROW_BUCKETS:
+            if rows > self.settings.max_batch_size:
+                break
+            item = Prepared("caption", [Turn("user", [image, TASK_PROMPTS["caption"]])], params)
+            for _ in range(3):  # CUDA graphs are recorded on the second and third runs
+                self.generate([item] * rows)
+        self.warm_up_seconds = time.perf_counter() - started
+        log.info("warmed up %d batch sizes in %.1fs", len(self.ROW_BUCKETS), self.warm_up_seconds)
+        return self.warm_up_seconds
 
 
 _engine: Optional[Engine] = None
