@@ -1,0 +1,47 @@
+# runpod-vlm: a RunPod serverless worker serving one vision-language model.
+#
+#   docker build -t runpod-vlm .                                              # weights fetched at boot
+#   docker build -t runpod-vlm:qwen2-vl-2b --build-arg MODEL=Qwen/Qwen2-VL-2B-Instruct .  # weights baked in
+#
+# The base image provides CUDA, Python and torch + torchvision (transformers 5.17 needs torch >= 2.5
+# and torchvision for the Qwen2-VL processors); requirements.txt deliberately leaves them out.
+ARG BASE_IMAGE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime
+FROM ${BASE_IMAGE}
+
+# HF_HOME: the Hugging Face cache lives in the image, at a path a RunPod network volume (mounted
+# at /runpod-volume) can never shadow.
+ENV PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    HF_HOME=/opt/hf \
+    HF_HUB_DISABLE_TELEMETRY=1
+
+# torch.compile (VLM_COMPILE, on by default) has Triton build a small launcher with a C compiler at
+# run time; the runtime base image has none.
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /app
+
+# Dependencies first (a layer that changes rarely). The constraints file pins the base image's own
+# torch/torchvision so that no requirement can replace them with another build.
+COPY requirements.txt /app/requirements.txt
+RUN python -c "import importlib.metadata as m; print(f'torch=={m.version(\"torch\")}\ntorchvision=={m.version(\"torchvision\")}')" > /tmp/torch-constraints.txt \
+    && pip install -c /tmp/torch-constraints.txt -r /app/requirements.txt \
+    && rm /tmp/torch-constraints.txt
+
+# Optional: bake one model's weights into the image (e.g. --build-arg MODEL=Qwen/Qwen2-VL-2B-Instruct).
+# Empty (the default) bakes nothing; the worker then downloads VLM_MODEL at its first boot.
+# The baked model also becomes the image's default VLM_MODEL (an endpoint's env still overrides it).
+ARG MODEL=""
+ARG MODEL_REVISION=""
+COPY scripts/bake_model.py /app/scripts/bake_model.py
+RUN if [ -n "$MODEL" ]; then python /app/scripts/bake_model.py "$MODEL" $MODEL_REVISION; fi
+ENV VLM_MODEL=${MODEL}
+
+# The worker itself last: editing it rebuilds only this layer.
+COPY handler.py /app/handler.py
+
+CMD ["python", "-u", "handler.py"]
