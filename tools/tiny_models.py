@@ -1,0 +1,249 @@
+"""Build offline, random-weight VLM folders that `from_pretrained` loads like the real models.
+
+Support script for tests and GPU benchmarks; not part of the worker. Nothing is downloaded: the
+tokenizer is a byte-level BPE (256 byte tokens, no merges) plus each family's special tokens, and
+the chat templates are short copies of the real models' templates.
+
+    python tools/tiny_models.py qwen2-vl /tmp/tiny-qwen2-vl
+    python tools/tiny_models.py qwen2-vl /tmp/qwen2-vl-7b --shape qwen2-vl-7b --device cuda --dtype bf16
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+FAMILIES = ("qwen2-vl", "qwen2.5-vl", "llava", "llava-next")
+SHAPES = ("tiny", "qwen2-vl-2b", "qwen2-vl-7b")
+
+QWEN_SPECIAL = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>",
+    "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+]
+LLAVA_SPECIAL = ["<unk>", "<s>", "</s>", "<image>", "<pad>"]
+
+# Qwen2-VL-*-Instruct's template, less the video and vision-id branches.
+QWEN_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
+    "{% else %}{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}<|im_end|>\n{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# llava-hf/llava-1.5-*-hf: images first, then text; a system turn is printed without a prefix.
+LLAVA_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] != 'system' %}{{ message['role'].upper() + ': ' }}{% endif %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] + ' ' }}{% endfor %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'ASSISTANT:' }}{% endif %}"
+)
+# llava-hf/llava-v1.6-mistral-7b-hf: Mistral [INST] turns, images before text.
+LLAVA_NEXT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' %}"
+    "{{ '<<SYS>>\n' + message['content'][0]['text'] + '\n<</SYS>>\n\n' }}"
+    "{% elif message['role'] == 'user' %}{{ '[INST] ' }}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}"
+    "{{ '<image>\n' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ content['text'] }}{% endfor %}{{ ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}"
+    "{{ ' ' + message['content'][0]['text'] + '</s> ' }}"
+    "{% endif %}{% endfor %}"
+)
+
+# Real Qwen2-VL sizes (config.json of Qwen/Qwen2-VL-2B-Instruct and -7B-Instruct).
+QWEN2_VL_TEXT = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=None, mrope_section=[2, 3, 3], tie=False),
+    "qwen2-vl-2b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+                        num_attention_heads=12, num_key_value_heads=2, vocab_size=151936,
+                        mrope_section=[16, 24, 24], tie=True),
+    "qwen2-vl-7b": dict(hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                        num_attention_heads=28, num_key_value_heads=4, vocab_size=152064,
+                        mrope_section=[16, 24, 24], tie=False),
+}
+QWEN2_VL_VISION = {
+    "tiny": dict(depth=2, embed_dim=32, num_heads=4, mlp_ratio=2),
+    "real": dict(depth=32, embed_dim=1280, num_heads=16, mlp_ratio=4),
+}
+
+
+def byte_level_tokenizer(special_tokens: list[str], bos=None, eos=None, pad=None, unk=None,
+                         add_bos=False):
+    """256 byte tokens + `special_tokens`, wrapped as a transformers fast tokenizer."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {token: i for i, token in enumerate(sorted(ByteLevel.alphabet()))}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend, bos_token=bos, eos_token=eos, pad_token=pad, unk_token=unk,
+        additional_special_tokens=[t for t in special_tokens if t not in (bos, eos, pad, unk)],
+    )
+    if add_bos:  # LLaMA/Mistral tokenizers start every text with <s>
+        bos_id = tokenizer.convert_tokens_to_ids(bos)
+        tokenizer.backend_tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+        )
+    return tokenizer
+
+
+def _qwen_parts(family: str, shape: str):
+    import transformers as tf
+
+    tokenizer = byte_level_tokenizer(QWEN_SPECIAL, eos="<|im_end|>", pad="<|endoftext|>")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
+    text = dict(QWEN2_VL_TEXT[shape])
+    mrope, tie = text.pop("mrope_section"), text.pop("tie")
+    text["vocab_size"] = text["vocab_size"] or len(tokenizer)
+    text.update(rope_scaling={"type": "mrope", "mrope_section": mrope}, rope_theta=1e6,
+                max_position_embeddings=32768, tie_word_embeddings=tie,
+                bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                pad_token_id=ids["<|endoftext|>"])
+    vision = dict(QWEN2_VL_VISION["tiny" if shape == "tiny" else "real"])
+    vision.update(patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_channels=3)
+    token_ids = dict(image_token_id=ids["<|image_pad|>"], video_token_id=ids["<|video_pad|>"],
+                     vision_start_token_id=ids["<|vision_start|>"],
+                     vision_end_token_id=ids["<|vision_end|>"])
+    if family == "qwen2-vl":
+        vision["hidden_size"] = text["hidden_size"]
+        config = tf.Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie,
+                                  **token_ids)
+        model_class, processor_class = tf.Qwen2VLForConditionalGeneration, tf.Qwen2VLProcessor
+    else:
+        vision = dict(depth=vision["depth"], hidden_size=vision["embed_dim"],
+                      intermediate_size=vision["embed_dim"] * vision["mlp_ratio"],
+                      num_heads=vision["num_heads"], out_hidden_size=text["hidden_size"],
+                      patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=56,
+                      fullatt_block_indexes=[vision["depth"] - 1])
+        config = tf.Qwen2_5_VLConfig(text_config=text, vision_config=vision,
+                                     tie_word_embeddings=tie, **token_ids)
+        model_class, processor_class = tf.Qwen2_5_VLForConditionalGeneration, tf.Qwen2_5_VLProcessor
+    pixels = dict(min_pixels=56 * 56, max_pixels=(112 * 112 if shape == "tiny" else 28 * 28 * 16384))
+    processor = processor_class(
+        image_processor=tf.Qwen2VLImageProcessor(patch_size=14, merge_size=2, temporal_patch_size=2,
+                                                 **pixels),
+        video_processor=tf.Qwen2VLVideoProcessor(patch_size=14, merge_size=2, temporal_patch_size=2,
+                                                 **pixels),
+        tokenizer=tokenizer, chat_template=QWEN_TEMPLATE,
+    )
+    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    return config, model_class, processor, dict(eos_token_id=eos, pad_token_id=ids["<|endoftext|>"],
+                                                bos_token_id=ids["<|endoftext|>"])
+
+
+def _llava_parts(family: str, shape: str):
+    import transformers as tf
+
+    if shape != "tiny":
+        raise ValueError(f"{family} has only the 'tiny' shape")
+    tokenizer = byte_level_tokenizer(LLAVA_SPECIAL, bos="<s>", eos="</s>", pad="<pad>",
+                                     unk="<unk>", add_bos=True)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in LLAVA_SPECIAL}
+    vision = tf.CLIPVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, image_size=32, patch_size=8)
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"],
+                tie_word_embeddings=False)
+    common = dict(image_token_id=ids["<image>"], vision_feature_layer=-2,
+                  vision_feature_select_strategy="default", tie_word_embeddings=False)
+    image_kwargs = dict(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    processor_kwargs = dict(patch_size=8, vision_feature_select_strategy="default",
+                            num_additional_image_tokens=1, image_token="<image>")
+    if family == "llava":
+        config = tf.LlavaConfig(vision_config=vision, text_config=tf.LlamaConfig(**text),
+                                image_seq_length=16, **common)
+        processor = tf.LlavaProcessor(image_processor=tf.CLIPImageProcessor(**image_kwargs),
+                                      tokenizer=tokenizer, chat_template=LLAVA_TEMPLATE,
+                                      **processor_kwargs)
+        model_class = tf.LlavaForConditionalGeneration
+    else:
+        pinpoints = [[32, 32], [32, 64], [64, 32], [64, 64]]
+        config = tf.LlavaNextConfig(vision_config=vision, text_config=tf.MistralConfig(**text),
+                                    image_grid_pinpoints=pinpoints, image_seq_length=16, **common)
+        processor = tf.LlavaNextProcessor(
+            image_processor=tf.LlavaNextImageProcessor(image_grid_pinpoints=pinpoints, **image_kwargs),
+            tokenizer=tokenizer, chat_template=LLAVA_NEXT_TEMPLATE, **processor_kwargs,
+        )
+        model_class = tf.LlavaNextForConditionalGeneration
+    return config, model_class, processor, dict(eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"],
+                                                bos_token_id=ids["<s>"])
+
+
+def _favour_eos(model, eos_id: int) -> None:
+    """Make greedy decoding end at once: every token embedding carries a large constant in
+    dimension 0 that survives the (tiny, random) layers and the final norm, and only the end
+    token's lm_head row reads that dimension."""
+    import torch
+
+    with torch.no_grad():
+        model.get_input_embeddings().weight[:, 0] = 5.0
+        head = model.get_output_embeddings().weight
+        head[:, 0] = 0.0
+        head[eos_id, 0] = 50.0
+
+
+def build(family: str, out_dir, shape: str = "tiny", *, eos_bias: bool = False,
+          device: str = "cpu", dtype: str = "fp32", seed: int = 0) -> Path:
+    """Write a random-weight model + processor + tokenizer + chat template into `out_dir`."""
+    import torch
+    from transformers import GenerationConfig
+
+    if family not in FAMILIES:
+        raise ValueError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}")
+    if shape not in SHAPES:
+        raise ValueError(f"unknown shape {shape!r}; use one of {', '.join(SHAPES)}")
+    if shape != "tiny" and family != "qwen2-vl":
+        raise ValueError(f"shape {shape!r} is for the qwen2-vl family")
+    parts = _qwen_parts if family.startswith("qwen") else _llava_parts
+    config, model_class, processor, token_ids = parts(family, shape)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = model_class._from_config(config, dtype=torch_dtype).eval()
+    if eos_bias:
+        if shape != "tiny":
+            raise ValueError("eos_bias is for tiny models")
+        first_eos = token_ids["eos_token_id"]
+        _favour_eos(model, first_eos[0] if isinstance(first_eos, list) else first_eos)
+    model.generation_config = GenerationConfig(**token_ids)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out, safe_serialization=True)
+    processor.save_pretrained(out)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("family", choices=FAMILIES)
+    parser.add_argument("out_dir")
+    parser.add_argument("--shape", choices=SHAPES, default="tiny")
+    parser.add_argument("--eos-bias", action="store_true", help="make greedy decoding stop at once")
+    parser.add_argument("--device", default="cpu", help="where to initialise weights, e.g. cuda")
+    parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    args = parser.parse_args()
+    out = build(args.family, args.out_dir, args.shape, eos_bias=args.eos_bias,
+                device=args.device, dtype=args.dtype)
+    print(out)
+
+
+if __name__ == "__main__":
+    main()
