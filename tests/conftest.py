@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny offline models built once per session, and the worker pointed at one."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
+
+import handler  # noqa: E402
+import tiny_models  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """`tiny_model(family, eos_bias=False)` -> folder of a tiny random model, built on first use."""
+    built: dict[tuple, Path] = {}
+    root = tmp_path_factory.mktemp("tiny-models")
+
+    def get(family: str, eos_bias: bool = False) -> Path:
+        key = (family, eos_bias)
+        if key not in built:
+            name = family + ("-eos" if eos_bias else "")
+            built[key] = tiny_models.build(family, root / name, eos_bias=eos_bias)
+        return built[key]
+
+    return get
+
+
+@pytest.fixture
+def serve(monkeypatch):
+    """`serve(folder)` -> the worker's engine serving that folder on CPU, as the env would set it."""
+
+    def start(folder: Path, **env: str):
+        monkeypatch.setenv("VLM_MODEL", str(folder))
+        monkeypatch.setenv("VLM_ALLOW_ANY", "true")
+        monkeypatch.setenv("VLM_DEVICE_MAP", "cpu")
+        for name in ("VLM_QUANTIZE", "VLM_MIN_PIXELS", "VLM_MAX_PIXELS", "VLM_MAX_BATCH_SIZE"):
+            monkeypatch.delenv(name, raising=False)
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        current = handler._engine
+        if env or current is None or current.settings != handler.Settings.from_env():
+            handler.reset_engine()
+            special.append(bool(env))
+        return handler.get_engine()
+
+    special: list[bool] = []
+    yield start
+    if any(special):
+        handler.reset_engine()  # an engine loaded with test-only settings must not leak
+
