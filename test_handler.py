@@ -1,0 +1,1577 @@
+"""Fast, stubbed tests of handler.py: no torch, transformers, torchvision, qwen_vl_utils or
+bitsandbytes is imported (run alone: `python -m pytest test_handler.py`).
+
+The stubs are installed into sys.modules by a module-scoped fixture and removed afterwards. They are
+a scripted "hub": AutoConfig knows a few model ids, the fake processor/tokenizer encode text one
+character per token, and every fake model answers with `HUB.reply` (a string or a function of the
+prompt), whether it is driven through generate(), a hand-written decode loop (forward calls that
+return one-hot logits), or a remote-code `chat()`. Tests assert on handler outputs and on what the
+fakes received, so the engine's internals may change freely.
+
+Every stubbed torch/transformers attribute the handler touches is listed in STUBBED_API; the stubs
+record each use, a test checks that the handler exercises exactly that list, and each test fails if
+the handler reaches for a torch/transformers attribute the stubs do not provide.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import copy
+import io
+import json
+import os
+import sys
+import types
+import urllib.error
+import urllib.request
+
+import pytest
+from PIL import Image
+
+import handler
+
+# =================================================================================================
+# The stubbed API surface
+# =================================================================================================
+
+STUBBED_API = frozenset({
+    # torch
+    "torch.cuda.is_available",
+    "torch.cuda.is_bf16_supported",
+    "torch.float32",
+    "torch.float16",
+    "torch.bfloat16",
+    "torch.bool",
+    "torch.inference_mode",
+    "torch.stack",
+    "torch.cat",
+    "torch.ones",
+    "torch.zeros",
+    "torch.tensor",
+    "torch.arange",
+    "torch.isin",
+    "torch.Tensor.shape",
+    "torch.Tensor.dtype",
+    "torch.Tensor.__getitem__",
+    "torch.Tensor.__setitem__",
+    "torch.Tensor.tolist",
+    "torch.Tensor.to",
+    "torch.Tensor.sum",
+    "torch.Tensor.float",
+    "torch.Tensor.argmax",
+    "torch.Tensor.masked_fill",
+    "torch.Tensor.clone",
+    "torch.Tensor.all",
+    "torch.Tensor.__bool__",
+    "torch.Tensor.__int__",
+    "torch.Tensor.__len__",
+    "torch.Tensor.__iadd__",
+    "torch.Tensor.__ior__",
+    "torch.Tensor.__and__",
+    "torch.Tensor.__gt__",
+    # torchvision (InternVL2's tiling)
+    "torchvision.transforms.functional.to_tensor",
+    "torchvision.transforms.functional.normalize",
+    # transformers: loading
+    "transformers.AutoConfig.from_pretrained",
+    "transformers.PretrainedConfig.model_type",
+    "transformers.PretrainedConfig.get_text_config",
+    "transformers.AutoProcessor.from_pretrained",
+    "transformers.AutoModelForImageTextToText.from_pretrained",
+    "transformers.AutoModel.from_pretrained",
+    "transformers.AutoTokenizer.from_pretrained",
+    "transformers.AutoModelForCausalLM.from_pretrained",
+    "transformers.BitsAndBytesConfig",
+    "transformers.StaticCache",
+    "transformers.StaticCache.reset",
+    "transformers.RepetitionPenaltyLogitsProcessor",
+    "transformers.RepetitionPenaltyLogitsProcessor.__call__",
+    # transformers: models
+    "transformers.PreTrainedModel.eval",
+    "transformers.PreTrainedModel.generate",
+    "transformers.PreTrainedModel.__call__",
+    "transformers.PreTrainedModel.get_compiled_call",
+    "transformers.PreTrainedModel._prepare_position_ids_for_generation",
+    "transformers.PreTrainedModel.device",
+    "transformers.PreTrainedModel.dtype",
+    "transformers.PreTrainedModel.config",
+    "transformers.PreTrainedModel.generation_config",
+    "transformers.GenerationConfig.eos_token_id",
+    "transformers.GenerationConfig.repetition_penalty",
+    "transformers.ModelOutput.logits",
+    # transformers: processors and tokenizers
+    "transformers.ProcessorMixin.__call__",
+    "transformers.ProcessorMixin.apply_chat_template",
+    "transformers.ProcessorMixin.tokenizer",
+    "transformers.BatchFeature.to",
+    "transformers.BatchFeature.__getitem__",
+    "transformers.BatchFeature.__setitem__",
+    "transformers.BatchFeature.__contains__",
+    "transformers.PreTrainedTokenizerBase.__call__",
+    "transformers.PreTrainedTokenizerBase.decode",
+    "transformers.PreTrainedTokenizerBase.apply_chat_template",
+    "transformers.PreTrainedTokenizerBase.eos_token_id",
+    "transformers.PreTrainedTokenizerBase.pad_token_id",
+    "transformers.PreTrainedTokenizerBase.padding_side",
+    # trust_remote_code model APIs
+    "remote.MiniCPMV.chat",
+    "remote.InternVLChatModel.chat",
+})
+
+USED: set = set()  # stubbed names the handler touched (fakes' own internal use is not recorded)
+MISSING: set = set()  # torch/transformers attributes the handler asked for that no stub provides
+_QUIET = [0]
+
+
+def _use(name: str) -> None:
+    if not _QUIET[0]:
+        USED.add(name)
+
+
+@contextlib.contextmanager
+def _quiet():
+    _QUIET[0] += 1
+    try:
+        yield
+    finally:
+        _QUIET[0] -= 1
+
+
+# =================================================================================================
+# A tiny pure-Python tensor: nested lists, broadcasting, the ops the engine uses
+# =================================================================================================
+
+
+class FakeDtype:
+    def __init__(self, name: str, kind: str):
+        self.name, self.kind = name, kind
+
+    def __repr__(self):
+        return f"torch.{self.name}"
+
+
+F32, F16, BF16 = FakeDtype("float32", "float"), FakeDtype("float16", "float"), FakeDtype("bfloat16", "float")
+I64, BOOL = FakeDtype("int64", "int"), FakeDtype("bool", "bool")
+
+
+def _shape_of(data) -> tuple:
+    dims = []
+    while isinstance(data, list):
+        dims.append(len(data))
+        if not data:
+            break
+        data = data[0]
+    return tuple(dims)
+
+
+def _flat(data):
+    if isinstance(data, list):
+        for d in data:
+            yield from _flat(d)
+    else:
+        yield data
+
+
+def _map(data, fn):
+    return [_map(d, fn) for d in data] if isinstance(data, list) else fn(data)
+
+
+def _cast(value, dtype: FakeDtype):
+    if dtype.kind == "bool":
+        return bool(value)
+    if dtype.kind == "int":
+        return int(value)
+    return float(value)
+
+
+def _infer_dtype(data) -> FakeDtype:
+    values = list(_flat(data))
+    if values and all(isinstance(v, bool) for v in values):
+        return BOOL
+    if any(isinstance(v, float) for v in values):
+        return F32
+    return I64
+
+
+def _broadcast_shape(a: tuple, b: tuple) -> tuple:
+    n = max(len(a), len(b))
+    a, b = (1,) * (n - len(a)) + a, (1,) * (n - len(b)) + b
+    out = []
+    for x, y in zip(a, b):
+        if x != y and 1 not in (x, y):
+            raise RuntimeError(f"shapes {a} and {b} cannot be broadcast")
+        out.append(y if x == 1 else x)
+    return tuple(out)
+
+
+def _expand(data, shape: tuple, target: tuple):
+    for _ in range(len(target) - len(shape)):
+        data, shape = [data], (1,) + tuple(shape)
+
+    def go(d, s, t):
+        if not t:
+            return d
+        if s[0] == t[0]:
+            return [go(x, s[1:], t[1:]) for x in d]
+        return [go(d[0], s[1:], t[1:]) for _ in range(t[0])]
+
+    return go(data, tuple(shape), tuple(target))
+
+
+def _zip(a, b, fn):
+    if isinstance(a, list):
+        return [_zip(x, y, fn) for x, y in zip(a, b)]
+    return fn(a, b)
+
+
+def _norm_key(key, ndim: int) -> tuple:
+    if not isinstance(key, tuple):
+        key = (key,)
+    key = tuple(int(k._data) if isinstance(k, FakeTensor) else k for k in key)
+    if any(k is Ellipsis for k in key):
+        i = key.index(Ellipsis)
+        used = sum(1 for k in key if k is not None and k is not Ellipsis)
+        key = key[:i] + (slice(None),) * (ndim - used) + key[i + 1:]
+    used = sum(1 for k in key if k is not None)
+    if used > ndim:
+        raise IndexError(f"too many indices for a tensor of dimension {ndim}")
+    return key + (slice(None),) * (ndim - used)
+
+
+def _index(data, key: tuple):
+    if not key:
+        return data
+    k, rest = key[0], key[1:]
+    if k is None:
+        return [_index(data, rest)]
+    if isinstance(k, int):
+        return _index(data[k], rest)
+    if isinstance(k, slice):
+        return [_index(d, rest) for d in data[k]]
+    raise TypeError(f"the fake tensor cannot be indexed with {k!r}")
+
+
+def _assign(data, key: tuple, value) -> None:
+    k, rest = key[0], key[1:]
+    if isinstance(k, int):
+        if rest:
+            _assign(data[k], rest, value)
+        else:
+            data[k] = value
+        return
+    for v, idx in zip(value, range(*k.indices(len(data)))):
+        if rest:
+            _assign(data[idx], rest, v)
+        else:
+            data[idx] = v
+
+
+class FakeTensor:
+    """Just enough of torch.Tensor for the engine: nested lists with broadcasting."""
+
+    def __init__(self, data, dtype: FakeDtype = None, device="cpu"):
+        self._dtype = dtype or _infer_dtype(data)
+        self._data = _map(copy.deepcopy(data), lambda v: _cast(v, self._dtype))
+        self._device = device
+
+    # -- internal helpers (never recorded) --
+    @property
+    def dims(self) -> tuple:
+        return _shape_of(self._data)
+
+    def numel(self) -> int:
+        n = 1
+        for d in self.dims:
+            n *= d
+        return n
+
+    @staticmethod
+    def of(value, like=None) -> "FakeTensor":
+        if isinstance(value, FakeTensor):
+            return value
+        return FakeTensor(value, _infer_dtype(value), getattr(like, "_device", "cpu"))
+
+    def _binary(self, other, fn, dtype=None) -> "FakeTensor":
+        other = FakeTensor.of(other, self)
+        target = _broadcast_shape(self.dims, other.dims)
+        a, b = _expand(self._data, self.dims, target), _expand(other._data, other.dims, target)
+        if dtype is None:
+            dtype = self._dtype if self._dtype.kind == "float" or other._dtype.kind != "float" else other._dtype
+        return FakeTensor(_zip(a, b, fn), dtype, self._device)
+
+    def _single(self):
+        if self.numel() != 1:
+            raise RuntimeError("a tensor with more than one element has no single value")
+        return next(_flat(self._data))
+
+    def __repr__(self):
+        return f"FakeTensor({self._data!r}, dtype={self._dtype!r})"
+
+    # -- the recorded torch.Tensor API --
+    @property
+    def shape(self) -> tuple:
+        _use("torch.Tensor.shape")
+        return self.dims
+
+    @property
+    def dtype(self):
+        _use("torch.Tensor.dtype")
+        return self._dtype
+
+    def __getitem__(self, key):
+        _use("torch.Tensor.__getitem__")
+        return FakeTensor(_index(self._data, _norm_key(key, len(self.dims))), self._dtype, self._device)
+
+    def __setitem__(self, key, value):
+        _use("torch.Tensor.__setitem__")
+        key = _norm_key(key, len(self.dims))
+        if any(k is None for k in key):
+            raise IndexError("None cannot be used in an assignment")
+        region = _shape_of(_index(self._data, key))
+        value = FakeTensor.of(value, self)
+        data = _map(_expand(value._data, value.dims, region), lambda v: _cast(v, self._dtype))
+        if not isinstance(data, list) and not region:
+            _assign(self._data, key, data)
+        else:
+            _assign(self._data, key, data)
+
+    def tolist(self):
+        _use("torch.Tensor.tolist")
+        return copy.deepcopy(self._data)
+
+    def to(self, *args, **kwargs):
+        _use("torch.Tensor.to")
+        dtype = kwargs.get("dtype") or next((a for a in args if isinstance(a, FakeDtype)), self._dtype)
+        device = kwargs.get("device") or next((a for a in args if isinstance(a, str)), self._device)
+        return FakeTensor(self._data, dtype, str(device))
+
+    def sum(self):
+        _use("torch.Tensor.sum")
+        total = sum(_flat(self._data))
+        return FakeTensor(total, F32 if self._dtype.kind == "float" else I64, self._device)
+
+    def float(self):
+        _use("torch.Tensor.float")
+        return FakeTensor(self._data, F32, self._device)
+
+    def argmax(self, dim=-1):
+        _use("torch.Tensor.argmax")
+        if dim not in (-1, len(self.dims) - 1):
+            raise NotImplementedError("the fake tensor's argmax works on the last dimension only")
+
+        def go(d):
+            if isinstance(d[0], list):
+                return [go(x) for x in d]
+            return max(range(len(d)), key=lambda i: (d[i], -i))
+
+        return FakeTensor(go(self._data), I64, self._device)
+
+    def masked_fill(self, mask, value):
+        _use("torch.Tensor.masked_fill")
+        mask = FakeTensor.of(mask, self)
+        if _broadcast_shape(self.dims, mask.dims) != self.dims:
+            raise RuntimeError("the mask does not broadcast to the tensor")
+        m = _expand(mask._data, mask.dims, self.dims)
+        return FakeTensor(_zip(self._data, m, lambda v, hide: value if hide else v), self._dtype, self._device)
+
+    def clone(self):
+        _use("torch.Tensor.clone")
+        return FakeTensor(self._data, self._dtype, self._device)
+
+    def all(self):
+        _use("torch.Tensor.all")
+        return FakeTensor(all(_flat(self._data)), BOOL, self._device)
+
+    def __bool__(self):
+        _use("torch.Tensor.__bool__")
+        return bool(self._single())
+
+    def __int__(self):
+        _use("torch.Tensor.__int__")
+        return int(self._single())
+
+    def __iadd__(self, other):
+        _use("torch.Tensor.__iadd__")
+        result = self._binary(other, lambda a, b: a + b, self._dtype)
+        if result.dims != self.dims:
+            raise RuntimeError("an in-place add may not change the shape")
+        self._data = result._data
+        return self
+
+    def __ior__(self, other):
+        _use("torch.Tensor.__ior__")
+        result = self._binary(other, lambda a, b: bool(a) or bool(b), BOOL)
+        if result.dims != self.dims:
+            raise RuntimeError("an in-place or may not change the shape")
+        self._data = result._data
+        return self
+
+    def __and__(self, other):
+        _use("torch.Tensor.__and__")
+        return self._binary(other, lambda a, b: bool(a) and bool(b), BOOL)
+
+    def __gt__(self, other):
+        _use("torch.Tensor.__gt__")
+        return self._binary(other, lambda a, b: a > b, BOOL)
+
+
+class FakeImageTensor:
+    """Stacked InternVL tiles: a shape and the tiles it came from, no pixel data."""
+
+    def __init__(self, shape: tuple, tiles: list, dtype=F32, device="cpu", normalized=False):
+        self.dims, self.tiles, self._dtype, self._device, self.normalized = shape, tiles, dtype, device, normalized
+
+    @property
+    def shape(self):
+        _use("torch.Tensor.shape")
+        return self.dims
+
+    def __len__(self):
+        _use("torch.Tensor.__len__")
+        return self.dims[0]
+
+    def to(self, *args, **kwargs):
+        _use("torch.Tensor.to")
+        dtype = kwargs.get("dtype") or next((a for a in args if isinstance(a, FakeDtype)), self._dtype)
+        device = kwargs.get("device") or next((a for a in args if isinstance(a, str)), self._device)
+        return FakeImageTensor(self.dims, self.tiles, dtype, str(device), self.normalized)
+
+
+def _ensure_tensor(value, dtype=None, device=None) -> FakeTensor:
+    if isinstance(value, FakeTensor):
+        return value
+    return FakeTensor(value, dtype or _infer_dtype(value), str(device or "cpu"))
+
+
+def _sizes(args) -> list:
+    if len(args) == 1 and isinstance(args[0], (tuple, list)):
+        return list(args[0])
+    return list(args)
+
+
+def _filled(sizes, value):
+    if not sizes:
+        return value
+    return [_filled(sizes[1:], value) for _ in range(sizes[0])]
+
+
+def torch_ones(*size, dtype=None, device=None):
+    _use("torch.ones")
+    dtype = dtype or F32
+    return FakeTensor(_filled(_sizes(size), _cast(1, dtype)), dtype, str(device or "cpu"))
+
+
+def torch_zeros(*size, dtype=None, device=None):
+    _use("torch.zeros")
+    dtype = dtype or F32
+    return FakeTensor(_filled(_sizes(size), _cast(0, dtype)), dtype, str(device or "cpu"))
+
+
+def torch_tensor(data, dtype=None, device=None):
+    _use("torch.tensor")
+    return FakeTensor(data, dtype or _infer_dtype(data), str(device or "cpu"))
+
+
+def torch_arange(start, end=None, step=1, dtype=None, device=None):
+    _use("torch.arange")
+    if end is None:
+        start, end = 0, start
+    return FakeTensor(list(range(int(start), int(end), int(step))), dtype or I64, str(device or "cpu"))
+
+
+def torch_isin(elements, test_elements):
+    _use("torch.isin")
+    elements = _ensure_tensor(elements)
+    pool = set(_flat(_ensure_tensor(test_elements)._data))
+    return FakeTensor(_map(elements._data, lambda v: v in pool), BOOL, elements._device)
+
+
+def torch_cat(tensors, dim=0):
+    _use("torch.cat")
+    tensors = list(tensors)
+    if any(isinstance(t, FakeImageTensor) for t in tensors):
+        if dim != 0:
+            raise NotImplementedError("image stacks concatenate on dim 0 only")
+        rest = tensors[0].dims[1:]
+        return FakeImageTensor(
+            (sum(t.dims[0] for t in tensors),) + rest, [x for t in tensors for x in t.tiles],
+            tensors[0]._dtype, tensors[0]._device, all(t.normalized for t in tensors),
+        )
+    tensors = [_ensure_tensor(t) for t in tensors]
+    ndim = len(tensors[0].dims)
+    dim = dim % ndim
+
+    def go(parts, d):
+        if d == 0:
+            return [x for p in parts for x in p]
+        return [go(list(rows), d - 1) for rows in zip(*parts)]
+
+    return FakeTensor(go([t._data for t in tensors], dim), tensors[0]._dtype, tensors[0]._device)
+
+
+def torch_stack(tensors, dim=0):
+    _use("torch.stack")
+    tensors = list(tensors)
+    if dim != 0:
+        raise NotImplementedError("the fake stack works on dim 0 only")
+    if all(isinstance(t, FakeImageTensor) for t in tensors):
+        return FakeImageTensor(
+            (len(tensors),) + tensors[0].dims, [x for t in tensors for x in t.tiles],
+            tensors[0]._dtype, tensors[0]._device, all(t.normalized for t in tensors),
+        )
+    return FakeTensor([_ensure_tensor(t)._data for t in tensors])
+
+
+@contextlib.contextmanager
+def _inference_mode_cm():
+    HUB.inference_depth += 1
+    try:
+        yield
+    finally:
+        HUB.inference_depth -= 1
+
+
+def torch_inference_mode(mode=True):
+    _use("torch.inference_mode")
+    return _inference_mode_cm()
+
+
+def cuda_is_available():
+    _use("torch.cuda.is_available")
+    return HUB.cuda_available
+
+
+def cuda_is_bf16_supported(*args, **kwargs):
+    _use("torch.cuda.is_bf16_supported")
+    return HUB.bf16_supported
+
+
+def tv_to_tensor(picture):
+    _use("torchvision.transforms.functional.to_tensor")
+    width, height = picture.size
+    return FakeImageTensor((3, height, width), [picture.size])
+
+
+def tv_normalize(tensor, mean, std, inplace=False):
+    _use("torchvision.transforms.functional.normalize")
+    if tuple(mean) != handler.InternVL2Adapter.mean or tuple(std) != handler.InternVL2Adapter.std:
+        HUB.protocol_errors.append(f"InternVL tiles normalised with {mean}/{std}")
+    return FakeImageTensor(tensor.dims, tensor.tiles, tensor._dtype, tensor._device, normalized=True)
+
+
+# =================================================================================================
+# The scripted hub: tokenizer, processor, models
+# =================================================================================================
+
+SPECIALS = [
+    "<pad>", "<s>", "</s>", "<image>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",
+    "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>",
+]
+SPECIAL_IDS = {s: i for i, s in enumerate(SPECIALS)}
+PAD, EOS, END = SPECIAL_IDS["<pad>"], SPECIAL_IDS["</s>"], SPECIAL_IDS["<|end|>"]
+CHAR_BASE = 100
+VOCAB = CHAR_BASE + 128
+FILLER = CHAR_BASE + ord("~")  # the fake model's second choice, picked when its first is forbidden
+
+
+def encode(text: str) -> list:
+    ids, i = [], 0
+    while i < len(text):
+        for special in SPECIALS:
+            if text.startswith(special, i):
+                ids.append(SPECIAL_IDS[special])
+                i += len(special)
+                break
+        else:
+            ch = text[i]
+            ids.append(CHAR_BASE + (ord(ch) if ord(ch) < 128 else ord("?")))
+            i += 1
+    return ids
+
+
+def decode(ids, skip_special_tokens=False) -> str:
+    if isinstance(ids, FakeTensor):
+        ids = ids._data
+    out = []
+    for t in ids:
+        t = int(t)
+        if t < len(SPECIALS):
+            if not skip_special_tokens:
+                out.append(SPECIALS[t])
+        else:
+            out.append(chr(t - CHAR_BASE))
+    return "".join(out)
+
+
+def render(messages, add_generation_prompt: bool) -> str:
+    out = []
+    for message in messages:
+        content = message["content"]
+        if isinstance(content, str):
+            body = content
+        else:
+            body = "".join(b["text"] if b.get("type") == "text" else "<image>" for b in content)
+        out.append(f"<|{message['role']}|>{body}<|end|>")
+    if add_generation_prompt:
+        out.append("<|assistant|>")
+    return "".join(out)
+
+
+def last_user_text(prompt: str) -> str:
+    """The text of the last user turn of a rendered prompt, without image placeholders."""
+    tail = prompt.rsplit("<|user|>", 1)[-1]
+    return tail.split("<|end|>", 1)[0].replace("<image>", "")
+
+
+MODEL_TYPES = {
+    "Qwen/Qwen2-VL-2B-Instruct": "qwen2_vl",
+    "Qwen/Qwen2-VL-7B-Instruct": "qwen2_vl",
+    "Qwen/Qwen2.5-VL-3B-Instruct": "qwen2_5_vl",
+    "llava-hf/llava-1.5-7b-hf": "llava",
+    "llava-hf/llava-1.5-13b-hf": "llava",
+    "llava-hf/llava-v1.6-mistral-7b-hf": "llava_next",
+    "openbmb/MiniCPM-V-2_6": "minicpmv",
+    "microsoft/Phi-3-vision-128k-instruct": "phi3_v",
+    "OpenGVLab/InternVL2-8B": "internvl_chat",
+    "HuggingFaceTB/SmolVLM-256M-Instruct": "idefics3",
+}
+NATIVE_TYPES = {"qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "idefics3"}
+
+QWEN = "Qwen/Qwen2-VL-2B-Instruct"
+QWEN25 = "Qwen/Qwen2.5-VL-3B-Instruct"  # not curated: served with VLM_ALLOW_ANY
+LLAVA = "llava-hf/llava-1.5-7b-hf"
+LLAVA_NEXT = "llava-hf/llava-v1.6-mistral-7b-hf"
+MINICPM = "openbmb/MiniCPM-V-2_6"
+PHI3 = "microsoft/Phi-3-vision-128k-instruct"
+INTERNVL = "OpenGVLab/InternVL2-8B"
+GENERIC = "HuggingFaceTB/SmolVLM-256M-Instruct"  # not curated, no family adapter
+NATIVE_FAMILY_MODELS = [QWEN, QWEN25, LLAVA, LLAVA_NEXT, GENERIC]
+
+
+class Hub:
+    def reset(self):
+        self.loads = []  # (api, path, kwargs)
+        self.models = []
+        self.processors = []
+        self.templates = []  # messages handed to any apply_chat_template
+        self.template_kwargs = []
+        self.processor_calls = []
+        self.generate_calls = []
+        self.prefills = []  # one per batch decoded through forward calls
+        self.chat_calls = []
+        self.protocol_errors = []
+        self.reply = "ok"
+        self.cuda_available = False
+        self.bf16_supported = True
+        self.device = "cpu"
+        self.repetition_penalty = None
+        self.inference_depth = 0
+        self.static_caches = []
+
+    def respond(self, prompt: str) -> str:
+        return self.reply(prompt) if callable(self.reply) else self.reply
+
+    def script(self, prompt: str) -> list:
+        return encode(self.respond(prompt)) + [EOS]
+
+
+HUB = Hub()
+HUB.reset()
+
+
+class FakeConfig:
+    def __init__(self, model_type: str):
+        self._model_type = model_type
+
+    @property
+    def model_type(self):
+        _use("transformers.PretrainedConfig.model_type")
+        return self._model_type
+
+    def get_text_config(self, decoder=False, **kwargs):
+        _use("transformers.PretrainedConfig.get_text_config")
+        return self
+
+
+class FakeAutoConfig:
+    @classmethod
+    def from_pretrained(cls, path, **kwargs):
+        _use("transformers.AutoConfig.from_pretrained")
+        HUB.loads.append(("AutoConfig", path, kwargs))
+        if path not in MODEL_TYPES:
+            raise OSError(f"{path} is not a local folder and is not a valid model identifier (secret-hub-detail)")
+        return FakeConfig(MODEL_TYPES[path])
+
+
+class FakeTokenizer:
+    def __init__(self):
+        self._padding_side = "right"
+
+    @property
+    def eos_token_id(self):
+        _use("transformers.PreTrainedTokenizerBase.eos_token_id")
+        return EOS
+
+    @property
+    def pad_token_id(self):
+        _use("transformers.PreTrainedTokenizerBase.pad_token_id")
+        return PAD
+
+    @property
+    def padding_side(self):
+        _use("transformers.PreTrainedTokenizerBase.padding_side")
+        return self._padding_side
+
+    @padding_side.setter
+    def padding_side(self, value):
+        _use("transformers.PreTrainedTokenizerBase.padding_side")
+        self._padding_side = value
+
+    def __call__(self, text, add_special_tokens=True, **kwargs):
+        _use("transformers.PreTrainedTokenizerBase.__call__")
+        if isinstance(text, list):
+            return {"input_ids": [encode(t) for t in text]}
+        return {"input_ids": encode(text)}
+
+    def decode(self, ids, skip_special_tokens=False, **kwargs):
+        _use("transformers.PreTrainedTokenizerBase.decode")
+        return decode(ids, skip_special_tokens)
+
+    def apply_chat_template(self, messages, tokenize=True, add_generation_prompt=False, **kwargs):
+        _use("transformers.PreTrainedTokenizerBase.apply_chat_template")
+        HUB.templates.append(copy.deepcopy(messages))
+        HUB.template_kwargs.append(dict(tokenize=tokenize, add_generation_prompt=add_generation_prompt, **kwargs))
+        return render(messages, add_generation_prompt)
+
+
+class FakeBatch(dict):
+    """BatchFeature: a dict of tensors with .to()."""
+
+    def to(self, device):
+        _use("transformers.BatchFeature.to")
+        return self
+
+    def __getitem__(self, key):
+        _use("transformers.BatchFeature.__getitem__")
+        return super().__getitem__(key)
+
+    def __setitem__(self, key, value):
+        _use("transformers.BatchFeature.__setitem__")
+        super().__setitem__(key, value)
+
+    def __contains__(self, key):
+        _use("transformers.BatchFeature.__contains__")
+        return super().__contains__(key)
+
+
+class FakeProcessor:
+    def __init__(self, path, kwargs):
+        self.path, self.kwargs = path, kwargs
+        self._tokenizer = FakeTokenizer()
+
+    @property
+    def tokenizer(self):
+        _use("transformers.ProcessorMixin.tokenizer")
+        return self._tokenizer
+
+    def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True, **kwargs):
+        _use("transformers.ProcessorMixin.apply_chat_template")
+        HUB.templates.append(copy.deepcopy(messages))
+        HUB.template_kwargs.append(dict(tokenize=tokenize, add_generation_prompt=add_generation_prompt, **kwargs))
+        return render(messages, add_generation_prompt)
+
+    def __call__(self, text=None, images=None, padding=False, return_tensors=None, **kwargs):
+        _use("transformers.ProcessorMixin.__call__")
+        with _quiet():
+            texts = [text] if isinstance(text, str) else list(text)
+            HUB.processor_calls.append(dict(text=texts, images=images, padding=padding,
+                                            return_tensors=return_tensors, **kwargs))
+            rows = [encode(t) for t in texts]
+            width = max(len(r) for r in rows)
+            if len({len(r) for r in rows}) > 1 and not padding:
+                raise ValueError("prompts of different lengths need padding=True")
+            left = self._tokenizer._padding_side == "left"
+            ids, mask = [], []
+            for r in rows:
+                pad = [PAD] * (width - len(r))
+                ids.append(pad + r if left else r + pad)
+                mask.append([0] * len(pad) + [1] * len(r) if left else [1] * len(r) + [0] * len(pad))
+            batch = FakeBatch(input_ids=FakeTensor(ids, I64), attention_mask=FakeTensor(mask, I64))
+            flat = []
+            for entry in images or []:
+                flat.extend(entry if isinstance(entry, list) else [entry])
+            if flat:
+                dict.__setitem__(batch, "pixel_values", FakeTensor([[0.5, 0.5] for _ in flat], F32))
+            return batch
+
+
+class FakeGenerationConfig:
+    @property
+    def eos_token_id(self):
+        _use("transformers.GenerationConfig.eos_token_id")
+        return [EOS, END]
+
+    @property
+    def repetition_penalty(self):
+        _use("transformers.GenerationConfig.repetition_penalty")
+        return HUB.repetition_penalty
+
+
+class FakeOutput:
+    def __init__(self, logits):
+        self._logits = logits
+
+    @property
+    def logits(self):
+        _use("transformers.ModelOutput.logits")
+        return self._logits
+
+
+class FakeModelBase:
+    def __init__(self, path, kwargs):
+        self.path, self.kwargs = path, kwargs
+        self._config = FakeConfig(MODEL_TYPES.get(path, "unknown"))
+        self._generation_config = FakeGenerationConfig()
+        self.evaluated = False
+
+    def eval(self):
+        _use("transformers.PreTrainedModel.eval")
+        self.evaluated = True
+        return self
+
+    @property
+    def device(self):
+        _use("transformers.PreTrainedModel.device")
+        return HUB.device
+
+    @property
+    def dtype(self):
+        _use("transformers.PreTrainedModel.dtype")
+        return self.kwargs.get("dtype", self.kwargs.get("torch_dtype"))
+
+    @property
+    def config(self):
+        _use("transformers.PreTrainedModel.config")
+        return self._config
+
+    @property
+    def generation_config(self):
+        _use("transformers.PreTrainedModel.generation_config")
+        return self._generation_config
+
+
+class FakeModel(FakeModelBase):
+    """An image-text-to-text / causal LM that answers HUB.reply, one character per token."""
+
+    def __init__(self, path, kwargs):
+        super().__init__(path, kwargs)
+        self._scripts = None
+        self.compiled_calls = 0
+
+    def _check_inference(self, what):
+        if HUB.inference_depth <= 0:
+            HUB.protocol_errors.append(f"{what} ran outside torch.inference_mode()")
+
+    def _prompts(self, input_ids, attention_mask):
+        ids = input_ids._data
+        mask = attention_mask._data if attention_mask is not None else [[1] * len(r) for r in ids]
+        prompts, real = [], []
+        for row, m in zip(ids, mask):
+            if 0 in m and m[-1] == 0:
+                HUB.protocol_errors.append("right padding reached the model (padding_side must be left)")
+            kept = [t for t, keep in zip(row, m) if keep]
+            prompts.append(decode(kept))
+            real.append(len(kept))
+        return prompts, real
+
+    # ---- the hand-written decode loop's API ----
+    def _prepare_position_ids_for_generation(self, input_ids, model_kwargs):
+        _use("transformers.PreTrainedModel._prepare_position_ids_for_generation")
+        with _quiet():
+            mask = model_kwargs.get("attention_mask")
+            mask = mask._data if mask is not None else [[1] * len(r) for r in input_ids._data]
+            positions = []
+            for m in mask:
+                total, row = 0, []
+                for keep in m:
+                    total += keep
+                    row.append(total - 1 if keep else 1)
+                positions.append(row)
+            return FakeTensor(positions, I64)
+
+    def __call__(self, **kwargs):
+        _use("transformers.PreTrainedModel.__call__")
+        return self._forward(kwargs)
+
+    def get_compiled_call(self, compile_config=None):
+        _use("transformers.PreTrainedModel.get_compiled_call")
+
+        def compiled(**kwargs):
+            self.compiled_calls += 1
+            return self._forward(kwargs)
+
+        return compiled
+
+    def _forward(self, kwargs):
+        with _quiet():
+            self._check_inference("forward")
+            input_ids = kwargs["input_ids"]
+            cache_position = kwargs.get("cache_position")
+            first = cache_position is None or cache_position.tolist()[0] == 0
+            if len(input_ids._data[0]) > 1 or first or self._scripts is None:
+                prompts, real = self._prompts(input_ids, kwargs.get("attention_mask"))
+                self._scripts = [HUB.script(p) for p in prompts]
+                self._real, self._prompt_length, self._step = real, len(input_ids._data[0]), 0
+                pixels = kwargs.get("pixel_values")
+                HUB.prefills.append(dict(
+                    prompts=prompts, pixel_dtype=getattr(pixels, "_dtype", None),
+                    keys=sorted(kwargs), cache=kwargs.get("past_key_values"),
+                ))
+            else:
+                self._step += 1
+                step = self._step
+                if cache_position is not None and cache_position.tolist() != [self._prompt_length + step - 1]:
+                    HUB.protocol_errors.append(
+                        f"decode step {step}: cache_position {cache_position.tolist()}, "
+                        f"expected [{self._prompt_length + step - 1}]")
+                positions = kwargs.get("position_ids")
+                if positions is not None:
+                    got = [row[-1] for row in positions._data]
+                    want = [n + step - 1 for n in self._real]
+                    if got != want:
+                        HUB.protocol_errors.append(f"decode step {step}: position_ids {got}, expected {want}")
+            logits = []
+            for script in self._scripts:
+                token = script[self._step] if self._step < len(script) else EOS
+                row = [0.0] * VOCAB
+                row[FILLER] = 5.0
+                row[token] = 10.0
+                logits.append([row])
+            return FakeOutput(FakeTensor(logits, F32))
+
+    # ---- generate() ----
+    def generate(self, input_ids=None, attention_mask=None, max_new_tokens=20, min_new_tokens=0,
+                 pad_token_id=None, eos_token_id=None, **kwargs):
+        _use("transformers.PreTrainedModel.generate")
+        with _quiet():
+            self._check_inference("generate")
+            HUB.generate_calls.append(dict(kwargs, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
+                                           pad_token_id=pad_token_id, eos_token_id=eos_token_id,
+                                           rows=len(input_ids._data), pixel_values=kwargs.get("pixel_values")))
+            prompts, _ = self._prompts(input_ids, attention_mask)
+            stops = {EOS, END}
+            if eos_token_id is not None:
+                stops |= set(eos_token_id) if isinstance(eos_token_id, list) else {eos_token_id}
+            pad = PAD if pad_token_id is None else pad_token_id
+            rows = []
+            for prompt in prompts:
+                script, new = HUB.script(prompt), []
+                for k in range(max_new_tokens):
+                    token = script[k] if k < len(script) else EOS
+                    if token in stops and k < (min_new_tokens or 0):
+                        token = FILLER
+                    new.append(token)
+                    if token in stops:
+                        break
+                rows.append(new)
+            width = max(len(r) for r in rows)
+            out = [list(ids) + r + [pad] * (width - len(r)) for ids, r in zip(input_ids._data, rows)]
+            return FakeTensor(out, I64)
+
+
+class FakeMiniCPMV(FakeModelBase):
+    def chat(self, image=None, msgs=None, tokenizer=None, **kwargs):
+        _use("remote.MiniCPMV.chat")
+        with _quiet():
+            HUB.chat_calls.append(dict(
+                image=image, tokenizer=tokenizer, kwargs=kwargs,
+                msgs=[{"role": m["role"], "content": list(m["content"])} for m in msgs],
+            ))
+            last = msgs[-1]["content"]
+            question = " ".join(p for p in last if isinstance(p, str)) if isinstance(last, list) else last
+            return HUB.respond(question)
+
+
+class FakeInternVL(FakeModelBase):
+    def chat(self, tokenizer, pixel_values, question, generation_config, history=None,
+             return_history=False, num_patches_list=None, **kwargs):
+        _use("remote.InternVLChatModel.chat")
+        with _quiet():
+            if pixel_values is not None and pixel_values.dims[0] != sum(num_patches_list or [pixel_values.dims[0]]):
+                HUB.protocol_errors.append("InternVL pixel_values rows != sum(num_patches_list)")
+            HUB.chat_calls.append(dict(
+                tokenizer=tokenizer, pixel_values=pixel_values, question=question,
+                generation_config=generation_config, history=history, num_patches_list=num_patches_list,
+                kwargs=kwargs,
+            ))
+            return HUB.respond(question)
+
+
+def _loader(api: str, factory, allowed_types):
+    class Loader:
+        @classmethod
+        def from_pretrained(cls, path, **kwargs):
+            _use(f"transformers.{api}.from_pretrained")
+            HUB.loads.append((api, path, kwargs))
+            model_type = MODEL_TYPES.get(path)
+            if allowed_types is not None and model_type not in allowed_types:
+                raise ValueError(f"Unrecognized configuration class for {api}: {model_type}")
+            obj = factory(path, kwargs)
+            HUB.models.append(obj) if api.startswith("AutoModel") else HUB.processors.append(obj)
+            return obj
+
+    Loader.__name__ = api
+    return Loader
+
+
+def _remote_model(path, kwargs):
+    return {"minicpmv": FakeMiniCPMV, "internvl_chat": FakeInternVL}[MODEL_TYPES[path]](path, kwargs)
+
+
+class FakeBitsAndBytesConfig:
+    def __init__(self, **kwargs):
+        _use("transformers.BitsAndBytesConfig")
+        self.kwargs = kwargs
+
+
+class FakeStaticCache:
+    def __init__(self, config=None, max_cache_len=None, **kwargs):
+        _use("transformers.StaticCache")
+        self.config, self.max_cache_len, self.kwargs, self.resets = config, max_cache_len, kwargs, 0
+        HUB.static_caches.append(self)
+
+    def reset(self):
+        _use("transformers.StaticCache.reset")
+        self.resets += 1
+
+
+class FakeRepetitionPenalty:
+    def __init__(self, penalty):
+        _use("transformers.RepetitionPenaltyLogitsProcessor")
+        self.penalty = float(penalty)
+
+    def __call__(self, input_ids, scores):
+        _use("transformers.RepetitionPenaltyLogitsProcessor.__call__")
+        with _quiet():
+            data = copy.deepcopy(scores._data)
+            for row, seen in zip(data, input_ids._data):
+                for token in set(seen):
+                    value = row[token]
+                    row[token] = value * self.penalty if value < 0 else value / self.penalty
+            return FakeTensor(data, scores._dtype, scores._device)
+
+
+class _StubModule(types.ModuleType):
+    """A module whose plain attributes are recorded when read; unknown ones are reported."""
+
+    def __init__(self, name, tracked: dict, untracked: dict = None):
+        super().__init__(name)
+        self.__dict__.update(untracked or {})
+        self.__dict__.update(tracked)
+        self.__dict__["_stub_tracked"] = frozenset(tracked)
+
+    def __getattribute__(self, attr):
+        value = super().__getattribute__(attr)
+        if not attr.startswith("_") and attr in super().__getattribute__("_stub_tracked"):
+            _use(f"{super().__getattribute__('__name__')}.{attr}")
+        return value
+
+    def __getattr__(self, attr):
+        if not attr.startswith("__"):
+            MISSING.add(f"{self.__name__}.{attr}")
+        raise AttributeError(f"stub module {self.__name__!r} has no attribute {attr!r}: add a stub and list it in STUBBED_API")
+
+
+def build_stub_modules() -> dict:
+    cuda = _StubModule("torch.cuda", {"is_available": cuda_is_available, "is_bf16_supported": cuda_is_bf16_supported})
+    torch = _StubModule(
+        "torch",
+        {
+            "float32": F32, "float16": F16, "bfloat16": BF16, "bool": BOOL,
+            "inference_mode": torch_inference_mode, "stack": torch_stack, "cat": torch_cat,
+            "ones": torch_ones, "zeros": torch_zeros, "tensor": torch_tensor, "arange": torch_arange,
+            "isin": torch_isin,
+        },
+        {"cuda": cuda, "Tensor": FakeTensor},
+    )
+    functional = _StubModule(
+        "torchvision.transforms.functional", {"to_tensor": tv_to_tensor, "normalize": tv_normalize}
+    )
+    transforms = _StubModule("torchvision.transforms", {}, {"functional": functional})
+    torchvision = _StubModule("torchvision", {}, {"transforms": transforms})
+    transformers = _StubModule(
+        "transformers",
+        {},
+        {
+            "AutoConfig": FakeAutoConfig,
+            "AutoProcessor": _loader("AutoProcessor", FakeProcessor, None),
+            "AutoModelForImageTextToText": _loader("AutoModelForImageTextToText", FakeModel, NATIVE_TYPES),
+            "AutoModelForCausalLM": _loader("AutoModelForCausalLM", FakeModel, {"phi3_v"}),
+            "AutoModel": _loader("AutoModel", _remote_model, {"minicpmv", "internvl_chat"}),
+            "AutoTokenizer": _loader("AutoTokenizer", lambda path, kwargs: FakeTokenizer(), None),
+            "BitsAndBytesConfig": FakeBitsAndBytesConfig,
+            "StaticCache": FakeStaticCache,
+            "RepetitionPenaltyLogitsProcessor": FakeRepetitionPenalty,
+        },
+    )
+    return {
+        "torch": torch, "torch.cuda": cuda, "torchvision": torchvision,
+        "torchvision.transforms": transforms, "torchvision.transforms.functional": functional,
+        "transformers": transformers,
+        # Absent, as on a machine without them: importing either fails.
+        "qwen_vl_utils": None, "bitsandbytes": None,
+    }
+
+
+# =================================================================================================
+# Fixtures and helpers
+# =================================================================================================
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stub_modules():
+    """Install the stubs for this module only; sys.modules is restored afterwards."""
+    patch = pytest.MonkeyPatch()
+    modules = build_stub_modules()
+    for name, module in modules.items():
+        patch.setitem(sys.modules, name, module)
+    handler.reset_engine()
+    try:
+        yield modules
+    finally:
+        handler.reset_engine()
+        patch.undo()
+
+
+@pytest.fixture(autouse=True)
+def hub(monkeypatch):
+    for key in list(os.environ):
+        if key.startswith("VLM_"):
+            monkeypatch.delenv(key)
+    HUB.reset()
+    MISSING.clear()
+    handler.reset_engine()
+    yield HUB
+    handler.reset_engine()
+    assert not MISSING, f"the handler used torch/transformers API the stubs lack: {sorted(MISSING)}"
+    assert not HUB.protocol_errors, HUB.protocol_errors
+    assert USED <= STUBBED_API, f"recorded but not listed in STUBBED_API: {sorted(USED - STUBBED_API)}"
+
+
+WEB: dict = {}
+
+
+@pytest.fixture(autouse=True)
+def web(monkeypatch):
+    """No test touches the network: URL fetches are answered from WEB (url -> bytes)."""
+    WEB.clear()
+    fetched = []
+
+    def serve_url(url):
+        fetched.append(url)
+        if url not in WEB:
+            raise urllib.error.URLError("unreachable (fake web)")
+        return WEB[url]
+
+    if hasattr(handler, "fetch_image_url"):
+        def fake_fetch(url, policy=None, param=None, *args, **kwargs):
+            check = getattr(handler, "check_image_url", None)
+            if check is not None and policy is not None:
+                check(url, policy, param)  # the policy still decides what may be fetched
+            try:
+                return serve_url(url)
+            except urllib.error.URLError:
+                raise handler.RequestError("fetch_failed", "the image URL could not be fetched", param) from None
+
+        monkeypatch.setattr(handler, "fetch_image_url", fake_fetch)
+
+    class FakeResponse(io.BytesIO):
+        status = code = 200
+
+        def __init__(self, data, url):
+            super().__init__(data)
+            self.url = url
+            self.headers = {"Content-Type": "image/png", "Content-Length": str(len(data))}
+
+        def getheader(self, name, default=None):
+            return self.headers.get(name, default)
+
+        def info(self):
+            return self.headers
+
+        def geturl(self):
+            return self.url
+
+        def getcode(self):
+            return 200
+
+    def fake_urlopen(request, *args, **kwargs):
+        url = getattr(request, "full_url", request)
+        return FakeResponse(serve_url(url), url)
+
+    monkeypatch.setattr(urllib.request, "urlopen", fake_urlopen)
+    monkeypatch.setattr(urllib.request.OpenerDirector, "open", lambda self, req, *a, **k: fake_urlopen(req))
+    return fetched
+
+
+def png(width=16, height=12, color=(200, 30, 30), mode="RGB", fmt="PNG") -> bytes:
+    buffer = io.BytesIO()
+    fill = color if mode in ("RGB", "RGBA") else (color[0] if mode in ("L", "P") else color)
+    if mode == "RGBA":
+        fill = tuple(color) + (255,)
+    Image.new(mode, (width, height), fill).save(buffer, fmt)
+    return buffer.getvalue()
+
+
+def b64(width=16, height=12, **kwargs) -> str:
+    return base64.b64encode(png(width, height, **kwargs)).decode()
+
+
+def data_uri(width=16, height=12, **kwargs) -> str:
+    return "data:image/png;base64," + b64(width, height, **kwargs)
+
+
+def call(payload, job_id="job-1") -> dict:
+    out = handler.handler({"id": job_id, "input": payload})
+    assert isinstance(out, dict)
+    json.dumps(out)  # always JSON-serialisable
+    return out
+
+
+def assert_error(out: dict, param, code=None) -> None:
+    assert "error" in out, out
+    assert "response" not in out
+    assert out.get("param") == param, out
+    if param:
+        assert param in out["error"], out
+    if code is not None:
+        assert out.get("code") == code, out
+    assert "Traceback" not in json.dumps(out)
+
+
+def serve(monkeypatch, model=QWEN, **env):
+    monkeypatch.setenv("VLM_MODEL", model)
+    if model not in handler.CURATED_MODELS:
+        monkeypatch.setenv("VLM_ALLOW_ANY", "true")
+    for name, value in env.items():
+        monkeypatch.setenv(name, str(value))
+
+
+def sent_images(call_index=-1) -> list:
+    """The images the native processor received in one call, flattened, in order."""
+    images = HUB.processor_calls[call_index]["images"] or []
+    flat = []
+    for entry in images:
+        flat.extend(entry if isinstance(entry, list) else [entry])
+    return flat
+
+
+def model_load():
+    """(api, path, kwargs) of the call that loaded the model weights."""
+    loads = [entry for entry in HUB.loads if entry[0].startswith("AutoModel")]
+    assert len(loads) == 1, HUB.loads
+    return loads[0]
+
+
+def load_dtype(kwargs):
+    return kwargs.get("dtype", kwargs.get("torch_dtype"))
+
+
+def user_text(messages) -> str:
+    """All text of the last user message handed to a chat template."""
+    content = [m for m in messages if m["role"] == "user"][-1]["content"]
+    if isinstance(content, str):
+        return content
+    return "".join(b.get("text", "") for b in content)
+
+
+def caption(image=None, **extra):
+    return dict({"task": "caption", "image_b64": image or b64()}, **extra)
+
+
+def chat(text="hi", **extra):
+    return dict({"messages": [{"role": "user", "content": text}]}, **extra)
+
+
+# =================================================================================================
+# Smoke
+# =================================================================================================
+
+
+def test_stubs_are_installed_and_real_libraries_are_not_imported():
+    assert isinstance(sys.modules["torch"], _StubModule)
+    assert isinstance(sys.modules["transformers"], _StubModule)
+    assert sys.modules["bitsandbytes"] is None and sys.modules["qwen_vl_utils"] is None
+
+
+def test_caption_smoke(monkeypatch):
+    serve(monkeypatch)
+    out = call(caption())
+    assert out["response"] == "ok", out
+
+
+# =================================================================================================
+# Settings
+# =================================================================================================
+
+
+def test_settings_defaults_from_an_empty_environment():
+    settings = handler.Settings.from_env({})
+    assert settings.model == handler.DEFAULT_MODEL
+    assert settings.quantize == "none" and settings.dtype == "auto"
+    assert settings.allow_any is False and settings.trust_remote_code is True
+    assert settings.max_new_tokens_cap >= settings.default_max_new_tokens >= 1
+
+
+def test_settings_parse_values_case_and_whitespace():
+    settings = handler.Settings.from_env({
+        "VLM_MODEL": f"  {LLAVA}  ", "VLM_QUANTIZE": " 4BIT ", "VLM_DTYPE": "BF16", "VLM_ALLOW_ANY": "Yes",
+        "VLM_TRUST_REMOTE_CODE": "off", "VLM_MAX_NEW_TOKENS": "77", "VLM_DEFAULT_MAX_NEW_TOKENS": "",
+        "VLM_MAX_BATCH_SIZE": "3", "VLM_MIN_PIXELS": "0", "VLM_COMPILE": "0",
+    })
+    assert settings.model == LLAVA
+    assert settings.quantize == "4bit" and settings.dtype == "bf16"
+    assert settings.allow_any is True and settings.trust_remote_code is False and settings.compile is False
+    assert settings.max_new_tokens_cap == 77 and settings.max_batch_size == 3
+    assert settings.default_max_new_tokens == handler.Settings().default_max_new_tokens  # empty -> default
+
+
+@pytest.mark.parametrize("name, value", [
+    ("VLM_QUANTIZE", "3bit"),
+    ("VLM_DTYPE", "int8"),
+    ("VLM_ALLOW_ANY", "maybe"),
+    ("VLM_TRUST_REMOTE_CODE", "2"),
+    ("VLM_COMPILE", "sometimes"),
+    ("VLM_MAX_NEW_TOKENS", "abc"),
+    ("VLM_MAX_NEW_TOKENS", "0"),
+    ("VLM_MAX_BATCH_SIZE", "-1"),
+    ("VLM_MAX_IMAGES", "1.5"),
+    ("VLM_MIN_PIXELS", "-5"),
+])
+def test_bad_setting_raises_settings_error_naming_it(name, value):
+    with pytest.raises(handler.SettingsError) as info:
+        handler.Settings.from_env({name: value})
+    assert name in str(info.value)
+    assert value.strip() in str(info.value)
+
+
+def test_bad_setting_is_reported_by_the_handler_not_raised(monkeypatch, hub):
+    serve(monkeypatch, VLM_QUANTIZE="bogus")
+    out = call(caption())
+    assert out["code"] == "worker_misconfigured"
+    assert "VLM_QUANTIZE" in out["error"]
+    assert not hub.loads  # nothing was loaded with broken settings
+
+
+# =================================================================================================
+# Loading: allow-list, loaders, dtype, quantization
+# =================================================================================================
+
+
+def test_uncurated_model_is_refused_and_the_message_names_vlm_allow_any(monkeypatch, hub):
+    monkeypatch.setenv("VLM_MODEL", GENERIC)
+    out = call(caption())
+    assert out["code"] == "worker_misconfigured"
+    assert "VLM_ALLOW_ANY" in out["error"] and GENERIC in out["error"]
+    assert not [entry for entry in hub.loads if entry[0].startswith("AutoModel")]
+
+
+def test_allow_any_serves_an_uncurated_native_model_with_the_generic_adapter(monkeypatch, hub):
+    serve(monkeypatch, GENERIC)
+    out = call(chat("What is this?", images=[b64()]))
+    assert out["response"] == "ok" and out["model"] == GENERIC
+    api, path, _ = model_load()
+    assert (api, path) == ("AutoModelForImageTextToText", GENERIC)
+    assert hub.templates[-1] == [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+
+
+EXPECTED_LOADERS = {
+    "qwen2-vl": ("AutoProcessor", "AutoModelForImageTextToText"),
+    "qwen2.5-vl": ("AutoProcessor", "AutoModelForImageTextToText"),
+    "llava": ("AutoProcessor", "AutoModelForImageTextToText"),
+    "llava-next": ("AutoProcessor", "AutoModelForImageTextToText"),
+    "phi3-vision": ("AutoProcessor", "AutoModelForCausalLM"),
+    "minicpm-v": ("AutoTokenizer", "AutoModel"),
+    "internvl": ("AutoTokenizer", "AutoModel"),
+}
+
+
+@pytest.mark.parametrize("model_id", sorted(handler.CURATED_MODELS))
+def test_every_curated_model_loads_through_its_familys_loaders(monkeypatch, hub, model_id):
+    assert model_id in MODEL_TYPES, f"add {model_id}'s model_type to the fake hub"
+    serve(monkeypatch, model_id)
+    out = call(caption())
+    assert out.get("response") == "ok", out
+    family = handler.CURATED_MODELS[model_id].family
+    assert handler.get_engine().adapter.name == family
+    processor_api, model_api = EXPECTED_LOADERS[family]
+    apis = [api for api, path, _ in hub.loads if path == model_id]
+    assert apis[0] == "AutoConfig"
+    assert processor_api in apis and model_api in apis
+    api, _, kwargs = model_load()
+    assert api == model_api
+    assert kwargs["trust_remote_code"] is True
+    assert hub.models[0].evaluated  # .eval() before serving
+
+
+def test_remote_code_family_needs_trust_remote_code(monkeypatch, hub):
+    serve(monkeypatch, MINICPM, VLM_TRUST_REMOTE_CODE="false")
+    out = call(caption())
+    assert out["code"] == "worker_misconfigured"
+    assert "VLM_TRUST_REMOTE_CODE" in out["error"]
+    assert not hub.models
+
+
+def test_native_family_loads_without_remote_code(monkeypatch, hub):
+    serve(monkeypatch, LLAVA, VLM_TRUST_REMOTE_CODE="false")
+    assert call(caption())["response"] == "ok"
+    assert all(kwargs.get("trust_remote_code") is False for _, _, kwargs in hub.loads)
+
+
+def test_a_load_failure_is_a_clean_error_and_leaks_nothing(monkeypatch, hub):
+    serve(monkeypatch, "someone/missing-model")
+    out = call(caption())
+    assert "error" in out and "response" not in out
+    assert "secret-hub-detail" not in json.dumps(out) and "Traceback" not in json.dumps(out)
+    hub.reset()
+    serve(monkeypatch, QWEN)  # the worker is not wedged: a good configuration then loads
+    assert call(caption())["response"] == "ok"
+
+
+@pytest.mark.parametrize("cuda, bf16, choice, expected", [
+    (False, False, "auto", F32),
+    (True, True, "auto", BF16),
+    (True, False, "auto", F16),
+    (False, True, "fp16", F16),
+    (False, True, "bf16", BF16),
+    (True, True, "fp32", F32),
+])
+def test_dtype_choice(monkeypatch, hub, cuda, bf16, choice, expected):
+    hub.cuda_available, hub.bf16_supported = cuda, bf16
+    serve(monkeypatch, QWEN, VLM_DTYPE=choice)
+    out = call(caption())
+    assert out["response"] == "ok"
+    assert load_dtype(model_load()[2]) is expected
+    assert hub.prefills[-1]["pixel_dtype"] is expected  # pixels are cast to the model's dtype
+
+
+EXPECTED_SKIPS = {
+    QWEN: {"model.visual", "lm_head"},
+    LLAVA: {"model.vision_tower", "model.multi_modal_projector", "lm_head"},
+    LLAVA_NEXT: {"model.vision_tower", "model.multi_modal_projector", "lm_head"},
+    MINICPM: {"vpm", "resampler", "lm_head"},
+    PHI3: {"model.vision_embed_tokens", "lm_head"},
+    INTERNVL: {"vision_model", "mlp1", "lm_head"},
+}
+
+
+@pytest.mark.parametrize("mode", ["4bit", "8bit"])
+@pytest.mark.parametrize("model_id", list(EXPECTED_SKIPS))
+def test_quantization_config_handed_to_from_pretrained(monkeypatch, model_id, mode):
+    serve(monkeypatch, model_id, VLM_QUANTIZE=mode)
+    assert call(caption()).get("response") == "ok"
+    kwargs = model_load()[2]
+    config = kwargs["quantization_config"]
+    assert isinstance(config, FakeBitsAndBytesConfig)
+    args = dict(config.kwargs)
+    skip = set(args.pop("llm_int8_skip_modules"))
+    assert skip >= EXPECTED_SKIPS[model_id]  # vision tower, projector and lm_head stay unquantized
+    if mode == "4bit":
+        assert args == {
+            "load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+            "bnb_4bit_compute_dtype": load_dtype(kwargs),
+        }
+    else:
+        assert args == {"load_in_8bit": True}
+
+
+def test_no_quantization_means_no_quantization_config(monkeypatch):
+    serve(monkeypatch, QWEN, VLM_QUANTIZE="none")
+    call(caption())
+    assert "quantization_config" not in model_load()[2]
+
+
+def test_processor_gets_qwen_pixel_bounds_and_left_padding(monkeypatch, hub):
+    serve(monkeypatch, QWEN, VLM_MIN_PIXELS=3136, VLM_MAX_PIXELS=401408)
+    call(caption())
+    processor_load = [kw for api, _, kw in hub.loads if api == "AutoProcessor"][0]
+    assert processor_load["min_pixels"] == 3136 and processor_load["max_pixels"] == 401408
+    assert hub.processors[0]._tokenizer._padding_side == "left"
+
+
+def test_pixel_bounds_are_not_given_to_other_families(monkeypatch, hub):
+    serve(monkeypatch, LLAVA, VLM_MIN_PIXELS=3136, VLM_MAX_PIXELS=401408)
+    call(caption())
+    processor_load = [kw for api, _, kw in hub.loads if api == "AutoProcessor"][0]
+    assert "min_pixels" not in processor_load and "max_pixels" not in processor_load
+
+
+def test_the_model_loads_once_for_many_requests(monkeypatch, hub):
+    serve(monkeypatch)
+    for _ in range(3):
+        assert call(caption())["response"] == "ok"
+    assert len([e for e in hub.loads if e[0].startswith("AutoModel")]) == 1
+
+
+# =================================================================================================
+# Request quantize and model
+# =================================================================================================
+
+
+def test_request_quantize_is_honoured_on_the_loading_call(monkeypatch):
+    serve(monkeypatch, QWEN, VLM_QUANTIZE="none")
+    out = call(caption(quantize="8bit"))
+    assert out["response"] == "ok"
+    assert model_load()[2]["quantization_config"].kwargs["load_in_8bit"] is True
+    assert "quantize_warning" not in out
+
+
+def test_a_later_different_quantize_is_reported_not_applied(monkeypatch, hub):
+    serve(monkeypatch, QWEN)
+    first = call(caption(quantize="4bit"))
+    assert "quantize_warning" not in first
+    later = call(caption(quantize="8bit"))
+    assert later["response"] == "ok"
+    assert later["quantize"] == "4bit"
+    assert "4bit" in later["quantize_warning"] and "8bit" in later["quantize_warning"]
+    assert len([e for e in hub.loads if e[0].startswith("AutoModel")]) == 1  # no reload
+    same = call(caption(quantize="4bit"))
+    assert "quantize_warning" not in same and "quantize" not in same
+
+
+def test_a_later_request_without_quantize_gets_no_warning(monkeypatch):
+    serve(monkeypatch, QWEN)
+    call(caption(quantize="4bit"))
+    out = call(caption())
+    assert "quantize_warning" not in out
+
+
+def test_invalid_request_quantize_names_the_field(monkeypatch, hub):
+    serve(monkeypatch)
+    out = call(caption(quantize="2bit"))
+    assert_error(out, "quantize", "invalid_request")
+    assert not hub.models
+
+
+def test_model_swap_is_refused_before_anything_loads(monkeypatch, hub):
+    serve(monkeypatch, QWEN)
+    out = call(caption(model=LLAVA))
+    assert_error(out, "model", "model_mismatch")
+    assert QWEN in out["error"] and LLAVA in out["error"]
+    assert not hub.models
+
+
+def test_naming_the_served_model_is_fine(monkeypatch):
+    serve(monkeypatch, QWEN)
+    out = call(caption(model=QWEN))
+    assert out["response"] == "ok" and out["model"] == QWEN
+
+
+def test_model_swap_is_refused_after_loading_too(monkeypatch):
+    serve(monkeypatch, QWEN)
+    call(caption())
+    monkeypatch.setenv("VLM_MODEL", LLAVA)  # the loaded engine, not the environment, decides
+    out = call(caption(model=LLAVA))
+    assert_error(out, "model", "model_mismatch")
+    assert call(caption(model=QWEN))["model"] == QWEN
