@@ -44,6 +44,7 @@ STUBBED_API = frozenset({
     "torch.bfloat16",
     "torch.bool",
     "torch.inference_mode",
+    "torch.no_grad",
     "torch.stack",
     "torch.cat",
     "torch.ones",
@@ -391,6 +392,12 @@ class FakeTensor:
         _use("torch.Tensor.__int__")
         return int(self._single())
 
+    def __len__(self):
+        _use("torch.Tensor.__len__")
+        if not self.dims:
+            raise TypeError("len() of a 0-d tensor")
+        return self.dims[0]
+
     def __iadd__(self, other):
         _use("torch.Tensor.__iadd__")
         result = self._binary(other, lambda a, b: a + b, self._dtype)
@@ -534,6 +541,11 @@ def _inference_mode_cm():
 
 def torch_inference_mode(mode=True):
     _use("torch.inference_mode")
+    return _inference_mode_cm()
+
+
+def torch_no_grad():
+    _use("torch.no_grad")
     return _inference_mode_cm()
 
 
@@ -871,7 +883,7 @@ class FakeModel(FakeModelBase):
 
     def _check_inference(self, what):
         if HUB.inference_depth <= 0:
-            HUB.protocol_errors.append(f"{what} ran outside torch.inference_mode()")
+            HUB.protocol_errors.append(f"{what} ran with autograd on (outside inference_mode/no_grad)")
 
     def _prompts(self, input_ids, attention_mask):
         ids = input_ids._data
@@ -1089,7 +1101,7 @@ def build_stub_modules() -> dict:
         "torch",
         {
             "float32": F32, "float16": F16, "bfloat16": BF16, "bool": BOOL,
-            "inference_mode": torch_inference_mode, "stack": torch_stack, "cat": torch_cat,
+            "inference_mode": torch_inference_mode, "no_grad": torch_no_grad, "stack": torch_stack, "cat": torch_cat,
             "ones": torch_ones, "zeros": torch_zeros, "tensor": torch_tensor, "arange": torch_arange,
             "isin": torch_isin,
         },
@@ -1575,3 +1587,220 @@ def test_model_swap_is_refused_after_loading_too(monkeypatch):
     out = call(caption(model=LLAVA))
     assert_error(out, "model", "model_mismatch")
     assert call(caption(model=QWEN))["model"] == QWEN
+
+
+# =================================================================================================
+# Generation parameters
+# =================================================================================================
+
+
+@pytest.mark.parametrize("extra, param, fragment", [
+    ({"max_new_tokens": 65}, "max_new_tokens", "64"),
+    ({"max_new_tokens": 0}, "max_new_tokens", None),
+    ({"max_new_tokens": "many"}, "max_new_tokens", None),
+    ({"temperature": 2.5}, "temperature", None),
+    ({"temperature": -0.1}, "temperature", None),
+    ({"top_p": 0}, "top_p", None),
+    ({"top_p": 1.5}, "top_p", None),
+    ({"do_sample": True, "temperature": 0}, "temperature", "do_sample"),
+    ({"do_sample": True}, "temperature", "do_sample"),  # the default temperature 0 cannot sample
+    ({"min_new_tokens": -1}, "min_new_tokens", None),
+    ({"foo": 1}, "foo", "unknown field"),
+    ({"task": "summarize"}, "task", "summarize"),
+])
+def test_bad_generation_parameters_name_the_field(monkeypatch, hub, extra, param, fragment):
+    serve(monkeypatch, VLM_MAX_NEW_TOKENS=64)
+    out = call(caption(**extra))
+    assert_error(out, param, "invalid_request")
+    if fragment:
+        assert fragment in out["error"]
+    assert not hub.models  # refused before loading
+
+
+def test_max_new_tokens_at_the_cap_is_accepted(monkeypatch, hub):
+    serve(monkeypatch, VLM_MAX_NEW_TOKENS=64)
+    out = call(caption(max_new_tokens=64))
+    assert out["response"] == "ok"
+
+
+def test_greedy_decoding_by_default(monkeypatch, hub):
+    hub.reply = "a red square"
+    serve(monkeypatch, VLM_DEFAULT_MAX_NEW_TOKENS=40)
+    out = call(caption())
+    assert out["response"] == "a red square" and out["finish_reason"] == "stop"
+    for generate in hub.generate_calls:  # greedy may use generate() or a hand-written loop
+        assert generate["do_sample"] is False
+        assert generate.get("temperature") is None and generate.get("top_p") is None
+
+
+def test_sampling_parameters_reach_generate(monkeypatch, hub):
+    hub.reply = "sampled"
+    serve(monkeypatch, VLM_DEFAULT_MAX_NEW_TOKENS=40)
+    out = call(caption(do_sample=True, temperature=0.7, top_p=0.9))
+    assert out["response"] == "sampled"
+    (generate,) = hub.generate_calls
+    assert generate["do_sample"] is True
+    assert generate["temperature"] == 0.7 and generate["top_p"] == 0.9
+    assert generate["max_new_tokens"] == 40  # VLM_DEFAULT_MAX_NEW_TOKENS when the request sets none
+    assert generate["pad_token_id"] == PAD
+
+
+@pytest.mark.parametrize("sampling", [False, True])
+def test_min_new_tokens_holds_off_the_end(monkeypatch, hub, sampling):
+    hub.reply = "ok"
+    serve(monkeypatch)
+    extra = {"do_sample": True, "temperature": 0.5} if sampling else {}
+    out = call(caption(min_new_tokens=6, max_new_tokens=20, **extra))
+    assert out["usage"]["completion_tokens"] >= 6
+    assert out["response"].startswith("ok")
+    assert out["finish_reason"] == "stop"
+
+
+def test_min_new_tokens_above_max_new_tokens_is_clamped(monkeypatch, hub):
+    hub.reply = "ok"
+    serve(monkeypatch)
+    out = call(caption(min_new_tokens=50, max_new_tokens=5))
+    assert out["usage"]["completion_tokens"] == 5
+    assert out["finish_reason"] == "length"
+
+
+def test_repetition_penalty_from_the_generation_config_does_not_change_a_clear_answer(monkeypatch, hub):
+    hub.repetition_penalty = 1.3
+    hub.reply = "aaa bbb"
+    serve(monkeypatch)
+    out = call(caption(max_new_tokens=30))
+    assert out["response"] == "aaa bbb"
+
+
+# =================================================================================================
+# Tasks
+# =================================================================================================
+
+
+@pytest.mark.parametrize("task", ["caption", "caption_long"])
+def test_caption_tasks_send_their_prompt_after_the_image(monkeypatch, hub, task):
+    serve(monkeypatch)
+    out = call({"task": task, "image_b64": b64(20, 10)})
+    assert out["task"] == task and out["image_count"] == 1
+    (messages,) = hub.templates
+    assert messages == [{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": handler.TASK_PROMPTS[task]}]}]
+    assert [im.size for im in sent_images()] == [(20, 10)]
+
+
+def test_caption_and_caption_long_prompts_differ():
+    assert handler.TASK_PROMPTS["caption"] != handler.TASK_PROMPTS["caption_long"]
+
+
+def test_vqa_sends_the_question(monkeypatch, hub):
+    hub.reply = lambda prompt: "asked: " + last_user_text(prompt)
+    serve(monkeypatch)
+    out = call({"task": "vqa", "image_b64": b64(), "question": "  How many dogs?  "})
+    assert out["task"] == "vqa"
+    assert out["response"] == "asked: How many dogs?"
+    assert hub.templates[0][0]["content"][0] == {"type": "image"}
+
+
+@pytest.mark.parametrize("payload, param, code", [
+    ({"task": "vqa", "image_b64": "IMG"}, "question", "invalid_request"),
+    ({"task": "vqa", "image_b64": "IMG", "question": "   "}, "question", "invalid_request"),
+    ({"task": "grounding", "image_b64": "IMG"}, "target", "invalid_request"),
+    ({"task": "grounding", "image_b64": "IMG", "target": ""}, "target", "invalid_request"),
+    ({"task": "caption"}, "image_url", "missing_image"),
+    ({"task": "vqa", "question": "what?"}, "image_url", "missing_image"),
+    ({"task": "chat"}, "messages", "invalid_request"),
+    ({"task": "chat", "image_b64": "IMG"}, "messages", "invalid_request"),
+    ({"image_b64": "IMG"}, "task", "invalid_request"),
+    ({}, "task", "invalid_request"),
+    ({"task": "caption", "image_b64": "IMG", "messages": [{"role": "user", "content": "hi"}]}, "messages",
+     "invalid_request"),
+])
+def test_task_requirements_name_the_missing_field(monkeypatch, hub, payload, param, code):
+    serve(monkeypatch)
+    payload = {k: (b64() if v == "IMG" else v) for k, v in payload.items()}
+    out = call(payload)
+    assert_error(out, param, code)
+    assert not hub.models
+
+
+def test_messages_without_task_mean_chat(monkeypatch):
+    serve(monkeypatch)
+    out = call(chat("hello"))
+    assert out["task"] == "chat" and out["image_count"] == 0
+
+
+# =================================================================================================
+# Output shape and finish reasons
+# =================================================================================================
+
+
+def test_output_shape_of_a_chat(monkeypatch, hub):
+    hub.reply = "Hello there"
+    serve(monkeypatch, QWEN)
+    out = call(chat("Hi!"))
+    assert {"response", "model", "task", "image_count", "finish_reason", "usage"} <= set(out)
+    assert out["response"] == "Hello there"
+    assert out["model"] == QWEN and out["task"] == "chat" and out["image_count"] == 0
+    assert out["finish_reason"] == "stop"
+    prompt = hub.prefills[-1]["prompts"][0] if hub.prefills else hub.processor_calls[-1]["text"][0]
+    assert out["usage"] == {"prompt_tokens": len(encode(prompt)), "completion_tokens": len("Hello there")}
+    for absent in ("bbox", "bbox_warning", "supports_grounding", "batch_images", "quantize_warning", "error"):
+        assert absent not in out
+
+
+@pytest.mark.parametrize("max_new_tokens, response, reason", [
+    (5, "hello", "length"),
+    (11, "hello world", "length"),  # all budget used and no end token: cut off
+    (12, "hello world", "stop"),
+    (200, "hello world", "stop"),
+])
+def test_finish_reason_stop_or_length(monkeypatch, hub, max_new_tokens, response, reason):
+    hub.reply = "hello world"
+    serve(monkeypatch)
+    out = call(caption(max_new_tokens=max_new_tokens))
+    assert out["response"] == response
+    assert out["finish_reason"] == reason
+    assert out["usage"]["completion_tokens"] == len(response)
+
+
+def test_every_end_token_of_the_generation_config_stops_the_answer(monkeypatch, hub):
+    hub.reply = "done<|end|>more text"
+    serve(monkeypatch)
+    out = call(caption(max_new_tokens=100))
+    assert out["response"] == "done"
+    assert out["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == 4
+
+
+def test_special_tokens_are_stripped_from_the_response(monkeypatch, hub):
+    hub.reply = "<|object_ref_start|>a cat<|object_ref_end|>"
+    serve(monkeypatch)
+    assert call(caption())["response"] == "a cat"
+
+
+def test_response_whitespace_is_trimmed(monkeypatch, hub):
+    hub.reply = "  spaced out \n"
+    serve(monkeypatch)
+    assert call(caption())["response"] == "spaced out"
+
+
+@pytest.mark.parametrize("value", [True, False])
+def test_batch_images_is_echoed(monkeypatch, value):
+    serve(monkeypatch)
+    out = call(caption(batch_images=value))
+    assert out["batch_images"] is value
+
+
+def test_image_count_counts_every_image(monkeypatch):
+    serve(monkeypatch)
+    out = call({"task": "caption", "image_b64": b64(), "images": [b64(), data_uri()]})
+    assert out["image_count"] == 3
+
+
+def test_a_cap_below_the_default_clamps_requests_that_set_no_max_new_tokens(monkeypatch, hub):
+    # Regression: VLM_MAX_NEW_TOKENS=8 with the default 256 refused every request without
+    # max_new_tokens, blaming a field the client never sent.
+    hub.reply = "a rather long answer"
+    serve(monkeypatch, VLM_MAX_NEW_TOKENS=8)
+    out = call(caption())
+    assert out["response"] == "a rather"
+    assert out["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 8
