@@ -1804,3 +1804,281 @@ def test_a_cap_below_the_default_clamps_requests_that_set_no_max_new_tokens(monk
     out = call(caption())
     assert out["response"] == "a rather"
     assert out["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 8
+
+
+# =================================================================================================
+# Images: every spec and block form
+# =================================================================================================
+
+HTTPS_URL = "https://images.example.com/cat.png"
+
+
+def _spec(kind: str, width: int, height: int):
+    if kind == "https":
+        WEB[HTTPS_URL] = png(width, height)
+        return HTTPS_URL
+    if kind == "base64":
+        return b64(width, height)
+    if kind == "data_uri":
+        return data_uri(width, height)
+    if kind == "url_object_data_uri":
+        return {"url": data_uri(width, height)}
+    if kind == "url_object_https":
+        WEB[HTTPS_URL] = png(width, height)
+        return {"url": HTTPS_URL}
+    raise AssertionError(kind)
+
+
+SPEC_KINDS = ["https", "base64", "data_uri", "url_object_data_uri", "url_object_https"]
+
+
+@pytest.mark.parametrize("kind", SPEC_KINDS)
+@pytest.mark.parametrize("field", ["image_url", "image_b64", "images"])
+def test_loose_image_fields_accept_every_spec(monkeypatch, hub, web, kind, field):
+    serve(monkeypatch)
+    spec = _spec(kind, 24, 18)
+    out = call({"task": "caption", field: [spec] if field == "images" else spec})
+    assert out.get("response") == "ok", out
+    (image,) = sent_images()
+    assert image.mode == "RGB" and image.size == (24, 18)
+    assert (HTTPS_URL in web) == ("https" in kind)
+
+
+def _block(form: str, spec):
+    if form == "image_url_object":
+        return {"type": "image_url", "image_url": {"url": spec}}
+    if form == "image_url_string":
+        return {"type": "image_url", "image_url": spec}
+    if form == "image_spec":
+        return {"type": "image", "image": spec}
+    if form == "image_object":
+        return {"type": "image", "image": {"url": spec}}
+    raise AssertionError(form)
+
+
+@pytest.mark.parametrize("kind", ["https", "base64", "data_uri"])
+@pytest.mark.parametrize("form", ["image_url_object", "image_url_string", "image_spec", "image_object"])
+def test_message_image_blocks_accept_every_form(monkeypatch, hub, form, kind):
+    serve(monkeypatch)
+    block = _block(form, _spec(kind, 30, 20))
+    out = call({"messages": [{"role": "user", "content": [block, {"type": "text", "text": "What is it?"}]}]})
+    assert out.get("response") == "ok", out
+    assert out["image_count"] == 1
+    assert [im.size for im in sent_images()] == [(30, 20)]
+    assert hub.templates[-1] == [{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+
+
+@pytest.mark.parametrize("mode", ["RGBA", "L", "P"])
+def test_images_of_other_modes_become_rgb(monkeypatch, mode):
+    serve(monkeypatch)
+    out = call(caption(b64(20, 20, mode=mode)))
+    assert out["response"] == "ok"
+    (image,) = sent_images()
+    assert image.mode == "RGB" and image.size == (20, 20)
+
+
+def test_jpeg_images_are_accepted(monkeypatch):
+    serve(monkeypatch)
+    call(caption(b64(32, 16, fmt="JPEG")))
+    assert [im.size for im in sent_images()] == [(32, 16)]
+
+
+def test_several_images_in_one_message_keep_their_order(monkeypatch, hub):
+    serve(monkeypatch)
+    content = [
+        {"type": "text", "text": "Compare"},
+        {"type": "image_url", "image_url": {"url": data_uri(10, 10)}},
+        {"type": "text", "text": "with"},
+        {"type": "image", "image": b64(20, 10)},
+        {"type": "image", "image": {"url": data_uri(30, 10)}},
+    ]
+    out = call({"messages": [{"role": "user", "content": content}]})
+    assert out["image_count"] == 3
+    assert [im.size for im in sent_images()] == [(10, 10), (20, 10), (30, 10)]
+    assert hub.templates[-1][0]["content"] == [
+        {"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "text", "text": "with"},
+        {"type": "image"}, {"type": "image"},
+    ]
+
+
+def test_loose_images_come_in_field_order_image_url_image_b64_images(monkeypatch):
+    serve(monkeypatch)
+    out = call({"task": "caption", "images": [b64(30, 10), b64(40, 10)], "image_b64": b64(20, 10),
+                "image_url": data_uri(10, 10)})
+    assert out["image_count"] == 4
+    assert [im.size for im in sent_images()] == [(10, 10), (20, 10), (30, 10), (40, 10)]
+
+
+def test_loose_images_in_a_chat_go_before_the_first_user_message(monkeypatch, hub):
+    serve(monkeypatch)
+    out = call({
+        "image_url": data_uri(12, 12),
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "What is this?"},
+            {"role": "assistant", "content": "A square."},
+            {"role": "user", "content": "Which colour?"},
+        ],
+    })
+    assert out["image_count"] == 1
+    messages = hub.templates[-1]
+    assert messages[1] == {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}
+    assert messages[3] == {"role": "user", "content": [{"type": "text", "text": "Which colour?"}]}
+
+
+def test_plain_http_is_fetched_or_refused_naming_the_field(monkeypatch, hub):
+    serve(monkeypatch)
+    WEB["http://images.example.com/cat.png"] = png(16, 16)
+    out = call({"task": "caption", "image_url": "http://images.example.com/cat.png"})
+    if "error" in out:  # the URL policy may refuse plain http by default
+        assert_error(out, "image_url")
+        assert not hub.models
+    else:
+        assert [im.size for im in sent_images()] == [(16, 16)]
+
+
+def test_an_unreachable_url_is_a_clean_error_naming_the_field(monkeypatch, hub):
+    serve(monkeypatch)
+    out = call({"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "look"},
+        {"type": "image_url", "image_url": {"url": "https://images.example.com/missing.png"}},
+    ]}]})
+    assert_error(out, "messages[0].content[1].image_url.url")
+    assert out["code"]
+    assert not hub.models
+
+
+def test_a_url_that_is_not_an_image_is_refused(monkeypatch):
+    serve(monkeypatch)
+    WEB[HTTPS_URL] = b"<html>not an image</html>"
+    out = call({"task": "caption", "image_url": HTTPS_URL})
+    assert_error(out, "image_url")
+
+
+@pytest.mark.parametrize("payload, param, code", [
+    ({"image_b64": "!!!not base64!!!"}, "image_b64", "invalid_base64"),
+    ({"image_b64": "AAAAA"}, "image_b64", "invalid_base64"),
+    ({"image_b64": "QUJD=QUJD"}, "image_b64", "invalid_base64"),
+    ({"image_b64": base64.b64encode(b"definitely not an image, just text").decode()}, "image_b64",
+     "invalid_image_format"),
+    ({"image_url": "data:image/png;base64," + base64.b64encode(b"garbage bytes!").decode()}, "image_url",
+     "invalid_image_format"),
+    ({"image_url": "data:image/png," + "abc"}, "image_url", None),  # not base64
+    ({"image_url": {"href": "https://images.example.com/a.png"}}, "image_url", "invalid_image"),
+    ({"image_url": {"url": "!!!"}}, "image_url.url", None),
+    ({"image_url": 42}, "image_url", "invalid_image"),
+    ({"image_url": ""}, "image_url", "invalid_image"),
+    ({"image_url": "   "}, "image_url", "invalid_image"),
+    ({"images": "not-a-list"}, "images", "invalid_request"),
+    ({"images": [b64(), 7]}, "images[1]", "invalid_image"),
+    ({"image_b64": base64.b64encode(png(16, 12)[:40]).decode()}, "image_b64", "invalid_image_format"),
+])
+def test_bad_images_are_refused_naming_the_field(monkeypatch, hub, payload, param, code):
+    serve(monkeypatch)
+    out = call(dict({"task": "caption"}, **payload))
+    assert_error(out, param, code)
+    assert out["code"]
+    assert not hub.models
+
+
+@pytest.mark.parametrize("block, param", [
+    ({"type": "image_url", "image_url": {"url": "%%%"}}, "messages[0].content[1].image_url.url"),
+    ({"type": "image_url", "image_url": "%%%"}, "messages[0].content[1].image_url"),
+    ({"type": "image", "image": "%%%"}, "messages[0].content[1].image"),
+    ({"type": "image", "image": {"url": "%%%"}}, "messages[0].content[1].image.url"),
+    ({"type": "image", "image": None}, "messages[0].content[1].image"),
+    ({"type": "image_url"}, "messages[0].content[1].image_url"),
+    ({"type": "image"}, "messages[0].content[1].image"),
+])
+def test_bad_image_blocks_name_their_path(monkeypatch, hub, block, param):
+    serve(monkeypatch)
+    out = call({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, block]}]})
+    assert_error(out, param)
+    assert not hub.models
+
+
+def test_too_many_loose_images(monkeypatch, hub):
+    serve(monkeypatch, VLM_MAX_IMAGES=2)
+    out = call({"task": "caption", "images": [b64(), b64(), b64()]})
+    assert_error(out, "images", "too_many_images")
+    assert "2" in out["error"]
+
+
+def test_too_many_images_in_messages_names_the_first_extra_block(monkeypatch):
+    serve(monkeypatch, VLM_MAX_IMAGES=2)
+    blocks = [{"type": "image", "image": b64()} for _ in range(3)]
+    out = call({"messages": [{"role": "user", "content": blocks}]})
+    assert_error(out, "messages[0].content[2]", "too_many_images")
+
+
+def test_images_at_the_limit_are_accepted(monkeypatch):
+    serve(monkeypatch, VLM_MAX_IMAGES=2)
+    assert call({"task": "caption", "images": [b64(), b64()]})["image_count"] == 2
+
+
+def test_total_pixels_over_the_limit(monkeypatch, hub):
+    serve(monkeypatch, VLM_MAX_TOTAL_PIXELS=500)
+    out = call({"task": "caption", "images": [b64(16, 16), b64(16, 16)]})  # 512 pixels
+    assert "error" in out and out["code"] == "image_too_large"
+    assert not hub.models
+    assert call({"task": "caption", "images": [b64(16, 16)]})["image_count"] == 1
+
+
+def test_text_over_the_limit(monkeypatch, hub):
+    serve(monkeypatch, VLM_MAX_TEXT_CHARS=10)
+    out = call(chat("x" * 11))
+    assert "error" in out and out["code"] == "text_too_long"
+    assert call(chat("x" * 10))["response"] == "ok"
+
+
+# =================================================================================================
+# Messages
+# =================================================================================================
+
+
+@pytest.mark.parametrize("messages, param", [
+    ("hello", "messages"),
+    ([], "messages"),
+    ({"role": "user", "content": "hi"}, "messages"),
+    (["hello"], "messages[0]"),
+    ([{"role": "robot", "content": "hi"}], "messages[0].role"),
+    ([{"content": "hi"}], "messages[0].role"),
+    ([{"role": "user"}], "messages[0].content"),
+    ([{"role": "user", "content": 5}], "messages[0].content"),
+    ([{"role": "user", "content": []}], "messages[0].content"),
+    ([{"role": "user", "content": ["hi"]}], "messages[0].content[0]"),
+    ([{"role": "user", "content": [{"type": "video", "video": "x"}]}], "messages[0].content[0].type"),
+    ([{"role": "user", "content": [{"text": "no type"}]}], "messages[0].content[0].type"),
+    ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text"),
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages[0].content[0].text"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "messages[1].role"),
+    ([{"role": "user", "content": "hi"},
+      {"role": "assistant", "content": [{"type": "image", "image": "IMG"}]},
+      {"role": "user", "content": "and?"}], "messages[1].content"),
+    ([{"role": "system", "content": [{"type": "image", "image": "IMG"}]},
+      {"role": "user", "content": "hi"}], "messages[0].content"),
+])
+def test_bad_messages_name_the_field(monkeypatch, hub, messages, param):
+    serve(monkeypatch)
+    if isinstance(messages, list):
+        messages = json.loads(json.dumps(messages).replace('"IMG"', json.dumps(b64())))
+    out = call({"messages": messages})
+    assert_error(out, param, "invalid_request")
+    assert not hub.models
+
+
+def test_too_many_messages(monkeypatch):
+    serve(monkeypatch, VLM_MAX_MESSAGES=2)
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                {"role": "user", "content": "c"}]
+    assert_error(call({"messages": messages}), "messages", "invalid_request")
+    assert call({"messages": messages[:1]})["response"] == "ok"
+
+
+def test_string_content_and_text_blocks_are_the_same(monkeypatch, hub):
+    serve(monkeypatch)
+    call({"messages": [{"role": "user", "content": "same words"}]})
+    call({"messages": [{"role": "user", "content": [{"type": "text", "text": "same words"}]}]})
+    assert hub.templates[0] == hub.templates[1] == [
+        {"role": "user", "content": [{"type": "text", "text": "same words"}]}]
