@@ -2082,3 +2082,270 @@ def test_string_content_and_text_blocks_are_the_same(monkeypatch, hub):
     call({"messages": [{"role": "user", "content": [{"type": "text", "text": "same words"}]}]})
     assert hub.templates[0] == hub.templates[1] == [
         {"role": "user", "content": [{"type": "text", "text": "same words"}]}]
+
+
+# =================================================================================================
+# Family adapters
+# =================================================================================================
+
+IMG_A, IMG_B = (20, 10), (10, 20)
+
+
+def conversation():
+    return [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "image", "image": b64(*IMG_A)},
+                                     {"type": "text", "text": "What is this?"}]},
+        {"role": "assistant", "content": "A red box."},
+        {"role": "user", "content": [{"type": "text", "text": "And this?"},
+                                     {"type": "image_url", "image_url": {"url": data_uri(*IMG_B)}}]},
+    ]
+
+
+NATIVE_CONVERSATION = [
+    {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+    {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
+    {"role": "assistant", "content": [{"type": "text", "text": "A red box."}]},
+    {"role": "user", "content": [{"type": "text", "text": "And this?"}, {"type": "image"}]},
+]
+
+
+@pytest.mark.parametrize("model_id", NATIVE_FAMILY_MODELS)
+def test_native_families_template_the_whole_conversation(monkeypatch, hub, model_id):
+    hub.reply = "A blue box."
+    serve(monkeypatch, model_id)
+    out = call({"messages": conversation()})
+    assert out["response"] == "A blue box." and out["image_count"] == 2
+    assert hub.templates == [NATIVE_CONVERSATION]
+    kwargs = hub.template_kwargs[0]
+    assert kwargs["add_generation_prompt"] is True and kwargs["tokenize"] is False
+    processor_call = hub.processor_calls[0]
+    assert processor_call["text"] == [render(NATIVE_CONVERSATION, True)]
+    assert processor_call["padding"] is True and processor_call["return_tensors"] == "pt"
+    assert [im.size for im in sent_images()] == [IMG_A, IMG_B]
+
+
+def test_native_text_only_chat_sends_no_images(monkeypatch, hub):
+    serve(monkeypatch, LLAVA_NEXT)
+    call(chat("Just text"))
+    assert not sent_images()
+    assert hub.prefills[-1]["pixel_dtype"] is None
+
+
+def test_minicpm_chat_gets_msgs_system_prompt_and_sampling(monkeypatch, hub):
+    hub.reply = "A blue box."
+    serve(monkeypatch, MINICPM)
+    out = call({"messages": conversation(), "max_new_tokens": 50})
+    assert out["response"] == "A blue box." and out["image_count"] == 2
+    (chat_call,) = hub.chat_calls
+    assert chat_call["image"] is None
+    assert chat_call["tokenizer"] is hub.processors[0]  # the AutoTokenizer it loaded
+    msgs = chat_call["msgs"]
+    assert [m["role"] for m in msgs] == ["user", "assistant", "user"]
+    first, answer, second = (m["content"] for m in msgs)
+    assert isinstance(first[0], Image.Image) and first[0].size == IMG_A and first[1] == "What is this?"
+    assert answer == ["A red box."]
+    assert second[0] == "And this?" and isinstance(second[1], Image.Image) and second[1].size == IMG_B
+    kwargs = chat_call["kwargs"]
+    assert kwargs["system_prompt"] == "Be brief."
+    assert kwargs["max_new_tokens"] == 50 and kwargs["do_sample"] is False
+
+
+def test_minicpm_without_system_message_sends_no_system_prompt(monkeypatch, hub):
+    serve(monkeypatch, MINICPM)
+    call(caption(do_sample=True, temperature=0.4, top_p=0.8))
+    kwargs = hub.chat_calls[0]["kwargs"]
+    assert "system_prompt" not in kwargs
+    assert kwargs["do_sample"] is True and kwargs["temperature"] == 0.4 and kwargs["top_p"] == 0.8
+    assert hub.chat_calls[0]["msgs"][0]["content"][-1] == handler.TASK_PROMPTS["caption"]
+
+
+@pytest.mark.parametrize("model_id", [MINICPM, INTERNVL])
+@pytest.mark.parametrize("max_new_tokens, reason", [(6, "length"), (7, "stop")])
+def test_remote_code_finish_reason_counts_tokens(monkeypatch, hub, model_id, max_new_tokens, reason):
+    hub.reply = "abcdef"
+    serve(monkeypatch, model_id)
+    out = call(caption(max_new_tokens=max_new_tokens))
+    assert out["response"] == "abcdef"
+    assert out["finish_reason"] == reason and out["usage"]["completion_tokens"] == 6
+
+
+def test_phi3_numbers_image_placeholders_across_turns(monkeypatch, hub):
+    hub.reply = "A blue box."
+    serve(monkeypatch, PHI3)
+    out = call({"messages": conversation(), "max_new_tokens": 40})
+    assert out["response"] == "A blue box." and out["image_count"] == 2
+    expected = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "<|image_1|>\nWhat is this?"},
+        {"role": "assistant", "content": "A red box."},
+        {"role": "user", "content": "And this?\n<|image_2|>"},
+    ]
+    assert hub.templates == [expected]
+    assert hub.template_kwargs[0]["add_generation_prompt"] is True and hub.template_kwargs[0]["tokenize"] is False
+    processor_call = hub.processor_calls[0]
+    assert processor_call["text"] == [render(expected, True)]
+    assert [im.size for im in processor_call["images"]] == [IMG_A, IMG_B]
+    (generate,) = hub.generate_calls
+    assert generate["eos_token_id"] == EOS and generate["max_new_tokens"] == 40
+    assert out["usage"] == {"prompt_tokens": len(encode(render(expected, True))), "completion_tokens": 11}
+    assert out["finish_reason"] == "stop"
+
+
+def test_phi3_text_only_passes_no_images_and_reports_length(monkeypatch, hub):
+    hub.reply = "a long answer"
+    serve(monkeypatch, PHI3)
+    out = call(chat("hi", max_new_tokens=4))
+    assert hub.processor_calls[0]["images"] is None
+    assert out["response"] == "a lo" and out["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.parametrize("size, tiles", [
+    ((448, 448), 1),  # one tile, no thumbnail
+    ((64, 64), 1),
+    ((896, 448), 3),  # 2x1 grid + thumbnail
+    ((20, 10), 3),  # aspect ratio decides, not size
+    ((300, 1200), 5),  # 1x4 + thumbnail
+    ((1000, 1000), 10),  # large enough for 3x3 + thumbnail
+])
+def test_internvl_tiles_each_image_as_its_card_does(monkeypatch, hub, size, tiles):
+    serve(monkeypatch, INTERNVL)
+    out = call(caption(b64(*size)))
+    assert out["response"] == "ok"
+    (chat_call,) = hub.chat_calls
+    assert chat_call["num_patches_list"] == [tiles]
+    values = chat_call["pixel_values"]
+    assert values.dims == (tiles, 3, 448, 448)
+    assert values.tiles == [(448, 448)] * tiles and values.normalized
+    assert values._dtype is F32  # the model's dtype (fp32 on CPU)
+    assert chat_call["question"] == "<image>\n" + handler.TASK_PROMPTS["caption"]
+    assert chat_call["history"] is None
+
+
+def test_internvl_history_question_and_patches(monkeypatch, hub):
+    hub.reply = "A blue box."
+    serve(monkeypatch, INTERNVL)
+    out = call({"messages": conversation(), "max_new_tokens": 33})
+    assert out["response"] == "A blue box." and out["image_count"] == 2
+    (chat_call,) = hub.chat_calls
+    assert chat_call["history"] == [("Be brief.\n<image>\nWhat is this?", "A red box.")]
+    assert chat_call["question"] == "And this?\n<image>"
+    assert chat_call["num_patches_list"] == [3, 3]
+    assert chat_call["pixel_values"].dims[0] == 6
+    assert chat_call["generation_config"]["max_new_tokens"] == 33
+    assert chat_call["generation_config"]["do_sample"] is False
+    assert chat_call["tokenizer"] is hub.processors[0]
+
+
+def test_internvl_text_only_sends_no_pixels(monkeypatch, hub):
+    serve(monkeypatch, INTERNVL)
+    call(chat("Just text"))
+    (chat_call,) = hub.chat_calls
+    assert chat_call["pixel_values"] is None and chat_call["num_patches_list"] is None
+    assert chat_call["question"] == "Just text"
+
+
+# =================================================================================================
+# Boxes
+# =================================================================================================
+
+
+@pytest.mark.parametrize("text, box", [
+    ("[10, 20, 30, 40]", [10, 20, 30, 40]),
+    ("The dog is at [10.5,20,30.25,40].", [10.5, 20, 30.25, 40]),
+    ('{"bbox": [30, 40, 10, 20]}', [10, 20, 30, 40]),  # corners are ordered
+    ('```json\n[{"bbox_2d": [1.5, 2, 3, 4], "label": "dog"}]\n```', [1.5, 2, 3, 4]),
+    ('{"bbox_2d" : [ 5 , 6 , 7 , 8 ]}', [5, 6, 7, 8]),
+    ("<|box_start|>(100,200),(300,400)<|box_end|>", [100, 200, 300, 400]),
+    ("<|object_ref_start|>dog<|object_ref_end|><|box_start|>(1,2),(3,4)<|box_end|>", [1, 2, 3, 4]),
+    ("(100, 200), (300, 400)", [100, 200, 300, 400]),
+    ("(100,200)(300,400)", [100, 200, 300, 400]),
+    ("box: 1, 2, 3, 4", [1, 2, 3, 4]),
+    ("-5, 10, 20, 30", [-5, 10, 20, 30]),
+    ('{"bbox": [1, 2, 3, 4]} or maybe [50, 60, 70, 80]', [1, 2, 3, 4]),  # the first, JSON first
+    ("no box here", None),
+    ("", None),
+    (None, None),
+    ("[1, 2, 3]", None),
+    ("(1, 2)", None),
+])
+def test_parse_bbox(text, box):
+    assert handler.parse_bbox(text) == box
+
+
+@pytest.mark.parametrize("box, system, size, input_size, expected", [
+    ([0, 0, 1000, 1000], "qwen-1000", (640, 480), None, [0, 0, 640, 480]),
+    ([500, 500, 750, 1000], "qwen-1000", (640, 480), None, [320, 240, 480, 480]),
+    ([100, 200, 300, 400], "qwen-abs-pixels", (640, 480), (1280, 960), [50, 100, 150, 200]),
+    ([100, 200, 300, 400], "qwen-abs-pixels", (640, 480), None, [100, 200, 300, 400]),
+    ([0.1, 0.25, 0.5, 1.0], None, (200, 100), None, [20, 25, 100, 100]),  # normalised
+    ([10, 20, 30, 40], None, (200, 100), None, [10, 20, 30, 40]),  # pixels
+    ([-50, -10, 5000, 5000], None, (200, 100), None, [0, 0, 200, 100]),  # clamped
+    ([-100, 0, 1200, 1100], "qwen-1000", (100, 50), None, [0, 0, 100, 50]),
+])
+def test_box_to_pixels(box, system, size, input_size, expected):
+    pixels = handler.box_to_pixels(box, system, size, input_size)
+    assert pixels == expected
+    assert all(isinstance(v, int) for v in pixels)
+
+
+def grounding(target="the dog", image=None, **extra):
+    return dict({"task": "grounding", "image_b64": image or b64(640, 480), "target": target}, **extra)
+
+
+def test_qwen2_vl_grounding_returns_a_box_in_image_pixels(monkeypatch, hub):
+    hub.reply = "<|object_ref_start|>the dog<|object_ref_end|><|box_start|>(100,250),(500,750)<|box_end|>"
+    serve(monkeypatch, QWEN)
+    out = call(grounding("  the dog "))
+    assert out["task"] == "grounding" and out["supports_grounding"] is True
+    assert out["bbox"] == [64, 120, 320, 360]
+    assert "bbox_warning" not in out
+    assert "<|box_start|>" not in out["response"]
+    (messages,) = hub.templates
+    assert messages[0]["content"][0] == {"type": "image"}
+    assert "the dog" in user_text(messages) and "  the dog " not in user_text(messages)
+
+
+def test_qwen25_vl_grounding_reads_json_boxes(monkeypatch, hub):
+    # 560x420 is a multiple of 28 inside Qwen's pixel bounds: its model input is the image itself.
+    hub.reply = '```json\n[{"bbox_2d": [56, 42, 280, 210], "label": "dog"}]\n```'
+    serve(monkeypatch, QWEN25)
+    out = call(grounding(image=b64(560, 420)))
+    assert out["supports_grounding"] is True and out["bbox"] == [56, 42, 280, 210]
+    assert "the dog" in user_text(hub.templates[0])
+
+
+def test_grounding_box_is_scaled_to_the_first_image(monkeypatch, hub):
+    hub.reply = "<|box_start|>(0,0),(500,500)<|box_end|>"
+    serve(monkeypatch, QWEN)
+    out = call({"task": "grounding", "images": [b64(200, 100), b64(640, 480)], "target": "x"})
+    assert out["bbox"] == [0, 0, 100, 50]
+
+
+def test_an_unparsable_grounding_answer_warns(monkeypatch, hub):
+    hub.reply = "I cannot see a dog."
+    serve(monkeypatch, QWEN)
+    out = call(grounding())
+    assert out["bbox"] is None and out["supports_grounding"] is True
+    assert out["bbox_warning"]
+    assert out["response"] == "I cannot see a dog."
+
+
+@pytest.mark.parametrize("model_id, family", [(LLAVA, "llava"), (MINICPM, "minicpm-v"), (GENERIC, None)])
+def test_grounding_on_a_family_without_boxes_warns(monkeypatch, hub, model_id, family):
+    hub.reply = "[10, 20, 30, 40]"  # even a box-looking answer is not trusted
+    serve(monkeypatch, model_id)
+    out = call(grounding())
+    assert out["supports_grounding"] is False and out["bbox"] is None
+    assert out["bbox_warning"] and (family is None or family in out["bbox_warning"])
+    assert out["response"] == "[10, 20, 30, 40]"
+    prompt = user_text(hub.templates[0]) if hub.templates else hub.chat_calls[0]["msgs"][0]["content"][-1]
+    assert "the dog" in prompt
+
+
+def test_grounding_fields_only_on_grounding(monkeypatch, hub):
+    hub.reply = "<|box_start|>(1,2),(3,4)<|box_end|>"
+    serve(monkeypatch, QWEN)
+    out = call(caption())
+    assert "bbox" not in out and "supports_grounding" not in out
