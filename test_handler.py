@@ -2349,3 +2349,289 @@ def test_grounding_fields_only_on_grounding(monkeypatch, hub):
     serve(monkeypatch, QWEN)
     out = call(caption())
     assert "bbox" not in out and "supports_grounding" not in out
+
+
+# =================================================================================================
+# Batching
+# =================================================================================================
+
+
+def echo(prompt: str) -> str:
+    return "echo:" + last_user_text(prompt)
+
+
+def batch(*items, job_id="job-7", **extra) -> dict:
+    out = handler.handler({"id": job_id, "input": dict({"requests": list(items)}, **extra)})
+    json.dumps(out)
+    return out
+
+
+def test_batch_envelope_and_order(monkeypatch, hub):
+    hub.reply = echo
+    serve(monkeypatch, QWEN)
+    out = batch(chat("first"), {"task": "vqa", "image_b64": b64(), "question": "second"}, chat("third"))
+    assert set(out) == {"model", "count", "id", "results"}
+    assert out["model"] == QWEN and out["count"] == 3 and out["id"] == "job-7"
+    assert [r["response"] for r in out["results"]] == ["echo:first", "echo:second", "echo:third"]
+    assert [r["task"] for r in out["results"]] == ["chat", "vqa", "chat"]
+
+
+def test_native_items_with_the_same_sampling_share_one_padded_batch(monkeypatch, hub):
+    hub.reply = echo
+    serve(monkeypatch, QWEN)
+    out = batch(caption(b64(16, 16)), chat("short"), {"task": "vqa", "images": [b64(20, 10), b64(30, 10)],
+                                                       "question": "a much longer question here"})
+    assert [r["response"] for r in out["results"]] == [
+        "echo:" + handler.TASK_PROMPTS["caption"], "echo:short", "echo:a much longer question here"]
+    (processor_call,) = hub.processor_calls
+    assert len(processor_call["text"]) == 3
+    assert [[im.size for im in images] for images in processor_call["images"]] == [[(16, 16)], [], [(20, 10), (30, 10)]]
+    prompts = processor_call["text"]
+    assert [r["usage"]["prompt_tokens"] for r in out["results"]] == [len(encode(p)) for p in prompts]
+
+
+def test_a_bad_item_becomes_an_error_at_its_index(monkeypatch, hub):
+    hub.reply = echo
+    serve(monkeypatch)
+    out = batch(chat("a"), chat("b", temperature=9), "not an object", chat("d", model=LLAVA), chat("e"),
+                {"task": "caption"})
+    results = out["results"]
+    assert out["count"] == 6 and len(results) == 6
+    assert results[0]["response"] == "echo:a" and results[4]["response"] == "echo:e"
+    assert_error(results[1], "requests[1].temperature", "invalid_request")
+    assert_error(results[2], "requests[2]", "invalid_request")
+    assert_error(results[3], "requests[3].model", "model_mismatch")
+    assert_error(results[5], "requests[5].image_url", "missing_image")
+
+
+def test_unknown_fields_in_a_batch_item_name_the_item(monkeypatch):
+    serve(monkeypatch)
+    out = batch(chat("a", foo=1))
+    assert_error(out["results"][0], "requests[0].foo", "invalid_request")
+
+
+def test_bad_images_in_a_batch_item_name_the_item(monkeypatch):
+    serve(monkeypatch)
+    out = batch(chat("a"), {"messages": [{"role": "user", "content": [{"type": "image", "image": "AAAAA"}]}]})
+    assert "response" in out["results"][0]
+    assert_error(out["results"][1], "requests[1].messages[0].content[0].image", "invalid_base64")
+
+
+def test_a_batch_of_only_bad_items_loads_nothing(monkeypatch, hub):
+    serve(monkeypatch, QWEN)
+    out = batch({"task": "caption"}, chat("x", top_p=0))
+    assert out["model"] == QWEN and out["count"] == 2
+    assert all("error" in r for r in out["results"])
+    assert not hub.models
+
+
+@pytest.mark.parametrize("payload, param, code", [
+    ({"requests": []}, "requests", "invalid_request"),
+    ({"requests": "x"}, "requests", "invalid_request"),
+    ({"requests": {"task": "caption"}}, "requests", "invalid_request"),
+    ({"requests": [{"task": "caption"}], "task": "caption"}, "task", "invalid_request"),
+    ({"requests": [chat("a")] * 3}, "requests", "too_many_requests"),
+])
+def test_batch_envelope_errors(monkeypatch, hub, payload, param, code):
+    serve(monkeypatch, VLM_MAX_BATCH_REQUESTS=2)
+    out = handler.handler({"id": "j", "input": payload})
+    assert_error(out, param, code)
+    assert "results" not in out
+    assert not hub.models
+
+
+def test_items_with_different_sampling_run_apart_and_answer_in_order(monkeypatch, hub):
+    hub.reply = echo
+    serve(monkeypatch)
+    out = batch(chat("A"), chat("B", do_sample=True, temperature=0.7), chat("C"),
+                chat("D", do_sample=True, temperature=0.9), chat("E", do_sample=True, temperature=0.7))
+    assert [r["response"] for r in out["results"]] == ["echo:A", "echo:B", "echo:C", "echo:D", "echo:E"]
+    groups = sorted(sorted(last_user_text(p) for p in c["text"]) for c in hub.processor_calls)
+    assert groups == [["A", "C"], ["B", "E"], ["D"]]
+    temperatures = sorted((g["temperature"], g["rows"]) for g in hub.generate_calls)
+    assert temperatures == [(0.7, 2), (0.9, 1)]
+
+
+def test_max_batch_size_limits_rows_per_model_call(monkeypatch, hub):
+    hub.reply = echo
+    serve(monkeypatch, VLM_MAX_BATCH_SIZE=2)
+    out = batch(*[chat(f"q{i}") for i in range(5)])
+    assert [r["response"] for r in out["results"]] == [f"echo:q{i}" for i in range(5)]
+    sizes = [len(c["text"]) for c in hub.processor_calls]
+    assert max(sizes) <= 2 and sum(sizes) == 5
+
+
+def test_each_item_keeps_its_own_max_new_tokens_in_a_shared_batch(monkeypatch, hub):
+    hub.reply = echo
+    serve(monkeypatch)
+    out = batch(chat("aaaaaaaaaa", max_new_tokens=3), chat("bb", max_new_tokens=40))
+    first, second = out["results"]
+    assert first["response"] == "ech" and first["finish_reason"] == "length"
+    assert first["usage"]["completion_tokens"] == 3
+    assert second["response"] == "echo:bb" and second["finish_reason"] == "stop"
+    assert len(hub.processor_calls) == 1  # still one batch
+
+
+def test_a_failing_item_does_not_sink_its_batch(monkeypatch, hub):
+    def reply(prompt):
+        if "boom" in prompt:
+            raise RuntimeError("CUDA out of memory: secret-detail-123")
+        return echo(prompt)
+
+    hub.reply = reply
+    serve(monkeypatch)
+    out = batch(chat("one"), chat("boom"), chat("three"))
+    results = out["results"]
+    assert results[0]["response"] == "echo:one" and results[2]["response"] == "echo:three"
+    assert results[1]["code"] == "generation_failed" and "response" not in results[1]
+    assert "secret-detail-123" not in json.dumps(out) and "Traceback" not in json.dumps(out)
+
+
+def test_batch_quantize_comes_from_the_first_item_that_sets_one(monkeypatch, hub):
+    serve(monkeypatch)
+    out = batch(chat("a"), chat("b", quantize="8bit"), chat("c", quantize="4bit"))
+    assert model_load()[2]["quantization_config"].kwargs.get("load_in_8bit") is True
+    first, second, third = out["results"]
+    assert "quantize_warning" not in first and "quantize_warning" not in second
+    assert third["quantize"] == "8bit" and "4bit" in third["quantize_warning"]
+
+
+@pytest.mark.parametrize("model_id", [MINICPM, INTERNVL, PHI3])
+def test_remote_code_families_answer_batches_item_by_item(monkeypatch, hub, model_id):
+    hub.reply = lambda prompt: "echo:" + (last_user_text(prompt) if "<|user|>" in prompt else prompt)
+    serve(monkeypatch, model_id)
+    out = batch(chat("one"), chat("two"), chat("three"))
+    assert [r["response"] for r in out["results"]] == ["echo:one", "echo:two", "echo:three"]
+    assert len(hub.chat_calls) + len(hub.generate_calls) == 3
+
+
+def test_batch_images_echo_is_per_item(monkeypatch):
+    serve(monkeypatch)
+    out = batch(chat("a", batch_images=True), chat("b"))
+    assert out["results"][0]["batch_images"] is True and "batch_images" not in out["results"][1]
+
+
+def test_batch_without_a_job_id(monkeypatch):
+    serve(monkeypatch)
+    out = handler.handler({"input": {"requests": [chat("a")]}})
+    assert out["id"] is None and out["count"] == 1
+
+
+# =================================================================================================
+# The compiled (CUDA) path, faked: same answers, padded rows dropped
+# =================================================================================================
+
+
+def test_compiled_path_answers_like_the_eager_one(monkeypatch, hub):
+    hub.reply = echo
+    items = [chat("one"), caption(b64(16, 16)), chat("three", max_new_tokens=2)]
+    serve(monkeypatch, QWEN, VLM_COMPILE="false")
+    eager = batch(*items)["results"]
+    handler.reset_engine()
+    hub.reset()
+    hub.reply, hub.cuda_available, hub.device = echo, True, "cuda:0"
+    serve(monkeypatch, QWEN, VLM_COMPILE="true")
+    compiled = batch(*items)["results"]
+    assert [r["response"] for r in compiled] == [r["response"] for r in eager]
+    assert [r["finish_reason"] for r in compiled] == [r["finish_reason"] for r in eager]
+    assert [r["usage"]["completion_tokens"] for r in compiled] == [r["usage"]["completion_tokens"] for r in eager]
+    assert hub.models[0].compiled_calls > 0  # the compiled forward really ran
+
+
+def test_compiled_path_is_never_used_with_bitsandbytes(monkeypatch, hub):
+    hub.reply, hub.cuda_available, hub.device = echo, True, "cuda:0"
+    serve(monkeypatch, QWEN, VLM_QUANTIZE="4bit", VLM_COMPILE="true")
+    out = batch(chat("a"), chat("b"))
+    assert [r["response"] for r in out["results"]] == ["echo:a", "echo:b"]
+    assert hub.models[0].compiled_calls == 0
+
+
+def test_sampling_on_the_compiled_path(monkeypatch, hub):
+    hub.reply, hub.cuda_available, hub.device = echo, True, "cuda:0"
+    serve(monkeypatch, QWEN)
+    out = batch(chat("x", do_sample=True, temperature=0.5), chat("y", do_sample=True, temperature=0.5))
+    assert [r["response"] for r in out["results"]] == ["echo:x", "echo:y"]
+    assert all(g["do_sample"] is True for g in hub.generate_calls)
+
+
+# =================================================================================================
+# The handler never raises
+# =================================================================================================
+
+
+@pytest.mark.parametrize("job", [None, "text", 5, [], {}, {"input": None}, {"input": "text"}, {"input": []},
+                                 {"input": 3}])
+def test_malformed_jobs_get_an_error_naming_input(monkeypatch, hub, job):
+    serve(monkeypatch)
+    out = handler.handler(job)
+    assert_error(out, "input", "invalid_request")
+    assert not hub.models
+
+
+def test_an_exception_inside_generation_is_a_clean_error(monkeypatch, hub):
+    def reply(prompt):
+        raise RuntimeError("CUDA error: device-side assert, secret-detail-456")
+
+    hub.reply = reply
+    serve(monkeypatch)
+    out = call(caption())
+    assert out["code"] == "generation_failed" and "response" not in out
+    text = json.dumps(out)
+    assert "secret-detail-456" not in text and "Traceback" not in text and "RuntimeError" not in text
+    hub.reply = "recovered"
+    assert call(caption())["response"] == "recovered"  # the worker keeps serving
+
+
+@pytest.mark.parametrize("model_id", [MINICPM, INTERNVL, PHI3])
+def test_an_exception_inside_remote_code_is_a_clean_error(monkeypatch, hub, model_id):
+    def reply(prompt):
+        raise ValueError("remote code blew up: secret-detail-789")
+
+    hub.reply = reply
+    serve(monkeypatch, model_id)
+    out = call(caption())
+    assert out["code"] == "generation_failed"
+    assert "secret-detail-789" not in json.dumps(out) and "Traceback" not in json.dumps(out)
+
+
+def test_an_unexpected_internal_failure_is_reported_not_raised(monkeypatch, hub):
+    serve(monkeypatch)
+    call(caption())  # loaded
+
+    def broken(*args, **kwargs):
+        raise KeyError("secret-detail-000")
+
+    monkeypatch.setattr(handler, "format_output", broken)  # a bug after generation, outside any guard
+    out = call(caption())
+    assert out["code"] == "internal_error" and "response" not in out
+    assert "secret-detail-000" not in json.dumps(out) and "Traceback" not in json.dumps(out)
+
+
+# =================================================================================================
+# The stubbed API list is exactly what the handler exercises
+# =================================================================================================
+
+
+def test_stubbed_api_is_exactly_what_the_handler_uses(monkeypatch, hub):
+    USED.clear()
+    # 1. Native family on a (fake) GPU: auto dtype, compiled decode loop with repetition penalty,
+    #    min_new_tokens, images; then sampling, and a second identical batch (cache reuse).
+    hub.cuda_available, hub.device, hub.repetition_penalty, hub.reply = True, "cuda:0", 1.2, echo
+    serve(monkeypatch, QWEN)
+    assert call(caption(min_new_tokens=2))["response"]
+    assert call(caption(min_new_tokens=2))["response"]
+    assert call(chat("s", do_sample=True, temperature=0.5))["response"] == "echo:s"
+    # 2. Phi-3-vision, 4-bit, explicit dtype.
+    handler.reset_engine()
+    hub.reset()
+    serve(monkeypatch, PHI3, VLM_QUANTIZE="4bit", VLM_DTYPE="fp16")
+    assert call(caption())["response"] == "ok"
+    # 3. MiniCPM-V and 4. InternVL2, on CPU.
+    for model_id in (MINICPM, INTERNVL):
+        handler.reset_engine()
+        hub.reset()
+        serve(monkeypatch, model_id)
+        assert call(caption())["response"] == "ok"
+    assert USED == STUBBED_API, (
+        f"listed but not exercised: {sorted(STUBBED_API - USED)}; exercised but not listed: {sorted(USED - STUBBED_API)}"
+    )
