@@ -972,9 +972,9 @@ class FakeModel(FakeModelBase):
                                            pad_token_id=pad_token_id, eos_token_id=eos_token_id,
                                            rows=len(input_ids._data), pixel_values=kwargs.get("pixel_values")))
             prompts, _ = self._prompts(input_ids, attention_mask)
-            stops = {EOS, END}
+            stops = {EOS, END}  # the generation config's end tokens, unless the call overrides them
             if eos_token_id is not None:
-                stops |= set(eos_token_id) if isinstance(eos_token_id, list) else {eos_token_id}
+                stops = set(eos_token_id) if isinstance(eos_token_id, list) else {eos_token_id}
             pad = PAD if pad_token_id is None else pad_token_id
             rows = []
             for prompt in prompts:
@@ -2635,3 +2635,24 @@ def test_stubbed_api_is_exactly_what_the_handler_uses(monkeypatch, hub):
     assert USED == STUBBED_API, (
         f"listed but not exercised: {sorted(STUBBED_API - USED)}; exercised but not listed: {sorted(USED - STUBBED_API)}"
     )
+
+
+def test_a_sampled_neighbours_min_new_tokens_does_not_lengthen_an_answer(monkeypatch, hub):
+    # Regression: sampled items shared one generate() call whose min_new_tokens was the batch's
+    # largest, so an item that asked for none was padded out with filler tokens.
+    hub.reply = echo
+    serve(monkeypatch)
+    out = batch(chat("a", do_sample=True, temperature=0.5),
+                chat("b", do_sample=True, temperature=0.5, min_new_tokens=12))
+    first, second = out["results"]
+    assert first["response"] == "echo:a" and first["usage"]["completion_tokens"] == 6
+    assert second["usage"]["completion_tokens"] >= 12 and second["response"].startswith("echo:b")
+
+
+def test_greedy_neighbours_keep_their_own_min_new_tokens(monkeypatch, hub):
+    hub.reply = echo
+    serve(monkeypatch)
+    out = batch(chat("a"), chat("b", min_new_tokens=12))
+    first, second = out["results"]
+    assert first["response"] == "echo:a" and first["usage"]["completion_tokens"] == 6
+    assert second["usage"]["completion_tokens"] >= 12
