@@ -1,0 +1,142 @@
+"""The worker as RunPod's local API serves it: `python handler.py --rp_serve_api`, real HTTP."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from sample_images import data_uri, plain, striped
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STARTUP_LIMIT_S = 180  # a deadline for the server to come up, not a performance assertion
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def worker_env(model_folder) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLM_", "RUNPOD_"))}
+    env.update(VLM_MODEL=str(model_folder), VLM_ALLOW_ANY="true", VLM_DEVICE_MAP="cpu",
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    return env
+
+
+def post(url: str, body: dict) -> dict:
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        return json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def api(tiny_model, tmp_path_factory):
+    """Base URL of a local API serving a tiny Qwen2-VL; the server is stopped afterwards."""
+    port = free_port()
+    log = (tmp_path_factory.mktemp("api") / "server.log").open("w+")
+    server = subprocess.Popen(
+        [sys.executable, "handler.py", "--rp_serve_api", "--rp_api_port", str(port),
+         "--rp_api_host", "127.0.0.1"],
+        cwd=ROOT, env=worker_env(tiny_model("qwen2-vl")), stdout=log, stderr=subprocess.STDOUT,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_LIMIT_S
+    try:
+        while True:
+            if server.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"the worker exited with {server.returncode}:\n{log.read()[-4000:]}")
+            try:
+                urllib.request.urlopen(base + "/", timeout=2).close()
+                break
+            except (urllib.error.URLError, ConnectionError):
+                if time.monotonic() > deadline:
+                    pytest.fail("the local API did not come up")
+                time.sleep(0.5)
+        yield base
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+def runsync(api: str, payload: dict) -> dict:
+    answer = post(api + "/runsync", {"input": payload})
+    assert answer.get("status") == "COMPLETED", answer
+    return answer["output"]
+
+
+def test_caption(api):
+    out = runsync(api, {"task": "caption", "image_url": data_uri(striped()), "max_new_tokens": 4})
+    assert out["task"] == "caption" and out["image_count"] == 1
+    assert out["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 4
+    assert isinstance(out["response"], str)
+
+
+def test_vqa_with_raw_base64(api):
+    raw = data_uri(plain("red", (64, 48))).split(",", 1)[1]
+    out = runsync(api, {"task": "vqa", "image_b64": raw, "question": "What colour is it?",
+                        "max_new_tokens": 3})
+    assert out["task"] == "vqa" and out["usage"]["completion_tokens"] == 3
+
+
+def test_multi_turn_multi_image_chat(api):
+    out = runsync(api, {"messages": [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": data_uri(striped())}},
+            {"type": "image_url", "image_url": {"url": data_uri(plain("blue"))}},
+            {"type": "text", "text": "Which one is blue?"},
+        ]},
+        {"role": "assistant", "content": "The second one."},
+        {"role": "user", "content": "Are you sure?"},
+    ], "max_new_tokens": 3})
+    assert out["task"] == "chat" and out["image_count"] == 2
+    assert out["usage"]["prompt_tokens"] > 0
+
+
+def test_grounding(api):
+    out = runsync(api, {"task": "grounding", "image_url": data_uri(striped((84, 56))),
+                        "target": "the left stripe", "max_new_tokens": 4})
+    assert out["task"] == "grounding" and out["supports_grounding"] is True
+    assert "bbox" in out  # a random model rarely writes a box: None with a warning is fine
+
+
+def test_batch(api):
+    out = runsync(api, {"requests": [
+        {"task": "caption", "image_url": data_uri(striped()), "max_new_tokens": 2},
+        {"task": "vqa", "image_url": data_uri(striped())},  # no question
+        {"messages": [{"role": "user", "content": "Hello?"}], "max_new_tokens": 2},
+    ]})
+    assert out["count"] == 3
+    first, bad, last = out["results"]
+    assert first["task"] == "caption" and last["task"] == "chat"
+    assert bad["param"] == "requests[1].question" and "error" in bad
+
+
+def test_a_refused_request_fails_the_job_with_its_reason(api):
+    answer = post(api + "/runsync", {"input": {"task": "vqa", "question": "No image?"}})
+    assert answer["status"] == "FAILED"
+    assert answer["error"].startswith("image_url: ") and "needs an image" in answer["error"]
+
+
+def test_test_input_runs_one_job_and_exits_0(tiny_model):
+    job = {"input": {"task": "caption", "image_url": data_uri(striped()), "max_new_tokens": 2}}
+    result = subprocess.run(
+        [sys.executable, "handler.py", "--test_input", json.dumps(job)],
+        cwd=ROOT, env=worker_env(tiny_model("qwen2-vl")), capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "'task': 'caption'" in result.stdout and "'finish_reason': 'length'" in result.stdout
