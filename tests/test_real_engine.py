@@ -246,15 +246,19 @@ def test_finish_reason_is_stop_when_the_model_ends(family, tiny_model, serve):
     assert held["finish_reason"] == "stop" and held["usage"]["completion_tokens"] == 2
 
 
-def test_batch_items_keep_their_own_min_new_tokens(family, tiny_model, serve):
+@pytest.mark.parametrize("sampling", [{}, {"do_sample": True, "temperature": 0.7}], ids=["greedy", "sampled"])
+def test_batch_items_keep_their_own_min_new_tokens(family, tiny_model, serve, sampling):
     serve(tiny_model(family, eos_bias=True))
     items = [
-        {"task": "caption", "image_url": data_uri(striped()), "max_new_tokens": 8},
-        {"task": "caption", "image_url": data_uri(plain("red")), "max_new_tokens": 8, "min_new_tokens": 3},
+        {"task": "caption", "image_url": data_uri(striped()), "max_new_tokens": 8, **sampling},
+        {"task": "caption", "image_url": data_uri(plain("red")), "max_new_tokens": 8, "min_new_tokens": 3,
+         **sampling},
     ]
     batched = ask({"requests": items})["results"]
     assert [r["usage"]["completion_tokens"] for r in batched] == [0, 3]
-    assert batched == [ask(item) for item in items]
+    assert [r["finish_reason"] for r in batched] == ["stop", "stop"]
+    if not sampling:
+        assert batched == [ask(item) for item in items]
 
 
 # ---- grounding boxes through the real decoding path ---------------------------------------------
