@@ -163,41 +163,671 @@ def _join(param: Optional[str], child: str) -> str:
 # Images
 # =================================================================================================
 
+# Images come from strangers: the worker fetches URLs from inside the datacenter (SSRF) and decodes
+# whatever bytes arrive (bombs, broken files). Policy (after NVIDIA Dynamo's media URL policy, see
+# README "Security"): https and base64/data URIs only; no internal addresses; pinned DNS; redirects
+# re-checked by hand; one deadline; byte and pixel caps; fixed error messages that echo nothing.
 
-def resolve_image(spec: Any, param: str):
-    """Turn one image spec (URL, data URI, raw base64 or {"url": ...}) into an RGB PIL image."""
-    from PIL import Image
+MAX_URL_CHARS = 16 * 1024
+MAX_REDIRECTS = 3
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+_REDIRECT_STATUSES = (301, 302, 303, 307, 308)
+_BLOCKED_NAMES = ("localhost", "localhost.localdomain", "metadata.google.internal")
+_BLOCKED_SUFFIXES = (".localhost", ".local", ".internal", ".localdomain", ".home.arpa")
+_URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*):")
+_HOST_LABELS = re.compile(r"[a-z0-9_]([a-z0-9_\-]{0,61}[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_\-]{0,61}[a-z0-9_])?)*")
+_AUTHORITY = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^\[\]:@]+)(?::(\d{1,5}))?")
 
+
+@dataclasses.dataclass(frozen=True)
+class MediaPolicy:
+    """How images may reach the worker. Read from the environment at each resolve (cheap)."""
+
+    allow_internal: bool = False  # VLM_ALLOW_INTERNAL_URLS: http:// and internal addresses too
+    allow_http: bool = False  # plain http:// (opened by allow_internal; code may set it alone)
+    allowed_domains: tuple[str, ...] = ()  # VLM_URL_ALLOWED_DOMAINS: suffix match, narrows further
+    trust_env_proxy: bool = False  # VLM_TRUST_ENV_PROXY: use HTTP(S)_PROXY / NO_PROXY
+    fetch_timeout: float = 20.0  # VLM_FETCH_TIMEOUT: seconds for a whole fetch, all hops
+    max_image_bytes: int = 64 * 1024 * 1024  # VLM_MAX_IMAGE_BYTES: downloaded or local file bytes
+    max_base64_bytes: int = 16 * 1024 * 1024  # VLM_MAX_BASE64_BYTES: encoded length of base64 text
+    max_image_pixels: int = 40_000_000  # VLM_MAX_IMAGE_PIXELS: width*height, from the header
+    min_image_side: int = 8  # VLM_MIN_IMAGE_SIDE: pixels, both sides
+    media_dir: Optional[str] = None  # VLM_MEDIA_DIR: local files only from inside this folder
+
+    @classmethod
+    def from_env(cls, env: Optional[dict] = None) -> "MediaPolicy":
+        env = dict(os.environ if env is None else env)
+        allow_internal = _env_bool(env, "VLM_ALLOW_INTERNAL_URLS", False)
+        domains = tuple(
+            d.strip().strip(".").lower()
+            for d in (env.get("VLM_URL_ALLOWED_DOMAINS") or "").split(",") if d.strip().strip(".")
+        )
+        raw_timeout = (env.get("VLM_FETCH_TIMEOUT") or "").strip()
+        try:
+            timeout = float(raw_timeout) if raw_timeout else 20.0
+        except ValueError:
+            raise SettingsError(f"VLM_FETCH_TIMEOUT must be a number of seconds, got {raw_timeout!r}") from None
+        if not 0 < timeout <= 600:
+            raise SettingsError(f"VLM_FETCH_TIMEOUT must be above 0 and at most 600, got {raw_timeout!r}")
+        media_dir = (env.get("VLM_MEDIA_DIR") or "").strip() or None
+        return cls(
+            allow_internal=allow_internal,
+            allow_http=allow_internal,
+            allowed_domains=domains,
+            trust_env_proxy=_env_bool(env, "VLM_TRUST_ENV_PROXY", False),
+            fetch_timeout=timeout,
+            max_image_bytes=_env_int(env, "VLM_MAX_IMAGE_BYTES", 64 * 1024 * 1024, 1),
+            max_base64_bytes=_env_int(env, "VLM_MAX_BASE64_BYTES", 16 * 1024 * 1024, 1),
+            max_image_pixels=_env_int(env, "VLM_MAX_IMAGE_PIXELS", 40_000_000, 1),
+            min_image_side=_env_int(env, "VLM_MIN_IMAGE_SIDE", 8, 1),
+            media_dir=media_dir,
+        )
+
+
+def _size_text(n: int) -> str:
+    return f"{n // (1024 * 1024)} MiB" if n >= 1024 * 1024 and n % (1024 * 1024) == 0 else f"{n} bytes"
+
+
+def resolve_image(spec: Any, param: str, policy: Optional[MediaPolicy] = None):
+    """Turn one image spec (https URL, data URI, raw base64, local path or {"url": ...}) into an RGB
+    PIL image, or raise RequestError with a fixed message and `param` naming the field at fault."""
     if isinstance(spec, dict):
         if "url" not in spec:
             raise RequestError("invalid_image", "an image object needs a 'url' field", param)
-        return resolve_image(spec["url"], _join(param, "url"))
+        return resolve_image(spec["url"], _join(param, "url"), policy)
     if not isinstance(spec, str) or not spec.strip():
         raise RequestError("invalid_image", "an image must be a URL, a data URI or base64 text", param)
-    spec = spec.strip()
-    if spec.startswith(("http://", "https://")):
-        import urllib.request
+    policy = policy or MediaPolicy.from_env()
+    return _decode_image(_image_bytes(spec.strip(), policy, param), policy, param)
 
-        try:
-            with urllib.request.urlopen(spec, timeout=20) as response:
-                data = response.read(64 * 1024 * 1024 + 1)
-        except Exception:
-            raise RequestError("fetch_failed", "the image URL could not be fetched", param) from None
-    else:
-        if spec.startswith("data:"):
-            header, _, spec = spec.partition(",")
-            if ";base64" not in header:
-                raise RequestError("invalid_image", "only base64 data URIs are supported", param)
-        try:
-            data = base64.b64decode(spec, validate=True)
-        except (binascii.Error, ValueError):
-            raise RequestError("invalid_base64", "the image is not valid base64", param) from None
+
+def _image_bytes(spec: str, policy: MediaPolicy, param: str) -> bytes:
+    if spec[:5].lower() == "data:":
+        return _data_uri_bytes(spec, policy, param)
+    scheme = _URL_SCHEME.match(spec)
+    if scheme:
+        name = scheme.group(1).lower()
+        if name in ("http", "https"):
+            return fetch_image_url(spec, policy, param)
+        if name == "file":
+            return _local_file_bytes(spec, True, policy, param)
+        raise RequestError(
+            "invalid_image_url", "unsupported URL scheme; send an https URL, a data URI or base64", param
+        )
+    if _looks_like_path(spec):
+        return _local_file_bytes(spec, False, policy, param)
+    return _base64_bytes(spec, policy, param)
+
+
+def _looks_like_path(spec: str) -> bool:
+    """Base64 never holds '.' or '~'; it may start with '/' (JPEG: "/9j/"), but no JPEG encodes
+    to under 128 characters, so a short "/..." is a path. Other paths need file:// or a '.'."""
+    return "." in spec or spec.startswith("~") or (spec.startswith("/") and len(spec) < 128)
+
+
+# ---- base64 and data URIs -----------------------------------------------------------------------
+
+
+def _data_uri_bytes(spec: str, policy: MediaPolicy, param: str) -> bytes:
+    header, comma, payload = spec[5:1029].partition(",")
+    if not comma:
+        raise RequestError("invalid_image_url", "a data URI needs a ',' after its header", param)
+    fields = [f.strip().lower() for f in header.split(";")]
+    if fields[0] == "image/svg+xml":
+        raise RequestError("unsupported_image_format", _SVG_MESSAGE, param)
+    if "base64" not in fields[1:]:
+        raise RequestError("invalid_image_url", "only base64 data URIs are supported (data:image/png;base64,...)", param)
+    return _base64_bytes(spec[5 + len(header) + 1:], policy, param)
+
+
+def _base64_bytes(text: str, policy: MediaPolicy, param: str) -> bytes:
+    """Strict base64 with two kind exceptions: line breaks (MIME/`base64` CLI output) and the
+    URL-safe alphabet with or without padding (JWT-style encoders); never both alphabets mixed."""
+    if len(text) > policy.max_base64_bytes:
+        raise RequestError(
+            "image_too_large", f"the base64 image is over {_size_text(policy.max_base64_bytes)} encoded", param
+        )
+    compact = "".join(text.split())
+    if "-" in compact or "_" in compact:
+        if "+" in compact or "/" in compact:
+            raise RequestError("invalid_base64", "the image mixes standard and URL-safe base64 alphabets", param)
+        compact = compact.translate(str.maketrans("-_", "+/"))
+    if "=" not in compact:
+        if len(compact) % 4 == 1:
+            raise RequestError("invalid_base64", "the image is not valid base64 (wrong length)", param)
+        compact += "=" * (-len(compact) % 4)
     try:
-        image = Image.open(io.BytesIO(data))
-        image.load()
-        return image.convert("RGB")
-    except Exception:
-        raise RequestError("invalid_image_format", "the image could not be decoded", param) from None
+        data = base64.b64decode(compact, validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError("invalid_base64", "the image is not valid base64", param) from None
+    if not data:
+        raise RequestError("invalid_base64", "the base64 image is empty", param)
+    return data
+
+
+# ---- local files --------------------------------------------------------------------------------
+
+
+def _local_file_bytes(spec: str, is_url: bool, policy: MediaPolicy, param: str) -> bytes:
+    import stat
+    import urllib.parse
+
+    if not policy.media_dir:
+        raise RequestError(
+            "blocked_url", "local files are disabled on this worker; send an https URL or base64", param
+        )
+    path = spec
+    if is_url:
+        parts = urllib.parse.urlsplit(spec)
+        if parts.netloc.lower() not in ("", "localhost") or parts.query or parts.fragment:
+            raise RequestError("invalid_image_url", "a file URL must look like file:///path/in/media/dir", param)
+        path = urllib.parse.unquote(parts.path)
+    if "\x00" in path or "\\" in path or ".." in path.split("/"):
+        raise RequestError("blocked_url", "the path may not contain '..', backslashes or NUL", param)
+    base = os.path.realpath(policy.media_dir)
+    real = os.path.realpath(path if path.startswith("/") else os.path.join(base, path))
+    if os.path.commonpath([base, real]) != base or real == base:
+        raise RequestError("blocked_url", "the path is outside the media directory", param)
+    try:  # O_NOFOLLOW|O_NONBLOCK: a symlink swapped in after realpath, or a FIFO, cannot hang or escape
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise RequestError("fetch_failed", "no such file in the media directory", param) from None
+    except OSError:
+        raise RequestError("fetch_failed", "the local image could not be read", param) from None
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise RequestError("fetch_failed", "the local path is not a regular file", param)
+        data = file.read(policy.max_image_bytes + 1)
+    if len(data) > policy.max_image_bytes:
+        raise RequestError("image_too_large", f"the image is over {_size_text(policy.max_image_bytes)}", param)
+    return data
+
+
+# ---- URL policy ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageURL:
+    """A checked, normalised URL: what was validated is exactly what gets fetched."""
+
+    scheme: str
+    host: str  # ASCII, lower case, no trailing dot; an IP literal without brackets
+    port: int
+    target: str  # path and query, percent-encoded, sent as the request target
+    ip: Any = None  # ipaddress object when the host is an IP literal
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        default = 443 if self.scheme == "https" else 80
+        return f"{self.scheme}://{host}{'' if self.port == default else f':{self.port}'}{self.target}"
+
+
+def ip_is_blocked(ip) -> bool:
+    """True for every address a stranger must not make the worker reach (policy's ranges)."""
+    import ipaddress
+
+    if ip.version == 6:
+        if ip.ipv4_mapped is not None or ip.is_site_local:
+            return True
+        embedded = [ip.sixtofour, *(ip.teredo or ())]  # 6to4/Teredo carry an IPv4 inside
+        if any(e is not None and ip_is_blocked(e) for e in embedded):
+            return True
+    elif ip in ipaddress.ip_network("100.64.0.0/10"):
+        return True
+    return (
+        ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_reserved
+        or ip.is_unspecified or not ip.is_global
+    )
+
+
+def _whatwg_ipv4(host: str) -> Optional[int]:
+    """The WHATWG URL IPv4 parser (what browsers and inet_aton accept: 127.1, 0x7f.1, 0177.0.0.1,
+    2130706433); no library exposes it, and getaddrinfo would quietly accept these spellings."""
+    parts = host.split(".")
+    if len(parts) > 1 and parts[-1] == "":
+        parts.pop()
+    if not 1 <= len(parts) <= 4:
+        return None
+    numbers = []
+    for part in parts:
+        base, digits = 10, part
+        if part[:2] in ("0x", "0X"):
+            base, digits = 16, part[2:]
+        elif len(part) > 1 and part[0] == "0":
+            base, digits = 8, part[1:]
+        if digits == "":
+            numbers.append(0)
+            continue
+        try:
+            numbers.append(int(digits, base))
+        except ValueError:
+            return None
+    if any(n > 255 for n in numbers[:-1]) or numbers[-1] >= 256 ** (5 - len(numbers)):
+        return None
+    value = numbers[-1]
+    for i, n in enumerate(numbers[:-1]):
+        value += n << (8 * (3 - i))
+    return value
+
+
+def _ends_in_number(host: str) -> bool:
+    last = host.rstrip(".").rsplit(".", 1)[-1] if host.rstrip(".") else ""
+    return bool(re.fullmatch(r"[0-9]+|0[xX][0-9A-Fa-f]*", last))
+
+
+def check_image_url(url: str, policy: MediaPolicy, param: str, redirected: bool = False) -> ImageURL:
+    """Validate and normalise one URL without touching the network (DNS comes later)."""
+    import ipaddress
+    import unicodedata
+    import urllib.parse
+
+    after = " (after a redirect)" if redirected else ""
+
+    def refuse(code: str, message: str):
+        raise RequestError(code, message + after, param)
+
+    if len(url) > MAX_URL_CHARS:
+        refuse("invalid_image_url", f"the image URL is over {MAX_URL_CHARS} characters")
+    if "\\" in url or any(unicodedata.category(c)[0] in "CZ" for c in url):
+        refuse("invalid_image_url", "the image URL holds a backslash, whitespace or a control character")
+    try:
+        parts = urllib.parse.urlsplit(url)
+    except ValueError:
+        refuse("invalid_image_url", "the image URL could not be parsed")
+    scheme = parts.scheme.lower()
+    if scheme not in ("http", "https"):
+        refuse("invalid_image_url", "the image URL must use https")
+    if scheme == "http" and not (policy.allow_http or policy.allow_internal):
+        refuse("blocked_url", "plain http image URLs are not allowed; use https")
+    if "@" in parts.netloc:
+        refuse("blocked_url", "the image URL may not carry credentials (user@host)")
+    authority = _AUTHORITY.fullmatch(parts.netloc)
+    if not authority:
+        refuse("invalid_image_url", "the image URL has no valid host")
+    raw_host, raw_port = authority.groups()
+    port = int(raw_port) if raw_port else (443 if scheme == "https" else 80)
+    if not 0 < port < 65536:
+        refuse("invalid_image_url", "the image URL has an invalid port")
+    ip = None
+    if raw_host.startswith("["):
+        try:
+            ip = ipaddress.IPv6Address(raw_host[1:-1])
+        except ValueError:
+            refuse("invalid_image_url", "the image URL has an invalid IPv6 address")
+        host = str(ip)
+    else:
+        try:
+            host = raw_host.encode("idna").decode("ascii").lower() if not raw_host.isascii() else raw_host.lower()
+        except UnicodeError:
+            refuse("invalid_image_url", "the image URL has an invalid host name")
+        if host.endswith(".") and not host.endswith(".."):
+            host = host[:-1]
+        if _ends_in_number(host):
+            value = _whatwg_ipv4(host)
+            if value is None:
+                refuse("invalid_image_url", "the image URL has an invalid numeric host")
+            ip = ipaddress.IPv4Address(value)
+            if not policy.allow_internal and ip_is_blocked(ip):
+                refuse("blocked_url", "the image URL points at an internal or reserved address")
+            if host != str(ip):
+                refuse("invalid_image_url", "write a numeric host as four decimal parts (a.b.c.d)")
+        elif not _HOST_LABELS.fullmatch(host) or len(host) > 253:
+            refuse("invalid_image_url", "the image URL has an invalid host name")
+    if ip is not None and not policy.allow_internal and ip_is_blocked(ip):
+        refuse("blocked_url", "the image URL points at an internal or reserved address")
+    if ip is None and not policy.allow_internal:
+        if host in _BLOCKED_NAMES or host.endswith(_BLOCKED_SUFFIXES) or "." not in host:
+            refuse("blocked_url", "the image URL names an internal host")
+    if policy.allowed_domains and not any(
+        host == d or (ip is None and host.endswith("." + d)) for d in policy.allowed_domains
+    ):
+        refuse("blocked_url", "the image URL's host is not on this worker's allow-list")
+    path = urllib.parse.quote(parts.path or "/", safe="/%:@!$&'()*+,;=-._~")
+    query = urllib.parse.quote(parts.query, safe="/%:@!$&'()*+,;=-._~?")
+    return ImageURL(scheme, host, port, path + (f"?{query}" if parts.query else ""), ip)
+
+
+def _resolve(target: ImageURL, policy: MediaPolicy, deadline: float, param: str, after: str) -> list:
+    """Every DNS answer, each checked: one blocked answer refuses the URL (no racing A/AAAA)."""
+    import ipaddress
+    import socket
+
+    if target.ip is not None:
+        return [target.ip]
+    remaining = deadline - time.monotonic()
+    future = _dns_pool().submit(socket.getaddrinfo, target.host, target.port, 0, socket.SOCK_STREAM)
+    try:  # getaddrinfo has no timeout of its own: wait on it from here, under the fetch's deadline
+        answers = future.result(timeout=max(remaining, 0.001))
+    except TimeoutError:
+        raise RequestError("fetch_timeout", "the image URL's host did not resolve in time" + after, param) from None
+    except (OSError, UnicodeError):
+        raise RequestError("fetch_failed", "the image URL's host could not be resolved" + after, param) from None
+    addresses = []
+    for family, _, _, _, sockaddr in answers:
+        if family not in (socket.AF_INET, socket.AF_INET6):
+            continue
+        ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
+        if not policy.allow_internal and ip_is_blocked(ip):
+            log.warning("image fetch refused: %s resolves to a blocked address", target.host)
+            raise RequestError("blocked_url", "the image URL's host resolves to an internal address" + after, param)
+        if ip not in addresses:
+            addresses.append(ip)
+    if not addresses:
+        raise RequestError("fetch_failed", "the image URL's host could not be resolved" + after, param)
+    return addresses
+
+
+_dns_executor = None
+
+
+def _dns_pool():
+    global _dns_executor
+    with _media_lock:
+        if _dns_executor is None:
+            import concurrent.futures
+
+            _dns_executor = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="vlm-dns")
+    return _dns_executor
+
+
+def _tls_context():
+    """System trust (honours SSL_CERT_FILE / SSL_CERT_DIR); certifi's bundle when it is installed
+    and no override is set, as requests does."""
+    import ssl
+
+    cafile = os.environ.get("SSL_CERT_FILE") or None
+    if cafile is None and not os.environ.get("SSL_CERT_DIR"):
+        try:
+            import certifi
+
+            cafile = certifi.where()
+        except ImportError:
+            pass
+    context = ssl.create_default_context(cafile=cafile)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    return context
+
+
+def _connect_pinned(addresses: list, port: int, policy: MediaPolicy, deadline: float, param: str):
+    """Connect to an address that passed the checks, never to a fresh DNS answer (DNS rebinding)."""
+    import socket
+
+    last: Optional[OSError] = None
+    for ip in addresses:
+        if not policy.allow_internal and ip_is_blocked(ip):  # checked again at connect time
+            raise RequestError("blocked_url", "the image URL points at an internal address", param)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        try:
+            return socket.create_connection((str(ip), port), timeout=remaining)
+        except OSError as error:
+            last = error
+    raise last or OSError("no address")
+
+
+def _pinned_connection(target: ImageURL, addresses: list, policy: MediaPolicy, deadline: float, param: str):
+    import functools
+
+    pin = functools.partial(_connect_pinned, addresses, target.port, policy, deadline, param)
+    timeout = max(deadline - time.monotonic(), 0.001)
+    http_class, https_class = _pinned_classes()
+    if target.scheme == "http":
+        return http_class(target.host, target.port, pin, timeout=timeout)
+    return https_class(target.host, target.port, pin, _tls_context(), timeout=timeout)
+
+
+_pinned_cache: list = []
+_media_lock = threading.Lock()
+
+
+def _pinned_classes():
+    """http.client connections whose connect() uses the checked addresses: the Host header, SNI and
+    certificate check keep the name. (Built on first use: http.client stays out of import time.)"""
+    with _media_lock:
+        if not _pinned_cache:
+            _pinned_cache.extend(_build_pinned_classes())
+    return _pinned_cache
+
+
+def _build_pinned_classes():
+    import http.client
+
+    class PinnedHTTPConnection(http.client.HTTPConnection):
+        def __init__(self, host, port, pin, **kwargs):
+            super().__init__(host, port, **kwargs)
+            self.pin = pin
+
+        def connect(self):
+            self.sock = self.pin()
+
+    class PinnedHTTPSConnection(http.client.HTTPSConnection):
+        def __init__(self, host, port, pin, context, **kwargs):
+            super().__init__(host, port, context=context, **kwargs)
+            self.pin, self.tls = pin, context
+
+        def connect(self):
+            self.sock = self.tls.wrap_socket(self.pin(), server_hostname=self.host)
+
+    return PinnedHTTPConnection, PinnedHTTPSConnection
+
+
+def _proxy_connection(target: ImageURL, policy: MediaPolicy, deadline: float):
+    """The environment's proxy for this URL, only when the operator trusts it (the proxy resolves
+    names itself, so pinning is the proxy's business then). Returns (connection, request target)."""
+    import http.client
+    import urllib.parse
+    import urllib.request
+
+    if not policy.trust_env_proxy:
+        return None
+    proxies = urllib.request.getproxies_environment()
+    proxy = proxies.get(target.scheme)
+    if not proxy or urllib.request.proxy_bypass_environment(target.host, proxies):
+        return None
+    parts = urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+    if parts.scheme != "http" or not parts.hostname:
+        raise SettingsError("the environment's proxy must be an http:// URL")
+    headers = {}
+    if parts.username is not None:
+        token = base64.b64encode(
+            f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}".encode()
+        ).decode()
+        headers["Proxy-Authorization"] = f"Basic {token}"
+    timeout = max(deadline - time.monotonic(), 0.001)
+    if target.scheme == "https":
+        conn = http.client.HTTPSConnection(parts.hostname, parts.port or 8080, timeout=timeout, context=_tls_context())
+        conn.set_tunnel(target.host, target.port, headers=headers)
+        return conn, target.target, {}
+    conn = http.client.HTTPConnection(parts.hostname, parts.port or 8080, timeout=timeout)
+    return conn, target.url, headers
+
+
+def fetch_image_url(url: str, policy: MediaPolicy, param: str) -> bytes:
+    """GET an image under the policy: each hop checked, pinned, capped, all under one deadline."""
+    deadline = time.monotonic() + policy.fetch_timeout
+    target = check_image_url(url, policy, param)
+    for hop in range(MAX_REDIRECTS + 1):
+        location = _fetch_once(target, policy, deadline, param, " (after a redirect)" if hop else "")
+        if isinstance(location, bytes):
+            return location
+        if hop == MAX_REDIRECTS:
+            raise RequestError("fetch_failed", f"the image URL redirected more than {MAX_REDIRECTS} times", param)
+        import urllib.parse
+
+        target = check_image_url(urllib.parse.urljoin(target.url, location), policy, param, redirected=True)
+    raise AssertionError("unreachable")
+
+
+def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: str, after: str):
+    """One request: the body (bytes) or a redirect's Location (str)."""
+    import http.client
+    import socket
+
+    via_proxy = _proxy_connection(target, policy, deadline)
+    addresses = _resolve(target, policy, deadline, param, after)
+    if via_proxy:
+        conn, request_target, headers = via_proxy
+    else:
+        conn, request_target, headers = _pinned_connection(target, addresses, policy, deadline, param), target.target, {}
+    headers.update({"User-Agent": "runpod-vlm image fetch", "Accept": "image/*", "Accept-Encoding": "identity"})
+    expired = threading.Event()
+
+    def abort():  # the deadline covers slow headers too (a per-read timeout never fires on a drip)
+        expired.set()
+        sock = conn.sock
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+    watchdog = threading.Timer(max(deadline - time.monotonic(), 0.0), abort)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        conn.request("GET", request_target, headers=headers)
+        response = conn.getresponse()
+        if response.status in _REDIRECT_STATUSES:
+            location = response.getheader("Location")
+            if not location:
+                raise RequestError("fetch_failed", "the image URL redirected without a Location" + after, param)
+            return location.strip()
+        if response.status != 200:
+            raise RequestError("fetch_failed", f"the image URL answered HTTP {response.status}" + after, param)
+        content_type = (response.getheader("Content-Type") or "").split(";")[0].strip().lower()
+        if content_type == "image/svg+xml":
+            raise RequestError("unsupported_image_format", _SVG_MESSAGE, param)
+        declared = response.getheader("Content-Length") or ""
+        too_large = RequestError("image_too_large", f"the image is over {_size_text(policy.max_image_bytes)}", param)
+        if declared.strip().isdigit() and int(declared) > policy.max_image_bytes:
+            raise too_large  # refused early; a smaller Content-Length is never trusted
+        chunks, size = [], 0
+        while True:
+            if time.monotonic() > deadline:
+                raise TimeoutError
+            chunk = response.read1(64 * 1024)
+            if not chunk:
+                break
+            size += len(chunk)
+            if size > policy.max_image_bytes:
+                raise too_large
+            chunks.append(chunk)
+        if expired.is_set():
+            raise TimeoutError
+        if declared.strip().isdigit() and size < int(declared):  # read1 returns short bodies quietly
+            raise RequestError("fetch_failed", "the image download ended early" + after, param)
+        return b"".join(chunks)
+    except RequestError:
+        raise
+    except (TimeoutError, socket.timeout):
+        raise RequestError("fetch_timeout", f"the image URL took over {policy.fetch_timeout:g}s" + after, param) from None
+    except (OSError, http.client.HTTPException, ValueError):
+        if expired.is_set():
+            raise RequestError("fetch_timeout", f"the image URL took over {policy.fetch_timeout:g}s" + after, param) from None
+        log.info("image fetch from %s failed", target.host, exc_info=log.isEnabledFor(logging.DEBUG))
+        raise RequestError("fetch_failed", "the image URL could not be fetched" + after, param) from None
+    finally:
+        watchdog.cancel()
+        conn.close()
+
+
+# ---- decoding -----------------------------------------------------------------------------------
+
+_SVG_MESSAGE = "SVG images are not supported; send PNG, JPEG, WEBP, GIF, BMP or TIFF"
+_OTHER_FORMATS = (
+    (b"8BPS", "PSD"), (b"%PDF", "PDF"), (b"\x00\x00\x01\x00", "ICO"), (b"\xff\x4f\xff\x51", "JPEG 2000"),
+    (b"\x00\x00\x00\x0cjP  ", "JPEG 2000"), (b"qoif", "QOI"), (b"SIMPLE  =", "FITS"),
+)
+
+
+def _sniff_other(data: bytes) -> Optional[str]:
+    head = data[:1024].lstrip(b"\xef\xbb\xbf \t\r\n").lower()
+    if head.startswith((b"<svg", b"<?xml", b"<!doctype svg", b"<!--")) and b"<svg" in data[:4096].lower():
+        return "SVG"
+    if data[4:8] == b"ftyp" and data[8:12] in (b"heic", b"heix", b"mif1", b"msf1", b"avif", b"avis"):
+        return "HEIC/AVIF"
+    return next((name for magic, name in _OTHER_FORMATS if data.startswith(magic)), None)
+
+
+def _decode_image(data: bytes, policy: MediaPolicy, param: str):
+    """Bytes -> RGB image: allowed formats only, pixel cap from the header, frame 0, EXIF
+    orientation, every mode to RGB (alpha over white). Messages are fixed: PIL's text leaks."""
+    from PIL import Image, ImageOps
+
+    allowed = ", ".join(IMAGE_FORMATS[:-1]) + " or " + IMAGE_FORMATS[-1]
+    other = _sniff_other(data)
+    if other == "SVG":
+        raise RequestError("unsupported_image_format", _SVG_MESSAGE, param)
+    if other:
+        raise RequestError("unsupported_image_format", f"{other} images are not supported; send {allowed}", param)
+    if not data:
+        raise RequestError("invalid_image_format", "the image is empty", param)
+    try:
+        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+    except Image.DecompressionBombError:
+        raise RequestError("image_too_large", f"the image is over {policy.max_image_pixels} pixels", param) from None
+    except Exception:  # UnidentifiedImageError and the plugins' own errors alike
+        raise RequestError("invalid_image_format", f"the data is not a {allowed} image", param) from None
+    with image:
+        width, height = image.size
+        if width * height > policy.max_image_pixels:
+            raise RequestError(
+                "image_too_large",
+                f"the image is {width}x{height}, over {policy.max_image_pixels} pixels", param,
+            )
+        if min(width, height) < policy.min_image_side:
+            raise RequestError(
+                "image_too_small",
+                f"the image is {width}x{height}; each side must be at least {policy.min_image_side} pixels", param,
+            )
+        try:
+            image.seek(0)  # frame 0 of animations
+            image.load()
+            try:
+                oriented = ImageOps.exif_transpose(image)
+            except Exception:  # a broken EXIF block costs the orientation, not the request
+                oriented = image
+            return _to_rgb(oriented)
+        except Image.DecompressionBombError:
+            raise RequestError("image_too_large", f"the image is over {policy.max_image_pixels} pixels", param) from None
+        except MemoryError:
+            raise RequestError("image_too_large", "the image is too large to decode", param) from None
+        except Exception:
+            raise RequestError("invalid_image_format", "the image is truncated or corrupt", param) from None
+
+
+def _to_rgb(image):
+    """Any Pillow mode -> RGB. 16/32-bit and float greys are scaled, not clipped to white."""
+    from PIL import Image
+
+    mode = image.mode
+    if mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
+        low, high = image.getextrema()
+        if mode.startswith("I;16") or (mode == "I" and 255 < high <= 65535 and low >= 0):
+            scale, offset = 1 / 256, 0.0
+        elif mode == "F" and low >= 0 and high <= 1.0:
+            scale, offset = 255.0, 0.0
+        elif low >= 0 and high <= 255:
+            scale, offset = 1.0, 0.0
+        else:
+            scale = 255.0 / (high - low) if high > low else 1.0
+            offset = -low * scale
+        image = image.convert("F" if mode == "F" else "I").point(lambda v: v * scale + offset).convert("L")
+        mode = "L"
+    if mode == "LAB":  # Pillow's plain LAB->RGB convert copies channels; colour management is right
+        from PIL import ImageCms
+
+        transform = ImageCms.buildTransform(ImageCms.createProfile("LAB"), ImageCms.createProfile("sRGB"), "LAB", "RGB")
+        return ImageCms.applyTransform(image, transform)
+    has_alpha = mode in ("RGBA", "LA", "PA", "RGBa") or "transparency" in image.info
+    if has_alpha:
+        rgba = image.convert("RGBA")
+        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+        background.alpha_composite(rgba)
+        return background.convert("RGB")
+    return image.convert("RGB")
 
 
 # =================================================================================================
