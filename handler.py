@@ -108,6 +108,7 @@ class Settings:
     max_pixels: int = 0
     compile: bool = True  # static cache + torch.compile on CUDA (never on CPU or bitsandbytes)
     cache_len: int = 2048  # KV-cache length compiled at warm-up; longer requests grow it once
+    compile_cache_dir: str = ""  # compiled kernels kept here are reused by a restarted worker
 
     @classmethod
     def from_env(cls, env: Optional[dict] = None) -> "Settings":
@@ -131,6 +132,8 @@ class Settings:
             max_pixels=_env_int(env, "VLM_MAX_PIXELS", 0),
             compile=_env_bool(env, "VLM_COMPILE", True),
             cache_len=_env_int(env, "VLM_CACHE_LEN", 2048, 256),
+            compile_cache_dir=env.get("VLM_COMPILE_CACHE_DIR")
+            or (os.path.join(env["HF_HOME"], "compile-cache") if env.get("HF_HOME") else ""),
         )
 
 
@@ -856,7 +859,8 @@ class GenerationParams:
         """Items that share this key can run in one padded batch."""
         if not self.do_sample:
             return (False,)
-        return (True, self.temperature, self.top_p)
+        # generate() takes one min_new_tokens for all rows: sampled items must not share theirs.
+        return (True, self.temperature, self.top_p, self.min_new_tokens)
 
 
 @dataclasses.dataclass
@@ -1310,7 +1314,7 @@ class Engine:
         params = items[0].params
         max_new_tokens = max(item.params.max_new_tokens for item in items)
         min_new_tokens = [item.params.min_new_tokens for item in padded]
-        with torch.inference_mode():
+        with torch.no_grad():  # as generate() runs; CUDA graphs are proven under it
             if params.do_sample:
                 tokens = self._sample(inputs, params, max_new_tokens, min_new_tokens)
             else:
@@ -1341,6 +1345,11 @@ class Engine:
         inputs = self.processor(**kwargs).to(self.model.device)
         if "pixel_values" in inputs:
             inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
+        if "image_grid_thw" in inputs:  # Qwen2.5-VL boxes are in pixels of this resized input
+            patch = self.processor.image_processor.patch_size
+            flat = [image for group in images for image in group]
+            for image, (_, rows, cols) in zip(flat, inputs["image_grid_thw"].tolist()):
+                image.model_input_size = (cols * patch, rows * patch)
         return inputs
 
     # ---- decoding -----------------------------------------------------------------------------
@@ -1348,10 +1357,15 @@ class Engine:
     ROW_BUCKETS = (1, 4, 16, 64)
     CACHE_LEN_STEP = 256
 
+    @property
+    def row_buckets(self) -> list[int]:
+        largest = self.settings.max_batch_size
+        return sorted({b for b in self.ROW_BUCKETS if b < largest} | {largest})
+
     def row_bucket(self, rows: int) -> int:
         if not self.compiled:
             return rows
-        return next((b for b in self.ROW_BUCKETS if b >= rows), rows)
+        return next((b for b in self.row_buckets if b >= rows), rows)
 
     def cache_length(self, needed: int) -> int:
         """KV-cache length for a batch. Compiled: one length for all batches, grown (once, with a
@@ -1381,6 +1395,10 @@ class Engine:
         """The model's forward for one new token per row; compiled with CUDA graphs when on GPU."""
         if self.compiled:
             if getattr(self, "_compiled_forward", None) is None:
+                cache_dir = self.settings.compile_cache_dir
+                if cache_dir:  # inductor and Triton read these when they first compile
+                    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir, "inductor"))
+                    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache_dir, "triton"))
                 self._compiled_forward = self.model.get_compiled_call(None)
             return self._compiled_forward
         return self.model
@@ -1471,14 +1489,12 @@ class Engine:
         started = time.perf_counter()
         image = Image.new("RGB", (448, 448), (127, 127, 127))
         params = GenerationParams(max_new_tokens=8, temperature=0.0, top_p=1.0, do_sample=False)
-        for rows in self.ROW_BUCKETS:
-            if rows > self.settings.max_batch_size:
-                break
+        for rows in self.row_buckets:
             item = Prepared("caption", [Turn("user", [image, TASK_PROMPTS["caption"]])], params)
             for _ in range(3):  # CUDA graphs are recorded on the second and third runs
                 self.generate([item] * rows)
         self.warm_up_seconds = time.perf_counter() - started
-        log.info("warmed up %d batch sizes in %.1fs", len(self.ROW_BUCKETS), self.warm_up_seconds)
+        log.info("warmed up batch sizes %s in %.1fs", self.row_buckets, self.warm_up_seconds)
         return self.warm_up_seconds
 
 
@@ -1572,7 +1588,8 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
             "invalid_request", f"missing; use one of {', '.join(TASKS)} (or send messages)",
             _join(param, "task"),
         )
-    max_new_tokens = request.max_new_tokens or settings.default_max_new_tokens
+    # The default never exceeds the cap: a request that sets nothing must not be refused.
+    max_new_tokens = request.max_new_tokens or min(settings.default_max_new_tokens, settings.max_new_tokens_cap)
     if max_new_tokens > settings.max_new_tokens_cap:
         raise RequestError(
             "invalid_request",
@@ -1939,7 +1956,7 @@ def main() -> None:
     import runpod
 
     logging.basicConfig(level=os.environ.get("VLM_LOG_LEVEL", "INFO"))
-    get_engine()  # load before taking jobs, so the first user is not charged the load
+    get_engine().warm_up()  # load and compile before taking jobs: the first user pays neither
     runpod.serverless.start({"handler": handler})
 
 
