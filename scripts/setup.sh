@@ -54,7 +54,12 @@ if [[ ! -x "$VENV/bin/python" ]]; then
 fi
 
 pip_install() {
-    "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q "$@"
+    # Hides pip's "Location 'file:...' is ignored" lines (index folders named in a machine-wide pip
+    # config that lack a package): one per package, they bury real messages. pip's status is kept.
+    local rc=0
+    "$VENV/bin/python" -m pip install --disable-pip-version-check --progress-bar off -q "$@" 2>&1 \
+        | { grep -v "^WARNING: Location 'file:" || true; } || rc=$?
+    return "$rc"
 }
 
 echo "setup: installing ${TORCH_PINS[*]}"
