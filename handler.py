@@ -854,14 +854,6 @@ class GenerationParams:
     do_sample: bool
     min_new_tokens: int = 0
 
-    @property
-    def group_key(self) -> tuple:
-        """Items that share this key can run in one padded batch."""
-        if not self.do_sample:
-            return (False,)
-        # generate() takes one min_new_tokens for all rows: sampled items must not share theirs.
-        return (True, self.temperature, self.top_p, self.min_new_tokens)
-
 
 @dataclasses.dataclass
 class Prepared:
@@ -1171,6 +1163,161 @@ def _trimmed_length(ids: list[int], eos: set) -> int:
     return len(ids)
 
 
+class Decoder:
+    """Decoding state for `rows` rows over a `length`-token static KV cache, kept between calls.
+
+    A step (forward of the last tokens, repetition penalty, end-token blocking before
+    min_new_tokens, greedy or temperature/top-p choice per row, bookkeeping) reads and writes only
+    these fixed tensors. On the GPU the step is captured once as a CUDA graph and replayed, so a
+    token costs one launch rather than generate()'s hundreds of Python-issued kernels. Greedy rows
+    give the tokens of `model.generate(do_sample=False)`."""
+
+    def __init__(self, engine: "Engine", rows: int, length: int):
+        import torch
+        from transformers import StaticCache
+
+        model, device = engine.model, engine.model.device
+        self.model, self.forward, self.rows, self.length = model, engine.decode_forward(), rows, length
+        self.use_graph = engine.compiled
+        self.graphs: dict = {}  # one CUDA graph per variant of the step: with or without sampling
+        self.any_sample = False
+        self.cache = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=length)
+        vocab = model.get_output_embeddings().weight.shape[0]
+        self.is_eos = torch.zeros(vocab, dtype=torch.bool, device=device)
+        self.is_eos[[i for i in engine.eos_ids if i < vocab]] = True
+        penalty = getattr(model.generation_config, "repetition_penalty", None) or 1.0
+        self.penalty = penalty if penalty != 1.0 else None
+        self.seen = torch.zeros((rows, vocab), dtype=torch.bool, device=device) if self.penalty else None
+        zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+        self.token, self.cache_position, self.step = zeros(rows, 1), zeros(1), zeros(1)
+        self.mask, self.generated = zeros(rows, length), zeros(rows, length)
+        self.min_new, self.finished = zeros(rows), zeros(rows, dtype=torch.bool)
+        self.sample = zeros(rows, dtype=torch.bool)
+        self.temperature, self.top_p = zeros(rows, dtype=torch.float), zeros(rows, dtype=torch.float)
+        self.position = None  # shaped like the family's position ids on the first call
+
+    def choose(self, logits) -> None:
+        """Pick each row's next token from its logits, in place."""
+        import torch
+
+        logits = logits.float()
+        if self.seen is not None:  # as transformers' RepetitionPenaltyLogitsProcessor
+            penalized = torch.where(logits < 0, logits * self.penalty, logits / self.penalty)
+            logits = torch.where(self.seen, penalized, logits)
+        blocked = (self.step < self.min_new)[:, None] & self.is_eos[None, :]
+        logits = logits.masked_fill(blocked, float("-inf"))
+        token = logits.argmax(dim=-1)
+        if self.any_sample:
+            token = torch.where(self.sample, self._sampled(logits), token)
+        self.generated.index_copy_(1, self.step, token[:, None])
+        self.finished |= self.is_eos[token]
+        if self.seen is not None:
+            self.seen.scatter_(1, token[:, None], True)
+        self.token.copy_(token[:, None])
+        self.step += 1
+
+    def _sampled(self, logits):
+        """Temperature and top-p sampling, drawn as argmax(p / Exp(1)) so a CUDA graph can hold it."""
+        import torch
+
+        probs = torch.softmax(logits / self.temperature.clamp(min=1e-5)[:, None], dim=-1)
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        outside = sorted_probs.cumsum(dim=-1) - sorted_probs > self.top_p[:, None]
+        probs = probs.scatter(1, order, sorted_probs.masked_fill(outside, 0.0))
+        return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
+
+    def advance(self) -> None:
+        """One decoding step: the last chosen tokens go through the model, the next are chosen."""
+        output = self.forward(
+            input_ids=self.token,
+            attention_mask=self.mask,
+            position_ids=self.position,
+            past_key_values=self.cache,
+            cache_position=self.cache_position,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        self.choose(output.logits[:, -1, :])
+        self.position += 1
+        self.cache_position += 1
+
+    def run(self, inputs, params: list[GenerationParams]) -> list[list[int]]:
+        import torch
+
+        model, device = self.model, self.model.device
+        input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+        prompt_length = input_ids.shape[1]
+        max_new_tokens = max(p.max_new_tokens for p in params)
+        self.cache.reset()
+        self.mask.fill_(1)  # positions not yet written are hidden by causality
+        self.mask[:, :prompt_length] = attention_mask
+        self.generated.zero_()
+        self.step.zero_()
+        self.finished.zero_()
+        self.min_new.copy_(torch.tensor([p.min_new_tokens for p in params]))
+        self.any_sample = any(p.do_sample for p in params)
+        self.sample.copy_(torch.tensor([p.do_sample for p in params]))
+        self.temperature.copy_(torch.tensor([p.temperature for p in params]))
+        self.top_p.copy_(torch.tensor([p.top_p for p in params]))
+        if self.seen is not None:
+            self.seen.zero_()
+            self.seen.scatter_(1, input_ids, True)
+        model_inputs = dict(inputs)
+        # Positions continue from the prompt's exactly as generate() continues them (M-RoPE too).
+        position_ids = model._prepare_position_ids_for_generation(input_ids, model_inputs)
+        output = model(
+            **model_inputs,
+            position_ids=position_ids,
+            past_key_values=self.cache,
+            cache_position=torch.arange(prompt_length, device=device),
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        if self.position is None:
+            self.position = torch.zeros_like(position_ids[..., -1:])
+        self.position.copy_(position_ids[..., -1:] + 1)
+        self.cache_position.fill_(prompt_length)
+        self.choose(output.logits[:, -1, :])
+        produced, replay = 1, self._replay()
+        while produced < max_new_tokens:
+            # Look for the end only every 16 tokens: each look waits for the GPU.
+            if produced % 16 == 0 and bool(self.finished.all()):
+                break
+            replay()
+            produced += 1
+        tokens = self.generated[:, :produced].tolist()
+        if self.use_graph and self.any_sample not in self.graphs:
+            try:
+                self._capture()
+            except Exception:  # still correct without the graph, only slower
+                log.warning("CUDA graph capture failed; decoding without it", exc_info=True)
+                self.use_graph = False
+        return tokens
+
+    def _replay(self):
+        graph = self.graphs.get(self.any_sample)
+        return graph.replay if graph is not None else self.advance
+
+    def _capture(self) -> None:
+        """Record one step as a CUDA graph (after a first call has compiled the forward)."""
+        import torch
+
+        self.cache_position.zero_()  # any in-range state will do: the next call resets it
+        self.step.zero_()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self.advance()
+        torch.cuda.current_stream().wait_stream(stream)
+        self.cache_position.zero_()
+        self.step.zero_()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            self.advance()
+        self.graphs[self.any_sample] = graph
+
+
 class Engine:
     """The loaded model, its processor and family adapter. One per process."""
 
@@ -1294,7 +1441,7 @@ class Engine:
         return kwargs
 
     def generate(self, items: list[Prepared]) -> list[Generation]:
-        """Generate for items that share sampling settings, as one left-padded batch."""
+        """Generate for a batch of items, left-padded."""
         with self.lock:
             if not self.adapter.native:
                 return [
@@ -1311,14 +1458,8 @@ class Engine:
         # answers are dropped) so that a new batch size never triggers a recompilation.
         padded = items + [items[-1]] * (self.row_bucket(rows) - rows)
         inputs = self.processor_inputs(padded)
-        params = items[0].params
-        max_new_tokens = max(item.params.max_new_tokens for item in items)
-        min_new_tokens = [item.params.min_new_tokens for item in padded]
-        with torch.no_grad():  # as generate() runs; CUDA graphs are proven under it
-            if params.do_sample:
-                tokens = self._sample(inputs, params, max_new_tokens, min_new_tokens)
-            else:
-                tokens = self.greedy_decode(inputs, max_new_tokens, min_new_tokens)
+        with torch.no_grad():
+            tokens = self.decode(inputs, [item.params for item in padded])
         attention = inputs["attention_mask"]
         results = []
         for row, item in enumerate(items):
@@ -1376,109 +1517,32 @@ class Engine:
         self._cache_len = max(getattr(self, "_cache_len", 0), self.settings.cache_len, -(-needed // step) * step)
         return self._cache_len
 
-    def static_cache(self, rows: int, length: int):
-        from transformers import StaticCache
-
-        caches = getattr(self, "_caches", {})
-        cache = caches.get((rows, length))
-        if cache is None:
-            caches = {key: c for key, c in caches.items() if key[1] == length}
-            cache = caches[(rows, length)] = StaticCache(
-                config=self.model.config.get_text_config(decoder=True), max_cache_len=length
-            )
-            self._caches = caches
-        else:
-            cache.reset()
-        return cache
-
-    def decode_step(self):
-        """The model's forward for one new token per row; compiled with CUDA graphs when on GPU."""
-        if self.compiled:
-            if getattr(self, "_compiled_forward", None) is None:
-                cache_dir = self.settings.compile_cache_dir
-                if cache_dir:  # inductor and Triton read these when they first compile
-                    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir, "inductor"))
-                    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache_dir, "triton"))
-                self._compiled_forward = self.model.get_compiled_call(None)
-            return self._compiled_forward
-        return self.model
-
-    def greedy_decode(self, inputs, max_new_tokens: int, min_new_tokens: list[int]) -> list[list[int]]:
-        """Greedy decoding over a static KV cache, without generate()'s per-step Python.
-
-        Same tokens as `model.generate(do_sample=False)`: positions are continued from the
-        prompt's exactly as generate continues them; the model's repetition penalty is applied."""
-        import torch
-        from transformers import RepetitionPenaltyLogitsProcessor
-
-        model, device = self.model, self.model.device
-        input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
-        rows, prompt_length = input_ids.shape
+    def decode(self, inputs, params: list[GenerationParams]) -> list[list[int]]:
+        rows, prompt_length = inputs["input_ids"].shape
+        max_new_tokens = max(p.max_new_tokens for p in params)
         length = self.cache_length(prompt_length + max_new_tokens)
-        cache = self.static_cache(rows, length)
-        model_inputs = dict(inputs)
-        position_ids = model._prepare_position_ids_for_generation(input_ids, model_inputs)
-        # A full-length mask of fixed shape: positions not yet written are hidden by causality.
-        full_mask = torch.ones((rows, length), dtype=attention_mask.dtype, device=device)
-        full_mask[:, :prompt_length] = attention_mask
-        output = model(
-            **model_inputs,
-            position_ids=position_ids,
-            past_key_values=cache,
-            cache_position=torch.arange(prompt_length, device=device),
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        penalty = getattr(model.generation_config, "repetition_penalty", None) or 1.0
-        penalize = RepetitionPenaltyLogitsProcessor(penalty) if penalty != 1.0 else None
-        history = torch.cat(
-            [input_ids, torch.zeros((rows, max_new_tokens), dtype=input_ids.dtype, device=device)], dim=1
-        )
-        eos = torch.tensor(sorted(self.eos_ids), device=device)
-        min_new = torch.tensor(min_new_tokens, device=device)
-        finished = torch.zeros(rows, dtype=torch.bool, device=device)
-        position = position_ids[..., -1:].clone()
-        cache_position = torch.tensor([prompt_length], device=device)
-        step_forward = self.decode_step()
-        for step in range(max_new_tokens):
-            logits = output.logits[:, -1, :].float()
-            if penalize is not None:
-                logits = penalize(history[:, : prompt_length + step], logits)
-            if min_new_tokens and step < max(min_new_tokens) and len(eos):
-                blocked = (step < min_new)[:, None] & torch.isin(
-                    torch.arange(logits.shape[-1], device=device), eos
-                )[None, :]
-                logits = logits.masked_fill(blocked, float("-inf"))
-            token = logits.argmax(dim=-1)
-            history[:, prompt_length + step] = token
-            finished |= torch.isin(token, eos)
-            # Check for the end only every 16 tokens: each check waits for the GPU.
-            if step + 1 == max_new_tokens or ((step + 1) % 16 == 0 and bool(finished.all())):
-                break
-            position += 1
-            output = step_forward(
-                input_ids=token[:, None],
-                attention_mask=full_mask,
-                position_ids=position,
-                past_key_values=cache,
-                cache_position=cache_position,
-                use_cache=True,
-                logits_to_keep=1,
-            )
-            cache_position += 1
-        generated = history[:, prompt_length : prompt_length + step + 1]
-        return generated.tolist()
+        decoders = getattr(self, "_decoders", {})
+        decoder = decoders.get((rows, length))
+        if decoder is None:
+            decoders = {key: d for key, d in decoders.items() if key[1] == length}
+            decoder = decoders[(rows, length)] = Decoder(self, rows, length)
+            self._decoders = decoders
+        return decoder.run(inputs, params)
 
-    def _sample(self, inputs, params: GenerationParams, max_new_tokens: int, min_new_tokens: list[int]):
-        kwargs = self.sampling_kwargs(params)
-        kwargs.update(max_new_tokens=max_new_tokens, pad_token_id=self.tokenizer.pad_token_id)
-        if self.compiled:
-            kwargs.update(cache_implementation="static", max_cache_len=self.cache_length(
-                inputs["input_ids"].shape[1] + max_new_tokens))
-        if min_new_tokens and max(min_new_tokens):
-            kwargs["min_new_tokens"] = max(min_new_tokens)
-        output = self.model.generate(**inputs, **kwargs)
-        return output[:, inputs["input_ids"].shape[1]:].tolist()
+    def decode_forward(self):
+        """The model's forward for decoding steps: compiled on the GPU (CUDA graphs are captured
+        around it by the Decoder, so inductor's own are off), the plain model elsewhere."""
+        if not self.compiled:
+            return self.model
+        if getattr(self, "_compiled_forward", None) is None:
+            import torch
+
+            cache_dir = self.settings.compile_cache_dir
+            if cache_dir:  # inductor and Triton read these when they first compile
+                os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir, "inductor"))
+                os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache_dir, "triton"))
+            self._compiled_forward = torch.compile(self.model.__call__, dynamic=False)
+        return self._compiled_forward
 
     def warm_up(self) -> float:
         """Compile and record every batch size at boot, so no request pays for it. Returns seconds."""
@@ -1488,10 +1552,11 @@ class Engine:
 
         started = time.perf_counter()
         image = Image.new("RGB", (448, 448), (127, 127, 127))
-        params = GenerationParams(max_new_tokens=8, temperature=0.0, top_p=1.0, do_sample=False)
+        greedy = GenerationParams(max_new_tokens=8, temperature=0.0, top_p=1.0, do_sample=False)
+        sampled = dataclasses.replace(greedy, temperature=1.0, do_sample=True)
         for rows in self.row_buckets:
-            item = Prepared("caption", [Turn("user", [image, TASK_PROMPTS["caption"]])], params)
-            for _ in range(3):  # CUDA graphs are recorded on the second and third runs
+            for params in (greedy, greedy, sampled, sampled):  # compile, then record both graphs
+                item = Prepared("caption", [Turn("user", [image, TASK_PROMPTS["caption"]])], params)
                 self.generate([item] * rows)
         self.warm_up_seconds = time.perf_counter() - started
         log.info("warmed up batch sizes %s in %.1fs", self.row_buckets, self.warm_up_seconds)
@@ -1813,29 +1878,29 @@ def grounding_fields(item: Prepared, generation: Generation, adapter: FamilyAdap
 
 
 def run_prepared(engine: Engine, items: list[Prepared]) -> list[Any]:
-    """Run prepared items in batches of matching sampling settings; results in input order.
+    """Run prepared items as padded batches; results in input order.
 
-    A batch that fails is retried item by item, so one bad item never sinks its neighbours."""
-    results: list[Any] = [None] * len(items)
-    groups: dict[tuple, list[int]] = {}
-    for index, item in enumerate(items):
+    Greedy and sampled items share batches (sampling is chosen per row). Items are batched by
+    similar max_new_tokens, so a short answer rarely waits for a long one. A batch that fails is
+    retried item by item, so one bad item never sinks its neighbours."""
+    for item in items:
         if item.task == "grounding":
             item.turns[-1].parts[-1] = engine.adapter.grounding_prompt(item.grounding_target)
-        groups.setdefault(item.params.group_key, []).append(index)
+    results: list[Any] = [None] * len(items)
+    order = sorted(range(len(items)), key=lambda i: items[i].params.max_new_tokens)
     size = engine.settings.max_batch_size
-    for indices in groups.values():
-        for start in range(0, len(indices), size):
-            chunk = indices[start:start + size]
-            try:
-                generations = engine.generate([items[i] for i in chunk])
-            except Exception:
-                if len(chunk) == 1:
-                    log.exception("generation failed")
-                    generations = [RequestError("generation_failed", "the model could not answer this request")]
-                else:
-                    generations = [_generate_one(engine, items[i]) for i in chunk]
-            for i, generation in zip(chunk, generations):
-                results[i] = generation
+    for start in range(0, len(order), size):
+        chunk = order[start:start + size]
+        try:
+            generations = engine.generate([items[i] for i in chunk])
+        except Exception:
+            if len(chunk) == 1:
+                log.exception("generation failed")
+                generations = [RequestError("generation_failed", "the model could not answer this request")]
+            else:
+                generations = [_generate_one(engine, items[i]) for i in chunk]
+        for i, generation in zip(chunk, generations):
+            results[i] = generation
     return results
 
 
