@@ -275,9 +275,12 @@ def main() -> None:
     if args.child_restart:
         return child_restart()
 
+    import logging
+
     import torch
     import transformers
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     results_path = out / "results.json"
