@@ -17,6 +17,7 @@ import os
 import re
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
@@ -1022,13 +1023,12 @@ class Phi3VisionAdapter(RemoteCodeAdapter):
             self.chat_messages(item.turns), tokenize=False, add_generation_prompt=True
         )
         inputs = processor(prompt, item.images or None, return_tensors="pt").to(model.device)
+        # The card passes the tokenizer's end token; the generation config's (<|end|>) ends turns too.
+        eos = set(_token_ids(model.generation_config.eos_token_id)) | {processor.tokenizer.eos_token_id}
         with torch.inference_mode():
-            out = model.generate(
-                **inputs, eos_token_id=processor.tokenizer.eos_token_id, **sampling
-            )
+            out = model.generate(**inputs, eos_token_id=sorted(eos), **sampling)
         new_tokens = out[0, inputs["input_ids"].shape[1]:]
         ids = new_tokens.tolist()
-        eos = {processor.tokenizer.eos_token_id}
         text = processor.tokenizer.decode(new_tokens, skip_special_tokens=True)
         return Generation(
             text=text.strip(),
@@ -1111,6 +1111,13 @@ class InternVL2Adapter(RemoteCodeAdapter):
             num_patches_list=num_patches or None, history=history or None,
         )
         return _remote_generation(tokenizer, text, item.params.max_new_tokens)
+
+
+def _token_ids(value) -> list[int]:
+    """A config's token id field (an int, a list of ints or None) as a list."""
+    if isinstance(value, int):
+        return [value]
+    return [v for v in value or () if isinstance(v, int)]
 
 
 def _remote_generation(tokenizer, text: str, max_new_tokens: int) -> Generation:
@@ -1382,7 +1389,11 @@ class Engine:
             )
         dtype = self._torch_dtype()
         self.dtype = dtype
-        load_kwargs = dict(dtype=dtype, device_map=self.settings.device_map, trust_remote_code=trust)
+        import transformers
+
+        # transformers 4.x (which the remote-code families need) calls the dtype `torch_dtype`.
+        dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+        load_kwargs = {dtype_key: dtype, "device_map": self.settings.device_map, "trust_remote_code": trust}
         quantization = self.quantization_config(dtype)
         if quantization is not None:
             load_kwargs["quantization_config"] = quantization
@@ -1403,14 +1414,8 @@ class Engine:
         log.info("loaded %s (%s) in %.1fs", self.model_id, self.adapter.name, self.load_seconds)
 
     def _eos_ids(self) -> set:
-        ids = set()
         config_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        for value in (config_eos, getattr(self.tokenizer, "eos_token_id", None)):
-            if isinstance(value, int):
-                ids.add(value)
-            elif isinstance(value, (list, tuple)):
-                ids.update(v for v in value if isinstance(v, int))
-        return ids
+        return set(_token_ids(config_eos)) | set(_token_ids(getattr(self.tokenizer, "eos_token_id", None)))
 
     @property
     def tokenizer(self):
@@ -1555,9 +1560,11 @@ class Engine:
         greedy = GenerationParams(max_new_tokens=8, temperature=0.0, top_p=1.0, do_sample=False)
         sampled = dataclasses.replace(greedy, temperature=1.0, do_sample=True)
         for rows in self.row_buckets:
+            bucket_started = time.perf_counter()
             for params in (greedy, greedy, sampled, sampled):  # compile, then record both graphs
                 item = Prepared("caption", [Turn("user", [image, TASK_PROMPTS["caption"]])], params)
                 self.generate([item] * rows)
+            log.info("warm-up: batch size %d ready in %.1fs", rows, time.perf_counter() - bucket_started)
         self.warm_up_seconds = time.perf_counter() - started
         log.info("warmed up batch sizes %s in %.1fs", self.row_buckets, self.warm_up_seconds)
         return self.warm_up_seconds
@@ -1672,11 +1679,11 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
         do_sample=request.do_sample,
         min_new_tokens=min(request.min_new_tokens, max_new_tokens),
     )
-    loose_images = _loose_images(request, settings, param)
+    loose_images = _loose_images(request, param)
     if task == "chat":
         if request.messages is None:
             raise RequestError("invalid_request", "required for the chat task", _join(param, "messages"))
-        turns = parse_messages(request.messages, settings, _join(param, "messages"))
+        turns = parse_messages(request.messages, settings, _join(param, "messages"), resolve=False)
         if loose_images:
             first_user = next((t for t in turns if t.role == "user"), None)
             if first_user is None:
@@ -1705,7 +1712,8 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
             text = TASK_PROMPTS[task]
         turn = Turn("user", [*loose_images, text])
         prepared = Prepared(task, [turn], params, grounding_target=target if task == "grounding" else None)
-    _check_request_limits(prepared, settings, param)
+    _check_text_length(prepared, settings, param)
+    _resolve_images(prepared.turns, settings, param)
     return request, prepared
 
 
@@ -1715,34 +1723,30 @@ def _required_text(value: Optional[str], param: str, what: str) -> str:
     return value.strip()
 
 
-def _loose_images(request: RequestModel, settings: Settings, param: Optional[str]) -> list:
+def _loose_images(request: RequestModel, param: Optional[str]) -> list["ImageSpec"]:
     """Images given beside the prompt: image_url, image_b64 and images[...], in that order."""
-    specs: list[tuple[Any, str]] = []
+    specs: list[ImageSpec] = []
     if request.image_url is not None:
-        specs.append((request.image_url, _join(param, "image_url")))
+        specs.append(ImageSpec(request.image_url, _join(param, "image_url")))
     if request.image_b64 is not None:
-        specs.append((request.image_b64, _join(param, "image_b64")))
+        specs.append(ImageSpec(request.image_b64, _join(param, "image_b64")))
     if request.images is not None:
         if not isinstance(request.images, list):
             raise RequestError("invalid_request", "must be a list of images", _join(param, "images"))
-        specs.extend((spec, _join(param, f"images[{i}]")) for i, spec in enumerate(request.images))
-    if len(specs) > settings.max_images:
-        raise RequestError(
-            "too_many_images", f"at most {settings.max_images} images per request",
-            _join(param, "images"),
-        )
-    return [resolve_image(spec, where) for spec, where in specs]
+        specs.extend(ImageSpec(spec, _join(param, f"images[{i}]")) for i, spec in enumerate(request.images))
+    return specs
 
 
-def parse_messages(messages: Any, settings: Settings, param: str) -> list[Turn]:
-    """OpenAI-style messages -> turns. Image blocks of every accepted shape are decoded here."""
+def parse_messages(messages: Any, settings: Settings, param: str, resolve: bool = True) -> list[Turn]:
+    """OpenAI-style messages -> turns, with the images of every accepted block shape decoded
+    (or left as ImageSpec when `resolve` is false, for the caller to resolve under its limits)."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("invalid_request", "must be a non-empty list of messages", param)
     if len(messages) > settings.max_messages:
         raise RequestError(
             "invalid_request", f"at most {settings.max_messages} messages per request", param
         )
-    turns, image_count = [], 0
+    turns = []
     for i, message in enumerate(messages):
         where = f"{param}[{i}]"
         if not isinstance(message, dict):
@@ -1757,16 +1761,7 @@ def parse_messages(messages: Any, settings: Settings, param: str) -> list[Turn]:
             parts = [content]
         elif isinstance(content, list) and content:
             parts = []
-            for j, block in enumerate(content):
-                part = _parse_block(block, f"{where}.content[{j}]")
-                if not isinstance(part, str):
-                    image_count += 1
-                    if image_count > settings.max_images:
-                        raise RequestError(
-                            "too_many_images", f"at most {settings.max_images} images per request",
-                            f"{where}.content[{j}]",
-                        )
-                parts.append(part)
+            parts = [_parse_block(block, f"{where}.content[{j}]") for j, block in enumerate(content)]
         else:
             raise RequestError(
                 "invalid_request", "must be a string or a non-empty list of blocks", f"{where}.content"
@@ -1776,6 +1771,8 @@ def parse_messages(messages: Any, settings: Settings, param: str) -> list[Turn]:
         turns.append(Turn(role, parts))
     if turns[-1].role != "user":
         raise RequestError("invalid_request", "the last message must come from the user", f"{param}[{len(turns) - 1}].role")
+    if resolve:
+        _resolve_images(turns, settings, param)
     return turns
 
 
@@ -1791,27 +1788,60 @@ def _parse_block(block: Any, where: str):
     if kind == "image_url":
         if "image_url" not in block:
             raise RequestError("invalid_request", "an image_url block needs 'image_url'", f"{where}.image_url")
-        return resolve_image(block["image_url"], f"{where}.image_url")
+        return ImageSpec(block["image_url"], f"{where}.image_url")
     if kind == "image":
         if "image" not in block:
             raise RequestError("invalid_request", "an image block needs 'image'", f"{where}.image")
-        return resolve_image(block["image"], f"{where}.image")
+        return ImageSpec(block["image"], f"{where}.image")
     raise RequestError("invalid_request", "type must be text, image_url or image", f"{where}.type")
 
 
-def _check_request_limits(item: Prepared, settings: Settings, param: Optional[str]) -> None:
+def _check_text_length(item: Prepared, settings: Settings, param: Optional[str]) -> None:
     text = sum(len(p) for t in item.turns for p in t.parts if isinstance(p, str))
     if text > settings.max_text_chars:
         raise RequestError(
             "text_too_long", f"the request's text is over {settings.max_text_chars} characters", param or "input"
         )
-    pixels = sum(image.width * image.height for image in item.images)
-    if pixels > settings.max_total_pixels:
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSpec:
+    """An image named by a request and not yet fetched or decoded; `param` is where it was given."""
+
+    spec: Any
+    param: str
+
+
+def _resolve_images(turns: list[Turn], settings: Settings, param: Optional[str]) -> None:
+    """Fetch and decode a request's images in place, in order, under its limits: the count is
+    checked before anything is fetched, and the pixel budget from each image's header before it
+    is decoded."""
+    pending = [(turn, k) for turn in turns for k, part in enumerate(turn.parts) if isinstance(part, ImageSpec)]
+    if len(pending) > settings.max_images:
+        turn, k = pending[settings.max_images]
         raise RequestError(
-            "image_too_large",
-            f"the request's images hold over {settings.max_total_pixels} pixels together",
-            param or "input",
+            "too_many_images", f"at most {settings.max_images} images per request", turn.parts[k].param
         )
+    policy, used = MediaPolicy.from_env(), 0
+    for turn, k in pending:
+        image_spec = turn.parts[k]
+        remaining = settings.max_total_pixels - used
+        narrowed = remaining < policy.max_image_pixels
+        try:
+            image = resolve_image(
+                image_spec.spec, image_spec.param,
+                dataclasses.replace(policy, max_image_pixels=max(remaining, 1)) if narrowed else policy,
+            )
+        except RequestError as error:
+            if narrowed and error.code == "image_too_large":
+                raise RequestError(
+                    "image_too_large",
+                    f"the request's images hold over {settings.max_total_pixels} pixels together",
+                    image_spec.param,
+                ) from None
+            raise
+        used += image.width * image.height
+        turn.parts[k] = image
 
 
 # ---- parsing boxes ------------------------------------------------------------------------------
@@ -1995,16 +2025,31 @@ def _handle_batch(job: dict, payload: dict) -> dict:
         raise RequestError(
             "too_many_requests", f"at most {settings.max_batch_requests} requests per call", "requests"
         )
-    results: list[Any] = [None] * len(raw_items)
-    parsed: list[tuple[int, RequestModel, Prepared]] = []
-    for index, raw in enumerate(raw_items):
+    def parse_item(index: int, raw: Any):
         param = f"requests[{index}]"
         try:
             request, item = parse_request(raw, settings, param)
             _check_model(request, model_id, param)
-            parsed.append((index, request, item))
-        except RequestError as error:
-            results[index] = error.to_dict()
+            return request, item
+        except (RequestError, SettingsError) as error:
+            return error
+        except Exception:
+            log.exception("could not read %s", param)
+            return RequestError("internal_error", "this request could not be read", param)
+
+    # Items are read side by side: their images download and decode in parallel (Pillow's
+    # decoders release the GIL).
+    with ThreadPoolExecutor(max_workers=min(8, len(raw_items))) as pool:
+        outcomes = list(pool.map(parse_item, range(len(raw_items)), raw_items))
+    results: list[Any] = [None] * len(raw_items)
+    parsed: list[tuple[int, RequestModel, Prepared]] = []
+    for index, outcome in enumerate(outcomes):
+        if isinstance(outcome, SettingsError):
+            raise outcome
+        if isinstance(outcome, RequestError):
+            results[index] = outcome.to_dict()
+        else:
+            parsed.append((index, *outcome))
     if parsed:
         quantize = next((r.quantize for _, r, _ in parsed if r.quantize), None)
         engine = get_engine(quantize)

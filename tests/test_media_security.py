@@ -982,3 +982,31 @@ def test_lab_tiff_is_colour_managed_to_rgb():
     data = encode(Image.new("LAB", (16, 16), (255, 128, 128)), "TIFF")  # L*=100, a=b=0: white
     image = resolve_image(b64(data), PARAM)
     assert image.mode == "RGB" and close(image.getpixel((4, 4)), (255, 255, 255), 3)
+
+
+def test_image_count_spans_loose_images_and_message_blocks_before_any_fetch(worker, trusted):
+    block = {"type": "image_url", "image_url": {"url": trusted.url("/cat.png")}}
+    request = chat(*[block] * 10)
+    request["input"]["images"] = [trusted.url("/cat.png")] * 7
+    answer = worker(request)
+    assert answer["code"] == "too_many_images" and trusted.hits == []
+    assert answer["param"] == "messages[0].content[10].image_url"
+    assert worker(chat(block))["response"] == "32x24"
+
+
+def test_request_pixel_budget_refuses_from_the_header_before_decoding(worker, monkeypatch):
+    monkeypatch.setattr(handler._engine, "settings", handler.Settings(max_total_pixels=32 * 24 * 2 + 10))
+    decoded = []
+    real_load = handler._decode_image
+
+    def counting_decode(*args, **kwargs):
+        image = real_load(*args, **kwargs)
+        decoded.append(image.size)
+        return image
+
+    monkeypatch.setattr(handler, "_decode_image", counting_decode)
+    answer = worker({"input": {"task": "caption", "images": [b64(GOOD_PNG)] * 3}})
+    assert answer["code"] == "image_too_large" and answer["param"] == "images[2]"
+    assert "together" in answer["error"] and str(32 * 24 * 2 + 10) in answer["error"]
+    assert len(decoded) == 2  # the third never came out of the decoder
+    assert worker({"input": {"task": "caption", "images": [b64(GOOD_PNG)] * 2}})["response"] == "32x24 32x24"
