@@ -12,10 +12,14 @@ def plain(color: str, size=(56, 56)):
     return Image.new("RGB", size, color)
 
 
-def data_uri(picture) -> str:
+def png_bytes(picture) -> bytes:
     buffer = io.BytesIO()
     picture.save(buffer, "PNG")
-    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return buffer.getvalue()
+
+
+def data_uri(picture) -> str:
+    return "data:image/png;base64," + base64.b64encode(png_bytes(picture)).decode()
 
 
 def striped(size=(56, 56)):

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
 
 import pytest
 
-from sample_images import data_uri, plain, striped
+import handler
+from sample_images import data_uri, plain, png_bytes, striped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTUP_LIMIT_S = 180  # a deadline for the server to come up, not a performance assertion
@@ -25,10 +28,10 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
-def worker_env(model_folder) -> dict:
+def worker_env(model_folder, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLM_", "RUNPOD_"))}
     env.update(VLM_MODEL=str(model_folder), VLM_ALLOW_ANY="true", VLM_DEVICE_MAP="cpu",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **extra)
     return env
 
 
@@ -40,13 +43,17 @@ def post(url: str, body: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def api(tiny_model, tmp_path_factory):
-    """Base URL of a local API serving a tiny Qwen2-VL; the server is stopped afterwards."""
+    """Base URL of a local API serving a tiny Qwen2-VL; the server is stopped afterwards.
+
+    VLM_ALLOW_INTERNAL_URLS=true lets it fetch from the test's loopback image server; it widens
+    only the URL policy, which the data-URI tests here never reach."""
     port = free_port()
     log = (tmp_path_factory.mktemp("api") / "server.log").open("w+")
     server = subprocess.Popen(
         [sys.executable, "handler.py", "--rp_serve_api", "--rp_api_port", str(port),
          "--rp_api_host", "127.0.0.1"],
-        cwd=ROOT, env=worker_env(tiny_model("qwen2-vl")), stdout=log, stderr=subprocess.STDOUT,
+        cwd=ROOT, env=worker_env(tiny_model("qwen2-vl"), VLM_ALLOW_INTERNAL_URLS="true"),
+        stdout=log, stderr=subprocess.STDOUT,
     )
     base = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + STARTUP_LIMIT_S
@@ -124,6 +131,64 @@ def test_batch(api):
     first, bad, last = out["results"]
     assert first["task"] == "caption" and last["task"] == "chat"
     assert bad["param"] == "requests[1].question" and "error" in bad
+
+
+class ImageServer:
+    """A loopback HTTP server (127.0.0.1 only) serving one PNG at /x.png; it records each request."""
+
+    def __init__(self, body: bytes):
+        self.requests: list[str] = []
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                owner.requests.append(self.path)
+                if self.path != "/x.png":
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/x.png"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def image_server():
+    server = ImageServer(png_bytes(striped((64, 48))))
+    yield server
+    server.close()
+
+
+def test_an_http_image_url_is_fetched_when_internal_urls_are_allowed(api, image_server):
+    out = runsync(api, {"task": "caption", "image_url": image_server.url, "max_new_tokens": 3})
+    assert out["task"] == "caption" and out["image_count"] == 1
+    assert out["usage"]["completion_tokens"] == 3 and out["usage"]["prompt_tokens"] > 0
+    assert image_server.requests == ["/x.png"]
+
+
+def test_the_same_url_is_refused_by_default_and_never_fetched(image_server, monkeypatch):
+    """The default policy, in process (no second worker): plain http to loopback is refused
+    before any connection is made."""
+    for name in list(os.environ):
+        if name.startswith(("VLM_MEDIA", "VLM_URL", "VLM_TRUST_ENV")) or name == "VLM_ALLOW_INTERNAL_URLS":
+            monkeypatch.delenv(name)
+    out = handler.handler({"input": {"task": "caption", "image_url": image_server.url, "max_new_tokens": 3}})
+    assert out["code"] == "blocked_url" and out["param"] == "image_url", out
+    assert "image_url: " in out["error"] and "127.0.0.1" not in out["error"]
+    assert image_server.requests == []
 
 
 def test_a_refused_request_fails_the_job_with_its_reason(api):
