@@ -864,6 +864,7 @@ class Prepared:
     turns: list[Turn]
     params: GenerationParams
     grounding_target: Optional[str] = None
+    param: Optional[str] = None  # where the request sits in the job, e.g. "requests[3]"
 
     @property
     def images(self) -> list:
@@ -1463,6 +1464,7 @@ class Engine:
         # answers are dropped) so that a new batch size never triggers a recompilation.
         padded = items + [items[-1]] * (self.row_bucket(rows) - rows)
         inputs = self.processor_inputs(padded)
+        self._check_context(items, inputs["attention_mask"].sum(dim=1).tolist())
         with torch.no_grad():
             tokens = self.decode(inputs, [item.params for item in padded])
         attention = inputs["attention_mask"]
@@ -1480,6 +1482,17 @@ class Engine:
                 )
             )
         return results
+
+    def _check_context(self, items: list[Prepared], prompt_tokens: list[int]) -> None:
+        context = getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        for item, prompt in zip(items, prompt_tokens):
+            if context and prompt + item.params.max_new_tokens > context:
+                raise RequestError(
+                    "context_too_long",
+                    f"the prompt ({prompt} tokens, images included) plus max_new_tokens "
+                    f"({item.params.max_new_tokens}) exceed the model's context of {context} tokens",
+                    _join(item.param, "max_new_tokens"),
+                )
 
     def processor_inputs(self, items: list[Prepared]):
         """Chat-templated prompts and pixels for a batch, left-padded, on the model's device."""
@@ -1691,7 +1704,7 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
                     "invalid_request", "images need a user message to attach to", _join(param, "messages")
                 )
             first_user.parts[:0] = loose_images
-        prepared = Prepared(task, turns, params)
+        prepared = Prepared(task, turns, params, param=param)
     else:
         if request.messages is not None:
             raise RequestError(
@@ -1711,7 +1724,9 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
         else:
             text = TASK_PROMPTS[task]
         turn = Turn("user", [*loose_images, text])
-        prepared = Prepared(task, [turn], params, grounding_target=target if task == "grounding" else None)
+        prepared = Prepared(
+            task, [turn], params, grounding_target=target if task == "grounding" else None, param=param
+        )
     _check_text_length(prepared, settings, param)
     _resolve_images(prepared.turns, settings, param)
     return request, prepared
@@ -1923,6 +1938,8 @@ def run_prepared(engine: Engine, items: list[Prepared]) -> list[Any]:
         chunk = order[start:start + size]
         try:
             generations = engine.generate([items[i] for i in chunk])
+        except RequestError as error:
+            generations = [error] if len(chunk) == 1 else [_generate_one(engine, items[i]) for i in chunk]
         except Exception:
             if len(chunk) == 1:
                 log.exception("generation failed")
@@ -1937,6 +1954,8 @@ def run_prepared(engine: Engine, items: list[Prepared]) -> list[Any]:
 def _generate_one(engine: Engine, item: Prepared):
     try:
         return engine.generate([item])[0]
+    except RequestError as error:
+        return error
     except Exception:
         log.exception("generation failed")
         return RequestError("generation_failed", "the model could not answer this request")

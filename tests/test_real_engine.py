@@ -209,6 +209,19 @@ def test_batch_answers_in_order_and_isolates_a_bad_item(engine):
     assert [r.get("image_count") for r in results] == [1, None, 2, 1, 1]
 
 
+def test_prompt_plus_max_new_tokens_beyond_the_context_is_refused_alone(family, tiny_model, serve):
+    engine = serve(tiny_model(family), VLM_MAX_NEW_TOKENS="1000000")
+    context = engine.model.config.get_text_config(decoder=True).max_position_embeddings
+    good = {"task": "caption", "image_url": data_uri(striped()), "max_new_tokens": 3}
+    too_long = dict(good, max_new_tokens=context)
+    alone = ask(too_long)
+    assert alone["code"] == "context_too_long" and alone["param"] == "max_new_tokens"
+    assert str(context) in alone["error"]
+    first, second = ask({"requests": [good, too_long]})["results"]
+    assert first["usage"]["completion_tokens"] == 3
+    assert second["code"] == "context_too_long" and second["param"] == "requests[1].max_new_tokens"
+
+
 def test_each_batch_item_equals_its_solo_run(engine):
     items = batch_items()
     batched = ask({"requests": items})["results"]
