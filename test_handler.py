@@ -18,9 +18,14 @@ from __future__ import annotations
 import base64
 import contextlib
 import copy
+import dataclasses
+import functools
 import io
+import itertools
 import json
+import math
 import os
+import random
 import sys
 import types
 import urllib.error
@@ -43,17 +48,20 @@ STUBBED_API = frozenset({
     "torch.float16",
     "torch.bfloat16",
     "torch.bool",
+    "torch.long",
+    "torch.float",
     "torch.inference_mode",
     "torch.no_grad",
     "torch.stack",
     "torch.cat",
-    "torch.ones",
     "torch.zeros",
+    "torch.zeros_like",
+    "torch.empty_like",
     "torch.tensor",
     "torch.arange",
-    "torch.isin",
+    "torch.where",
+    "torch.softmax",
     "torch.Tensor.shape",
-    "torch.Tensor.dtype",
     "torch.Tensor.__getitem__",
     "torch.Tensor.__setitem__",
     "torch.Tensor.tolist",
@@ -62,7 +70,6 @@ STUBBED_API = frozenset({
     "torch.Tensor.float",
     "torch.Tensor.argmax",
     "torch.Tensor.masked_fill",
-    "torch.Tensor.clone",
     "torch.Tensor.all",
     "torch.Tensor.__bool__",
     "torch.Tensor.__int__",
@@ -71,13 +78,40 @@ STUBBED_API = frozenset({
     "torch.Tensor.__ior__",
     "torch.Tensor.__and__",
     "torch.Tensor.__gt__",
+    "torch.Tensor.__lt__",
+    "torch.Tensor.__add__",
+    "torch.Tensor.__sub__",
+    "torch.Tensor.__mul__",
+    "torch.Tensor.__truediv__",
+    "torch.Tensor.fill_",
+    "torch.Tensor.zero_",
+    "torch.Tensor.copy_",
+    "torch.Tensor.index_copy_",
+    "torch.Tensor.scatter_",
+    "torch.Tensor.scatter",
+    "torch.Tensor.sort",
+    "torch.Tensor.cumsum",
+    "torch.Tensor.exponential_",
+    "torch.Tensor.clamp",
+    "torch.nn.Linear.weight",
+    # torch: the compiled path (torch.compile, CUDA graphs on a side stream)
+    "torch.compile",
+    "torch.cuda.Stream",
+    "torch.cuda.Stream.wait_stream",
+    "torch.cuda.current_stream",
+    "torch.cuda.stream",
+    "torch.cuda.CUDAGraph",
+    "torch.cuda.CUDAGraph.replay",
+    "torch.cuda.graph",
     # torchvision (InternVL2's tiling)
     "torchvision.transforms.functional.to_tensor",
     "torchvision.transforms.functional.normalize",
     # transformers: loading
+    "transformers.__version__",
     "transformers.AutoConfig.from_pretrained",
     "transformers.PretrainedConfig.model_type",
     "transformers.PretrainedConfig.get_text_config",
+    "transformers.PretrainedConfig.max_position_embeddings",
     "transformers.AutoProcessor.from_pretrained",
     "transformers.AutoModelForImageTextToText.from_pretrained",
     "transformers.AutoModel.from_pretrained",
@@ -86,13 +120,11 @@ STUBBED_API = frozenset({
     "transformers.BitsAndBytesConfig",
     "transformers.StaticCache",
     "transformers.StaticCache.reset",
-    "transformers.RepetitionPenaltyLogitsProcessor",
-    "transformers.RepetitionPenaltyLogitsProcessor.__call__",
     # transformers: models
     "transformers.PreTrainedModel.eval",
     "transformers.PreTrainedModel.generate",
     "transformers.PreTrainedModel.__call__",
-    "transformers.PreTrainedModel.get_compiled_call",
+    "transformers.PreTrainedModel.get_output_embeddings",
     "transformers.PreTrainedModel._prepare_position_ids_for_generation",
     "transformers.PreTrainedModel.device",
     "transformers.PreTrainedModel.dtype",
@@ -113,7 +145,6 @@ STUBBED_API = frozenset({
     "transformers.PreTrainedTokenizerBase.decode",
     "transformers.PreTrainedTokenizerBase.apply_chat_template",
     "transformers.PreTrainedTokenizerBase.eos_token_id",
-    "transformers.PreTrainedTokenizerBase.pad_token_id",
     "transformers.PreTrainedTokenizerBase.padding_side",
     # trust_remote_code model APIs
     "remote.MiniCPMV.chat",
@@ -268,13 +299,83 @@ def _assign(data, key: tuple, value) -> None:
             data[idx] = v
 
 
+# ---- CUDA graphs, faked: ops run at once, and the ops run while capturing are recorded as a tape
+# that replay() runs again on the same tensor objects (Python control flow is frozen, as on a GPU).
+
+CAPTURE: list = [None]  # the node list of the graph being captured, or None
+_OP_DEPTH = [0]
+
+
+def _op(fn):
+    """A tensor op: runs at once, and is recorded (outermost calls only) while a graph captures."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        if _OP_DEPTH[0]:
+            return fn(*args, **kwargs)
+        _OP_DEPTH[0] += 1
+        try:
+            result = fn(*args, **kwargs)
+        finally:
+            _OP_DEPTH[0] -= 1
+        if CAPTURE[0] is not None:
+            CAPTURE[0].append((fn, args, kwargs, result))
+        return result
+
+    return wrapper
+
+
+def _refresh(old, new) -> None:
+    """Write a replayed op's result into the object the capture handed out (its 'graph memory')."""
+    if old is new:
+        return
+    if isinstance(old, FakeTensor):
+        old._data, old._dtype = new._data, new._dtype
+    elif isinstance(old, FakeOutput):
+        _refresh(old._logits, new._logits)
+    elif isinstance(old, (tuple, list)):
+        for o, n in zip(old, new):
+            _refresh(o, n)
+
+
+def _sync(what: str) -> None:
+    """Reading a GPU value on the host while a graph captures fails on a GPU: fail here too."""
+    if CAPTURE[0] is not None and not _QUIET[0]:
+        HUB.protocol_errors.append(f"{what} during CUDA graph capture (a host sync cannot be captured)")
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def _same_device(*tensors) -> None:
+    devices = {_device_name(t._device) for t in tensors if isinstance(t, FakeTensor) and t.dims}
+    if len(devices) > 1:
+        HUB.protocol_errors.append(f"an op mixed tensors on {sorted(devices)}")
+        raise RuntimeError(f"Expected all tensors to be on the same device, but found {sorted(devices)}")
+
+
+def _device_name(device) -> str:
+    device = str(device)
+    return "cuda:0" if device == "cuda" else device
+
+
+def _last_dim(dims: tuple, dim: int, what: str) -> None:
+    if dim not in (-1, len(dims) - 1):
+        raise NotImplementedError(f"the fake tensor's {what} works on the last dimension only")
+
+
+def _rows(data, fn):
+    """Apply fn to every innermost row (a list of scalars)."""
+    if data and isinstance(data[0], list):
+        return [_rows(d, fn) for d in data]
+    return fn(data)
+
+
 class FakeTensor:
     """Just enough of torch.Tensor for the engine: nested lists with broadcasting."""
 
     def __init__(self, data, dtype: FakeDtype = None, device="cpu"):
         self._dtype = dtype or _infer_dtype(data)
         self._data = _map(copy.deepcopy(data), lambda v: _cast(v, self._dtype))
-        self._device = device
+        self._device = str(device)
 
     # -- internal helpers (never recorded) --
     @property
@@ -295,6 +396,7 @@ class FakeTensor:
 
     def _binary(self, other, fn, dtype=None) -> "FakeTensor":
         other = FakeTensor.of(other, self)
+        _same_device(self, other)
         target = _broadcast_shape(self.dims, other.dims)
         a, b = _expand(self._data, self.dims, target), _expand(other._data, other.dims, target)
         if dtype is None:
@@ -305,6 +407,22 @@ class FakeTensor:
         if self.numel() != 1:
             raise RuntimeError("a tensor with more than one element has no single value")
         return next(_flat(self._data))
+
+    def _scatter_into(self, dim, index, src) -> None:
+        _last_dim(self.dims, dim, "scatter")
+        index = FakeTensor.of(index, self)
+        _same_device(self, index)
+        source = src._data if isinstance(src, FakeTensor) else None
+
+        def go(d, idx, s):
+            if idx and isinstance(idx[0], list):
+                for k, sub in enumerate(idx):
+                    go(d[k], sub, s[k] if s is not None else None)
+                return
+            for j, i in enumerate(idx):
+                d[i] = _cast(s[j] if s is not None else src, self._dtype)
+
+        go(self._data, index._data, source)
 
     def __repr__(self):
         return f"FakeTensor({self._data!r}, dtype={self._dtype!r})"
@@ -320,46 +438,65 @@ class FakeTensor:
         _use("torch.Tensor.dtype")
         return self._dtype
 
+    @_op
     def __getitem__(self, key):
         _use("torch.Tensor.__getitem__")
+        if isinstance(key, list) or (isinstance(key, FakeTensor) and key.dims):
+            # Advanced indexing by a list or an integer tensor on the first dimension.
+            index = key._data if isinstance(key, FakeTensor) else key
+            if isinstance(key, FakeTensor) and key._dtype.kind != "int":
+                raise NotImplementedError("the fake tensor takes integer index tensors only")
+            return FakeTensor(_map(index, lambda i: copy.deepcopy(self._data[i])), self._dtype, self._device)
         return FakeTensor(_index(self._data, _norm_key(key, len(self.dims))), self._dtype, self._device)
 
+    @_op
     def __setitem__(self, key, value):
         _use("torch.Tensor.__setitem__")
+        if isinstance(key, list):
+            value = FakeTensor.of(value, self)
+            if value.dims:
+                raise NotImplementedError("the fake tensor sets list-indexed elements to a scalar only")
+            for i in key:
+                self._data[i] = _cast(value._single(), self._dtype)
+            return
         key = _norm_key(key, len(self.dims))
         if any(k is None for k in key):
             raise IndexError("None cannot be used in an assignment")
         region = _shape_of(_index(self._data, key))
         value = FakeTensor.of(value, self)
         data = _map(_expand(value._data, value.dims, region), lambda v: _cast(v, self._dtype))
-        if not isinstance(data, list) and not region:
-            _assign(self._data, key, data)
-        else:
-            _assign(self._data, key, data)
+        _assign(self._data, key, data)
 
     def tolist(self):
         _use("torch.Tensor.tolist")
+        _sync("tolist()")
         return copy.deepcopy(self._data)
 
+    @_op
     def to(self, *args, **kwargs):
         _use("torch.Tensor.to")
         dtype = kwargs.get("dtype") or next((a for a in args if isinstance(a, FakeDtype)), self._dtype)
         device = kwargs.get("device") or next((a for a in args if isinstance(a, str)), self._device)
         return FakeTensor(self._data, dtype, str(device))
 
-    def sum(self):
+    @_op
+    def sum(self, dim=None):
         _use("torch.Tensor.sum")
-        total = sum(_flat(self._data))
-        return FakeTensor(total, F32 if self._dtype.kind == "float" else I64, self._device)
+        dtype = F32 if self._dtype.kind == "float" else I64
+        if dim is None:
+            return FakeTensor(sum(_flat(self._data)), dtype, self._device)
+        _last_dim(self.dims, dim, "sum over a dimension")
+        return FakeTensor(_rows(self._data, sum), dtype, self._device)
 
+    @_op
     def float(self):
         _use("torch.Tensor.float")
         return FakeTensor(self._data, F32, self._device)
 
+    @_op
     def argmax(self, dim=-1):
         _use("torch.Tensor.argmax")
-        if dim not in (-1, len(self.dims) - 1):
-            raise NotImplementedError("the fake tensor's argmax works on the last dimension only")
+        _last_dim(self.dims, dim, "argmax")
 
         def go(d):
             if isinstance(d[0], list):
@@ -368,28 +505,31 @@ class FakeTensor:
 
         return FakeTensor(go(self._data), I64, self._device)
 
+    @_op
     def masked_fill(self, mask, value):
         _use("torch.Tensor.masked_fill")
         mask = FakeTensor.of(mask, self)
+        _same_device(self, mask)
+        if mask._dtype is not BOOL:
+            raise RuntimeError("masked_fill only supports boolean masks")
         if _broadcast_shape(self.dims, mask.dims) != self.dims:
             raise RuntimeError("the mask does not broadcast to the tensor")
         m = _expand(mask._data, mask.dims, self.dims)
         return FakeTensor(_zip(self._data, m, lambda v, hide: value if hide else v), self._dtype, self._device)
 
-    def clone(self):
-        _use("torch.Tensor.clone")
-        return FakeTensor(self._data, self._dtype, self._device)
-
+    @_op
     def all(self):
         _use("torch.Tensor.all")
         return FakeTensor(all(_flat(self._data)), BOOL, self._device)
 
     def __bool__(self):
         _use("torch.Tensor.__bool__")
+        _sync("bool(tensor)")
         return bool(self._single())
 
     def __int__(self):
         _use("torch.Tensor.__int__")
+        _sync("int(tensor)")
         return int(self._single())
 
     def __len__(self):
@@ -398,6 +538,7 @@ class FakeTensor:
             raise TypeError("len() of a 0-d tensor")
         return self.dims[0]
 
+    @_op
     def __iadd__(self, other):
         _use("torch.Tensor.__iadd__")
         result = self._binary(other, lambda a, b: a + b, self._dtype)
@@ -406,6 +547,7 @@ class FakeTensor:
         self._data = result._data
         return self
 
+    @_op
     def __ior__(self, other):
         _use("torch.Tensor.__ior__")
         result = self._binary(other, lambda a, b: bool(a) or bool(b), BOOL)
@@ -414,13 +556,150 @@ class FakeTensor:
         self._data = result._data
         return self
 
+    @_op
     def __and__(self, other):
         _use("torch.Tensor.__and__")
         return self._binary(other, lambda a, b: bool(a) and bool(b), BOOL)
 
+    @_op
     def __gt__(self, other):
         _use("torch.Tensor.__gt__")
         return self._binary(other, lambda a, b: a > b, BOOL)
+
+    @_op
+    def __lt__(self, other):
+        _use("torch.Tensor.__lt__")
+        return self._binary(other, lambda a, b: a < b, BOOL)
+
+    @_op
+    def __add__(self, other):
+        _use("torch.Tensor.__add__")
+        return self._binary(other, lambda a, b: a + b)
+
+    @_op
+    def __sub__(self, other):
+        _use("torch.Tensor.__sub__")
+        return self._binary(other, lambda a, b: a - b)
+
+    @_op
+    def __mul__(self, other):
+        _use("torch.Tensor.__mul__")
+        return self._binary(other, lambda a, b: a * b)
+
+    @_op
+    def __truediv__(self, other):
+        _use("torch.Tensor.__truediv__")
+
+        def divide(a, b):
+            if b == 0:
+                return math.copysign(math.inf, a) if a else math.nan
+            return a / b
+
+        other = FakeTensor.of(other, self)
+        dtype = self._dtype if self._dtype.kind == "float" else (other._dtype if other._dtype.kind == "float" else F32)
+        return self._binary(other, divide, dtype)
+
+    # in-place writes into fixed buffers
+    @_op
+    def fill_(self, value):
+        _use("torch.Tensor.fill_")
+        value = value._single() if isinstance(value, FakeTensor) else value
+        self._data = _filled(list(self.dims), _cast(value, self._dtype))
+        return self
+
+    @_op
+    def zero_(self):
+        _use("torch.Tensor.zero_")
+        self._data = _filled(list(self.dims), _cast(0, self._dtype))
+        return self
+
+    @_op
+    def copy_(self, src):
+        _use("torch.Tensor.copy_")
+        src = FakeTensor.of(src, self)  # any device: copy_ moves data
+        if _broadcast_shape(self.dims, src.dims) != self.dims:
+            raise RuntimeError(f"copy_ of shape {src.dims} into {self.dims}")
+        self._data = _map(_expand(src._data, src.dims, self.dims), lambda v: _cast(v, self._dtype))
+        return self
+
+    @_op
+    def index_copy_(self, dim, index, source):
+        _use("torch.Tensor.index_copy_")
+        _same_device(self, index, source)
+        dims, dim = self.dims, dim % len(self.dims)
+        positions = list(_flat(index._data))
+        if source.dims != dims[:dim] + (len(positions),) + dims[dim + 1:]:
+            raise RuntimeError(f"index_copy_: source {source.dims} does not fit {dims} at dim {dim}")
+
+        def go(d, s, depth):
+            if depth == dim:
+                for j, i in enumerate(positions):
+                    if not 0 <= i < len(d):
+                        raise IndexError(f"index_copy_: index {i} out of range")
+                    d[i] = _map(copy.deepcopy(s[j]), lambda v: _cast(v, self._dtype))
+            else:
+                for x, y in zip(d, s):
+                    go(x, y, depth + 1)
+
+        go(self._data, source._data, 0)
+        return self
+
+    @_op
+    def scatter_(self, dim, index, src):
+        _use("torch.Tensor.scatter_")
+        self._scatter_into(dim, index, src)
+        return self
+
+    @_op
+    def scatter(self, dim, index, src):
+        _use("torch.Tensor.scatter")
+        out = FakeTensor(self._data, self._dtype, self._device)
+        out._scatter_into(dim, index, src)
+        return out
+
+    # sampling
+    @_op
+    def sort(self, dim=-1, descending=False):
+        _use("torch.Tensor.sort")
+        _last_dim(self.dims, dim, "sort")
+        values, indices = [], []
+
+        def go(row):
+            order = sorted(range(len(row)), key=lambda i: (-row[i], i) if descending else (row[i], i))
+            return [row[i] for i in order], order
+
+        pairs = _rows(self._data, go)
+
+        def split(p, k):
+            return [split(x, k) for x in p] if isinstance(p, list) else p[k]
+
+        return (FakeTensor(split(pairs, 0), self._dtype, self._device),
+                FakeTensor(split(pairs, 1), I64, self._device))
+
+    @_op
+    def cumsum(self, dim=-1):
+        _use("torch.Tensor.cumsum")
+        _last_dim(self.dims, dim, "cumsum")
+        return FakeTensor(_rows(self._data, lambda row: list(itertools.accumulate(row))), self._dtype, self._device)
+
+    @_op
+    def exponential_(self, lambd=1.0):
+        _use("torch.Tensor.exponential_")
+        self._data = _map(self._data, lambda v: HUB.rng.expovariate(lambd))
+        return self
+
+    @_op
+    def clamp(self, min=None, max=None):
+        _use("torch.Tensor.clamp")
+
+        def bound(v):
+            if min is not None and v < min:
+                v = min
+            if max is not None and v > max:
+                v = max
+            return v
+
+        return FakeTensor(_map(self._data, bound), self._dtype, self._device)
 
 
 class FakeImageTensor:
@@ -463,23 +742,34 @@ def _filled(sizes, value):
     return [_filled(sizes[1:], value) for _ in range(sizes[0])]
 
 
-def torch_ones(*size, dtype=None, device=None):
-    _use("torch.ones")
-    dtype = dtype or F32
-    return FakeTensor(_filled(_sizes(size), _cast(1, dtype)), dtype, str(device or "cpu"))
-
-
+@_op
 def torch_zeros(*size, dtype=None, device=None):
     _use("torch.zeros")
     dtype = dtype or F32
     return FakeTensor(_filled(_sizes(size), _cast(0, dtype)), dtype, str(device or "cpu"))
 
 
+@_op
+def torch_zeros_like(tensor, dtype=None, device=None):
+    _use("torch.zeros_like")
+    dtype = dtype or tensor._dtype
+    return FakeTensor(_filled(list(tensor.dims), _cast(0, dtype)), dtype, str(device or tensor._device))
+
+
+@_op
+def torch_empty_like(tensor, dtype=None, device=None):
+    _use("torch.empty_like")
+    dtype = dtype or tensor._dtype
+    return FakeTensor(_filled(list(tensor.dims), _cast(0, dtype)), dtype, str(device or tensor._device))
+
+
+@_op
 def torch_tensor(data, dtype=None, device=None):
     _use("torch.tensor")
     return FakeTensor(data, dtype or _infer_dtype(data), str(device or "cpu"))
 
 
+@_op
 def torch_arange(start, end=None, step=1, dtype=None, device=None):
     _use("torch.arange")
     if end is None:
@@ -487,11 +777,39 @@ def torch_arange(start, end=None, step=1, dtype=None, device=None):
     return FakeTensor(list(range(int(start), int(end), int(step))), dtype or I64, str(device or "cpu"))
 
 
-def torch_isin(elements, test_elements):
-    _use("torch.isin")
-    elements = _ensure_tensor(elements)
-    pool = set(_flat(_ensure_tensor(test_elements)._data))
-    return FakeTensor(_map(elements._data, lambda v: v in pool), BOOL, elements._device)
+@_op
+def torch_where(condition, input, other):
+    _use("torch.where")
+    condition = _ensure_tensor(condition)
+    a, b = FakeTensor.of(input, condition), FakeTensor.of(other, condition)
+    _same_device(condition, a, b)
+    if condition._dtype is not BOOL:
+        raise RuntimeError("where expected a boolean condition")
+    target = _broadcast_shape(_broadcast_shape(condition.dims, a.dims), b.dims)
+    c = _expand(condition._data, condition.dims, target)
+    x, y = _expand(a._data, a.dims, target), _expand(b._data, b.dims, target)
+
+    def pick(c, x, y):
+        if isinstance(c, list):
+            return [pick(*t) for t in zip(c, x, y)]
+        return x if c else y
+
+    dtype = a._dtype if a._dtype.kind == "float" or b._dtype.kind != "float" else b._dtype
+    return FakeTensor(pick(c, x, y), dtype, condition._device)
+
+
+@_op
+def torch_softmax(input, dim=-1):
+    _use("torch.softmax")
+    _last_dim(input.dims, dim, "softmax")
+
+    def row(values):
+        top = max(values)
+        exps = [math.exp(v - top) for v in values]
+        total = sum(exps)
+        return [e / total for e in exps]
+
+    return FakeTensor(_rows(input._data, row), F32, input._device)
 
 
 def torch_cat(tensors, dim=0):
@@ -505,16 +823,7 @@ def torch_cat(tensors, dim=0):
             (sum(t.dims[0] for t in tensors),) + rest, [x for t in tensors for x in t.tiles],
             tensors[0]._dtype, tensors[0]._device, all(t.normalized for t in tensors),
         )
-    tensors = [_ensure_tensor(t) for t in tensors]
-    ndim = len(tensors[0].dims)
-    dim = dim % ndim
-
-    def go(parts, d):
-        if d == 0:
-            return [x for p in parts for x in p]
-        return [go(list(rows), d - 1) for rows in zip(*parts)]
-
-    return FakeTensor(go([t._data for t in tensors], dim), tensors[0]._dtype, tensors[0]._device)
+    raise NotImplementedError("the handler concatenates image stacks only")
 
 
 def torch_stack(tensors, dim=0):
@@ -528,6 +837,92 @@ def torch_stack(tensors, dim=0):
             tensors[0]._dtype, tensors[0]._device, all(t.normalized for t in tensors),
         )
     return FakeTensor([_ensure_tensor(t)._data for t in tensors])
+
+
+def torch_compile(fn, dynamic=None, **kwargs):
+    """The compiled function is the function itself, counted, and recorded as one op in a graph."""
+    _use("torch.compile")
+    HUB.compiles.append(dict(kwargs, dynamic=dynamic))
+    owner = getattr(fn, "__self__", None)
+
+    @_op
+    def compiled(*args, **kw):
+        if owner is not None:
+            owner.compiled_calls += 1
+        return fn(*args, **kw)
+
+    return compiled
+
+
+class FakeStream:
+    def __init__(self, device=None, priority=0):
+        self.waited_on = []
+
+    def wait_stream(self, stream):
+        _use("torch.cuda.Stream.wait_stream")
+        self.waited_on.append(stream)
+
+
+def cuda_current_stream(device=None):
+    _use("torch.cuda.current_stream")
+    return HUB.stream
+
+
+@contextlib.contextmanager
+def _stream_cm(stream):
+    previous, HUB.stream = HUB.stream, stream
+    try:
+        yield stream
+    finally:
+        HUB.stream = previous
+
+
+def cuda_stream(stream):
+    _use("torch.cuda.stream")
+    return _stream_cm(stream)
+
+
+class FakeCUDAGraph:
+    """A captured step: the tape of ops recorded under torch.cuda.graph(), run again by replay()."""
+
+    def __init__(self, keep_graph=False):
+        self.nodes, self.captured, self.replays = [], False, 0
+        HUB.graphs.append(self)
+
+    def replay(self):
+        _use("torch.cuda.CUDAGraph.replay")
+        if not self.captured:
+            raise RuntimeError("replay() of a graph that was never captured")
+        if CAPTURE[0] is not None:
+            raise RuntimeError("replay() while another graph captures")
+        self.replays += 1
+        with _quiet():
+            for fn, args, kwargs, result in self.nodes:
+                _refresh(result, fn(*args, **kwargs))
+
+
+@contextlib.contextmanager
+def _graph_cm(graph):
+    if CAPTURE[0] is not None:
+        raise RuntimeError("a graph capture is already under way")
+    HUB.capture_attempts += 1
+    if HUB.capture_failures:
+        HUB.capture_failures -= 1
+        raise RuntimeError("CUDA error: operation failed due to a previous error during capture (fake)")
+    graph.nodes.clear()
+    CAPTURE[0] = graph.nodes
+    try:
+        yield graph
+    finally:
+        CAPTURE[0] = None
+    if not graph.nodes:
+        raise RuntimeError("the captured graph is empty")
+    graph.captured = True
+
+
+def cuda_graph(graph, pool=None, stream=None, **kwargs):
+    _use("torch.cuda.graph")
+    return _graph_cm(graph)
 
 
 @contextlib.contextmanager
@@ -611,6 +1006,8 @@ def decode(ids, skip_special_tokens=False) -> str:
         if t < len(SPECIALS):
             if not skip_special_tokens:
                 out.append(SPECIALS[t])
+        elif t < CHAR_BASE:
+            out.append("\N{REPLACEMENT CHARACTER}")  # an id no text encodes to (sampling may pick one)
         else:
             out.append(chr(t - CHAR_BASE))
     return "".join(out)
@@ -680,6 +1077,17 @@ class Hub:
         self.repetition_penalty = None
         self.inference_depth = 0
         self.static_caches = []
+        self.context = 32768  # the text model's max_position_embeddings
+        self.extra_eos = []  # more end tokens in the generation config (ids may lie past the vocabulary)
+        self.rng = random.Random(1234)  # the fake GPU's sampling noise: seeded, so runs repeat
+        self.compiles = []  # torch.compile calls
+        self.graphs = []  # every torch.cuda.CUDAGraph made
+        self.capture_attempts = 0
+        self.capture_failures = 0  # the next N captures fail
+        self.stream = FakeStream()  # the current CUDA stream
+        self.decode_steps = 0  # forward calls that decoded a real token (after a prefill)
+        self.scratch_steps = 0  # forward calls on scratch state (warm-up and capture of a graph)
+        self.decode_calls = []  # what each Decoder.run received: rows and per-row params
 
     def respond(self, prompt: str) -> str:
         return self.reply(prompt) if callable(self.reply) else self.reply
@@ -700,6 +1108,11 @@ class FakeConfig:
     def model_type(self):
         _use("transformers.PretrainedConfig.model_type")
         return self._model_type
+
+    @property
+    def max_position_embeddings(self):
+        _use("transformers.PretrainedConfig.max_position_embeddings")
+        return HUB.context
 
     def get_text_config(self, decoder=False, **kwargs):
         _use("transformers.PretrainedConfig.get_text_config")
@@ -762,6 +1175,10 @@ class FakeBatch(dict):
 
     def to(self, device):
         _use("transformers.BatchFeature.to")
+        with _quiet():
+            for key, value in list(dict.items(self)):
+                if isinstance(value, FakeTensor):
+                    dict.__setitem__(self, key, value.to(str(device)))
         return self
 
     def __getitem__(self, key):
@@ -822,7 +1239,7 @@ class FakeGenerationConfig:
     @property
     def eos_token_id(self):
         _use("transformers.GenerationConfig.eos_token_id")
-        return [EOS, END]
+        return [EOS, END] + list(HUB.extra_eos)
 
     @property
     def repetition_penalty(self):
@@ -838,6 +1255,18 @@ class FakeOutput:
     def logits(self):
         _use("transformers.ModelOutput.logits")
         return self._logits
+
+
+class FakeLinear:
+    """The language-model head: only its weight's shape (vocabulary, hidden) is read."""
+
+    def __init__(self, out_features, in_features, device):
+        self._weight = FakeTensor([[0.0] * in_features for _ in range(out_features)], F32, device)
+
+    @property
+    def weight(self):
+        _use("torch.nn.Linear.weight")
+        return self._weight
 
 
 class FakeModelBase:
@@ -898,6 +1327,10 @@ class FakeModel(FakeModelBase):
         return prompts, real
 
     # ---- the hand-written decode loop's API ----
+    def get_output_embeddings(self):
+        _use("transformers.PreTrainedModel.get_output_embeddings")
+        return FakeLinear(VOCAB, 2, HUB.device)
+
     def _prepare_position_ids_for_generation(self, input_ids, model_kwargs):
         _use("transformers.PreTrainedModel._prepare_position_ids_for_generation")
         with _quiet():
@@ -910,49 +1343,75 @@ class FakeModel(FakeModelBase):
                     total += keep
                     row.append(total - 1 if keep else 1)
                 positions.append(row)
-            return FakeTensor(positions, I64)
+            return FakeTensor(positions, I64, input_ids._device)
 
+    @_op
     def __call__(self, **kwargs):
         _use("transformers.PreTrainedModel.__call__")
         return self._forward(kwargs)
-
-    def get_compiled_call(self, compile_config=None):
-        _use("transformers.PreTrainedModel.get_compiled_call")
-
-        def compiled(**kwargs):
-            self.compiled_calls += 1
-            return self._forward(kwargs)
-
-        return compiled
 
     def _forward(self, kwargs):
         with _quiet():
             self._check_inference("forward")
             input_ids = kwargs["input_ids"]
             cache_position = kwargs.get("cache_position")
-            first = cache_position is None or cache_position.tolist()[0] == 0
-            if len(input_ids._data[0]) > 1 or first or self._scripts is None:
-                prompts, real = self._prompts(input_ids, kwargs.get("attention_mask"))
+            cache = kwargs.get("past_key_values")
+            device = _device_name(HUB.device)
+            for name, value in kwargs.items():
+                if isinstance(value, FakeTensor) and _device_name(value._device) != device:
+                    HUB.protocol_errors.append(f"forward: {name} on {value._device}, the model on {device}")
+            rows, width = input_ids.dims
+            if width > 1 or cache_position is None:  # a prefill: a new batch
+                if isinstance(cache, FakeStaticCache) and cache.dirty:
+                    HUB.protocol_errors.append("a static cache was reused for a new batch without reset()")
+                mask = kwargs.get("attention_mask")
+                prompts, real = self._prompts(input_ids, mask)
                 self._scripts = [HUB.script(p) for p in prompts]
-                self._real, self._prompt_length, self._step = real, len(input_ids._data[0]), 0
+                self._real, self._prompt_length, self._step = real, width, 0
+                self._prompt_mask = mask._data if mask is not None else [[1] * width for _ in range(rows)]
                 pixels = kwargs.get("pixel_values")
                 HUB.prefills.append(dict(
                     prompts=prompts, pixel_dtype=getattr(pixels, "_dtype", None),
-                    keys=sorted(kwargs), cache=kwargs.get("past_key_values"),
+                    keys=sorted(kwargs), cache=cache,
                 ))
+                last = width - 1 if cache_position is None else cache_position._data[-1]
+            elif self._scripts is None or cache_position._data[0] < self._prompt_length:
+                # Any in-range state will do to warm up or capture a step: answer, remember nothing.
+                HUB.scratch_steps += 1
+                if isinstance(cache, FakeStaticCache):
+                    cache.dirty = True
+                row = [0.0] * VOCAB
+                row[EOS] = 10.0
+                return FakeOutput(FakeTensor([[row] for _ in range(rows)], F32, HUB.device))
             else:
                 self._step += 1
                 step = self._step
-                if cache_position is not None and cache_position.tolist() != [self._prompt_length + step - 1]:
+                HUB.decode_steps += 1
+                if rows != len(self._scripts):
+                    HUB.protocol_errors.append(f"decode step {step}: {rows} rows after a prefill of {len(self._scripts)}")
+                if cache is not HUB.prefills[-1]["cache"]:
+                    HUB.protocol_errors.append(f"decode step {step}: not the prefill's KV cache")
+                last = self._prompt_length + step - 1
+                if cache_position is not None and cache_position.tolist() != [last]:
                     HUB.protocol_errors.append(
-                        f"decode step {step}: cache_position {cache_position.tolist()}, "
-                        f"expected [{self._prompt_length + step - 1}]")
+                        f"decode step {step}: cache_position {cache_position.tolist()}, expected [{last}]")
                 positions = kwargs.get("position_ids")
                 if positions is not None:
                     got = [row[-1] for row in positions._data]
                     want = [n + step - 1 for n in self._real]
                     if got != want:
                         HUB.protocol_errors.append(f"decode step {step}: position_ids {got}, expected {want}")
+                mask = kwargs.get("attention_mask")
+                if mask is not None:
+                    for r, (m, prompt_mask) in enumerate(zip(mask._data, self._prompt_mask)):
+                        if m[:self._prompt_length] != prompt_mask or not all(m[self._prompt_length:last + 1]):
+                            HUB.protocol_errors.append(f"decode step {step}: row {r}'s attention mask hides "
+                                                       "a token it should see or shows padding")
+                            break
+            if isinstance(cache, FakeStaticCache):
+                cache.dirty = True
+                if cache.max_cache_len is not None and last >= cache.max_cache_len:
+                    HUB.protocol_errors.append(f"position {last} written past a cache of {cache.max_cache_len}")
             logits = []
             for script in self._scripts:
                 token = script[self._step] if self._step < len(script) else EOS
@@ -960,7 +1419,7 @@ class FakeModel(FakeModelBase):
                 row[FILLER] = 5.0
                 row[token] = 10.0
                 logits.append([row])
-            return FakeOutput(FakeTensor(logits, F32))
+            return FakeOutput(FakeTensor(logits, F32, HUB.device))
 
     # ---- generate() ----
     def generate(self, input_ids=None, attention_mask=None, max_new_tokens=20, min_new_tokens=0,
@@ -989,7 +1448,7 @@ class FakeModel(FakeModelBase):
                 rows.append(new)
             width = max(len(r) for r in rows)
             out = [list(ids) + r + [pad] * (width - len(r)) for ids, r in zip(input_ids._data, rows)]
-            return FakeTensor(out, I64)
+            return FakeTensor(out, I64, input_ids._device)
 
 
 class FakeMiniCPMV(FakeModelBase):
@@ -1051,27 +1510,13 @@ class FakeStaticCache:
     def __init__(self, config=None, max_cache_len=None, **kwargs):
         _use("transformers.StaticCache")
         self.config, self.max_cache_len, self.kwargs, self.resets = config, max_cache_len, kwargs, 0
+        self.dirty = False  # written since the last reset()
         HUB.static_caches.append(self)
 
     def reset(self):
         _use("transformers.StaticCache.reset")
         self.resets += 1
-
-
-class FakeRepetitionPenalty:
-    def __init__(self, penalty):
-        _use("transformers.RepetitionPenaltyLogitsProcessor")
-        self.penalty = float(penalty)
-
-    def __call__(self, input_ids, scores):
-        _use("transformers.RepetitionPenaltyLogitsProcessor.__call__")
-        with _quiet():
-            data = copy.deepcopy(scores._data)
-            for row, seen in zip(data, input_ids._data):
-                for token in set(seen):
-                    value = row[token]
-                    row[token] = value * self.penalty if value < 0 else value / self.penalty
-            return FakeTensor(data, scores._dtype, scores._device)
+        self.dirty = False
 
 
 class _StubModule(types.ModuleType):
@@ -1085,7 +1530,8 @@ class _StubModule(types.ModuleType):
 
     def __getattribute__(self, attr):
         value = super().__getattribute__(attr)
-        if not attr.startswith("_") and attr in super().__getattribute__("_stub_tracked"):
+        tracked = super().__getattribute__("__dict__").get("_stub_tracked", ())
+        if attr in tracked:
             _use(f"{super().__getattribute__('__name__')}.{attr}")
         return value
 
@@ -1096,14 +1542,19 @@ class _StubModule(types.ModuleType):
 
 
 def build_stub_modules() -> dict:
-    cuda = _StubModule("torch.cuda", {"is_available": cuda_is_available, "is_bf16_supported": cuda_is_bf16_supported})
+    cuda = _StubModule("torch.cuda", {
+        "is_available": cuda_is_available, "is_bf16_supported": cuda_is_bf16_supported,
+        "Stream": FakeStream, "current_stream": cuda_current_stream, "stream": cuda_stream,
+        "CUDAGraph": FakeCUDAGraph, "graph": cuda_graph,
+    })
     torch = _StubModule(
         "torch",
         {
-            "float32": F32, "float16": F16, "bfloat16": BF16, "bool": BOOL,
+            "float32": F32, "float16": F16, "bfloat16": BF16, "bool": BOOL, "long": I64, "float": F32,
             "inference_mode": torch_inference_mode, "no_grad": torch_no_grad, "stack": torch_stack, "cat": torch_cat,
-            "ones": torch_ones, "zeros": torch_zeros, "tensor": torch_tensor, "arange": torch_arange,
-            "isin": torch_isin,
+            "zeros": torch_zeros, "zeros_like": torch_zeros_like, "empty_like": torch_empty_like,
+            "tensor": torch_tensor, "arange": torch_arange, "where": torch_where, "softmax": torch_softmax,
+            "compile": torch_compile,
         },
         {"cuda": cuda, "Tensor": FakeTensor},
     )
@@ -1114,7 +1565,7 @@ def build_stub_modules() -> dict:
     torchvision = _StubModule("torchvision", {}, {"transforms": transforms})
     transformers = _StubModule(
         "transformers",
-        {},
+        {"__version__": "5.0.0"},
         {
             "AutoConfig": FakeAutoConfig,
             "AutoProcessor": _loader("AutoProcessor", FakeProcessor, None),
@@ -1124,7 +1575,6 @@ def build_stub_modules() -> dict:
             "AutoTokenizer": _loader("AutoTokenizer", lambda path, kwargs: FakeTokenizer(), None),
             "BitsAndBytesConfig": FakeBitsAndBytesConfig,
             "StaticCache": FakeStaticCache,
-            "RepetitionPenaltyLogitsProcessor": FakeRepetitionPenalty,
         },
     )
     return {
@@ -1164,6 +1614,19 @@ def hub(monkeypatch):
     HUB.reset()
     MISSING.clear()
     handler.reset_engine()
+    decoder = getattr(handler, "Decoder", None)
+    if decoder is not None:  # record what each batch's decoding was asked for, row by row
+        run = decoder.run
+
+        def spy(self, inputs, params):
+            HUB.decode_calls.append(dict(
+                rows=self.rows, length=self.length, params=[dataclasses.replace(p) for p in params],
+                **{field: [getattr(p, field) for p in params]
+                   for field in ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_p")},
+            ))
+            return run(self, inputs, params)
+
+        monkeypatch.setattr(decoder, "run", spy)
     yield HUB
     handler.reset_engine()
     assert not MISSING, f"the handler used torch/transformers API the stubs lack: {sorted(MISSING)}"
@@ -1633,16 +2096,17 @@ def test_greedy_decoding_by_default(monkeypatch, hub):
         assert generate.get("temperature") is None and generate.get("top_p") is None
 
 
-def test_sampling_parameters_reach_generate(monkeypatch, hub):
+def test_sampling_parameters_reach_the_decoder(monkeypatch, hub):
     hub.reply = "sampled"
     serve(monkeypatch, VLM_DEFAULT_MAX_NEW_TOKENS=40)
     out = call(caption(do_sample=True, temperature=0.7, top_p=0.9))
     assert out["response"] == "sampled"
-    (generate,) = hub.generate_calls
-    assert generate["do_sample"] is True
-    assert generate["temperature"] == 0.7 and generate["top_p"] == 0.9
-    assert generate["max_new_tokens"] == 40  # VLM_DEFAULT_MAX_NEW_TOKENS when the request sets none
-    assert generate["pad_token_id"] == PAD
+    (decoded,) = hub.decode_calls
+    assert decoded["do_sample"] == [True]
+    assert decoded["temperature"] == [0.7] and decoded["top_p"] == [0.9]
+    assert decoded["max_new_tokens"] == [40]  # VLM_DEFAULT_MAX_NEW_TOKENS when the request sets none
+    (prefill,) = hub.prefills  # the prompt reached the model whole, its padding hidden by the mask
+    assert prefill["prompts"] == hub.processor_calls[-1]["text"]
 
 
 @pytest.mark.parametrize("sampling", [False, True])
@@ -2001,7 +2465,7 @@ def test_bad_image_blocks_name_their_path(monkeypatch, hub, block, param):
 def test_too_many_loose_images(monkeypatch, hub):
     serve(monkeypatch, VLM_MAX_IMAGES=2)
     out = call({"task": "caption", "images": [b64(), b64(), b64()]})
-    assert_error(out, "images", "too_many_images")
+    assert_error(out, "images[2]", "too_many_images")  # the first image over the limit
     assert "2" in out["error"]
 
 
@@ -2009,7 +2473,7 @@ def test_too_many_images_in_messages_names_the_first_extra_block(monkeypatch):
     serve(monkeypatch, VLM_MAX_IMAGES=2)
     blocks = [{"type": "image", "image": b64()} for _ in range(3)]
     out = call({"messages": [{"role": "user", "content": blocks}]})
-    assert_error(out, "messages[0].content[2]", "too_many_images")
+    assert_error(out, "messages[0].content[2].image", "too_many_images")
 
 
 def test_images_at_the_limit_are_accepted(monkeypatch):
@@ -2187,7 +2651,8 @@ def test_phi3_numbers_image_placeholders_across_turns(monkeypatch, hub):
     assert processor_call["text"] == [render(expected, True)]
     assert [im.size for im in processor_call["images"]] == [IMG_A, IMG_B]
     (generate,) = hub.generate_calls
-    assert generate["eos_token_id"] == EOS and generate["max_new_tokens"] == 40
+    # The card's end token and the generation config's (<|end|>) both end the answer.
+    assert sorted(generate["eos_token_id"]) == [EOS, END] and generate["max_new_tokens"] == 40
     assert out["usage"] == {"prompt_tokens": len(encode(render(expected, True))), "completion_tokens": 11}
     assert out["finish_reason"] == "stop"
 
@@ -2440,16 +2905,101 @@ def test_batch_envelope_errors(monkeypatch, hub, payload, param, code):
     assert not hub.models
 
 
-def test_items_with_different_sampling_run_apart_and_answer_in_order(monkeypatch, hub):
+def test_greedy_and_sampled_items_share_one_batch_each_row_keeping_its_settings(monkeypatch, hub):
     hub.reply = echo
     serve(monkeypatch)
     out = batch(chat("A"), chat("B", do_sample=True, temperature=0.7), chat("C"),
-                chat("D", do_sample=True, temperature=0.9), chat("E", do_sample=True, temperature=0.7))
+                chat("D", do_sample=True, temperature=0.9, top_p=0.5), chat("E", do_sample=True, temperature=0.7))
     assert [r["response"] for r in out["results"]] == ["echo:A", "echo:B", "echo:C", "echo:D", "echo:E"]
-    groups = sorted(sorted(last_user_text(p) for p in c["text"]) for c in hub.processor_calls)
-    assert groups == [["A", "C"], ["B", "E"], ["D"]]
-    temperatures = sorted((g["temperature"], g["rows"]) for g in hub.generate_calls)
-    assert temperatures == [(0.7, 2), (0.9, 1)]
+    (processor_call,) = hub.processor_calls  # one batch for all five
+    assert [last_user_text(p) for p in processor_call["text"]] == ["A", "B", "C", "D", "E"]
+    (decoded,) = hub.decode_calls
+    assert decoded["rows"] == 5
+    assert decoded["do_sample"] == [False, True, False, True, True]
+    assert decoded["temperature"] == [0.0, 0.7, 0.0, 0.9, 0.7]
+    assert decoded["top_p"] == [1.0, 1.0, 1.0, 0.5, 1.0]
+    assert not hub.generate_calls
+
+
+def test_items_are_batched_by_max_new_tokens_and_answer_in_input_order(monkeypatch, hub):
+    hub.reply = echo
+    serve(monkeypatch, VLM_MAX_BATCH_SIZE=2)
+    budgets = [50, 5, 40, 10, 30]
+    out = batch(*[chat(f"q{i}", max_new_tokens=n) for i, n in enumerate(budgets)])
+    expected = [("echo:" + f"q{i}")[:n] for i, n in enumerate(budgets)]
+    assert [r["response"] for r in out["results"]] == expected
+    groups = [[last_user_text(p) for p in c["text"]] for c in hub.processor_calls]
+    assert groups == [["q1", "q3"], ["q4", "q2"], ["q0"]]  # shortest budgets first
+    assert [d["max_new_tokens"] for d in hub.decode_calls] == [[5, 10], [30, 40], [50]]
+
+
+def test_a_tiny_top_p_samples_like_greedy_and_a_wide_one_really_samples(monkeypatch, hub):
+    # The fake model's logits: 10 for its answer, 5 for a filler, 0 elsewhere. At temperature 2
+    # the answer has ~40% of the mass: top_p=1 strays from it (seeded noise), top_p=0.01 cannot.
+    hub.reply = echo
+    serve(monkeypatch)
+    out = batch(chat("greedy"), chat("narrow", do_sample=True, temperature=2.0, top_p=0.01),
+                chat("wide", do_sample=True, temperature=2.0, top_p=1.0), chat("greedy too"))
+    greedy, narrow, wide, greedy_too = (r["response"] for r in out["results"])
+    assert len(hub.processor_calls) == 1  # all four rows decoded together
+    assert greedy == "echo:greedy" and greedy_too == "echo:greedy too"
+    assert narrow == "echo:narrow"
+    assert wide != "echo:wide"
+
+
+def test_min_new_tokens_is_per_row_in_a_mixed_batch(monkeypatch, hub):
+    hub.reply = echo
+    serve(monkeypatch)
+    out = batch(chat("a", min_new_tokens=10), chat("b", do_sample=True, temperature=0.5, top_p=0.5),
+                chat("c"), chat("d", do_sample=True, temperature=0.5, top_p=0.5, min_new_tokens=9))
+    a, b, c, d = out["results"]
+    assert len(hub.processor_calls) == 1
+    assert hub.decode_calls[0]["min_new_tokens"] == [10, 0, 0, 9]
+    assert b["response"] == "echo:b" and b["usage"]["completion_tokens"] == 6
+    assert c["response"] == "echo:c" and c["usage"]["completion_tokens"] == 6
+    assert a["response"].startswith("echo:a") and a["usage"]["completion_tokens"] == 10
+    assert d["response"].startswith("echo:d") and d["usage"]["completion_tokens"] == 9
+    assert all(r["finish_reason"] == "stop" for r in (a, b, c, d))
+
+
+def test_repetition_penalty_from_the_generation_config_is_applied(monkeypatch, hub):
+    # The fake's answer scores 10 and its filler "~" 5: a penalty of 2.5 drops a repeated token
+    # (or one of the prompt's) to 4, under the filler, as transformers' processor would.
+    hub.reply = "QQ"
+    serve(monkeypatch)
+    assert call(chat("x"))["response"] == "QQ"  # no penalty configured
+    handler.reset_engine()
+    hub.repetition_penalty = 2.5
+    assert call(chat("x"))["response"] == "Q~"  # "Q" once chosen is penalized
+    hub.reply = "xQ"
+    assert call(chat("x"))["response"] == "~Q"  # so is every token of the prompt
+    handler.reset_engine()
+    hub.repetition_penalty = 1.0  # 1.0 means none
+    assert call(chat("x"))["response"] == "xQ"
+
+
+def test_decoding_stops_early_once_every_row_has_ended(monkeypatch, hub):
+    hub.reply = echo
+    serve(monkeypatch)
+    out = batch(chat("a", max_new_tokens=200), chat("b", max_new_tokens=200))
+    assert [r["response"] for r in out["results"]] == ["echo:a", "echo:b"]
+    assert hub.decode_steps <= 16  # ended after 7 tokens: the end is looked for every 16 steps
+    hub.decode_steps = 0
+    handler.reset_engine()
+    out = batch(chat("a", max_new_tokens=200), chat("b" * 40, max_new_tokens=200))
+    assert [r["response"] for r in out["results"]] == ["echo:a", "echo:" + "b" * 40]
+    assert 45 <= hub.decode_steps <= 64  # one row still talking keeps the batch going
+    hub.decode_steps = 0
+    hub.reply = "never ends " * 10
+    handler.reset_engine()
+    out = call(chat("x", max_new_tokens=30))
+    assert out["finish_reason"] == "length" and hub.decode_steps == 29  # the budget, not the check
+
+
+def test_end_tokens_past_the_vocabulary_are_ignored(monkeypatch, hub):
+    hub.reply, hub.extra_eos = "fine", [VOCAB + 7]
+    serve(monkeypatch)
+    assert call(chat("x"))["response"] == "fine"
 
 
 def test_max_batch_size_limits_rows_per_model_call(monkeypatch, hub):
@@ -2551,7 +3101,92 @@ def test_sampling_on_the_compiled_path(monkeypatch, hub):
     serve(monkeypatch, QWEN)
     out = batch(chat("x", do_sample=True, temperature=0.5), chat("y", do_sample=True, temperature=0.5))
     assert [r["response"] for r in out["results"]] == ["echo:x", "echo:y"]
-    assert all(g["do_sample"] is True for g in hub.generate_calls)
+    (decoded,) = hub.decode_calls
+    assert decoded["rows"] == 4 and all(decoded["do_sample"])  # padded to the bucket with the last item
+    assert [g.captured for g in hub.graphs] == [True]  # the sampling variant of the step
+
+
+def compiled_engine(monkeypatch, hub, **env):
+    hub.reply, hub.cuda_available, hub.device = echo, True, "cuda:0"
+    serve(monkeypatch, QWEN, **dict({"VLM_COMPILE": "true"}, **env))
+
+
+def captured() -> int:
+    return sum(g.captured for g in HUB.graphs)
+
+
+def replays() -> int:
+    return sum(g.replays for g in HUB.graphs)
+
+
+def test_compiled_path_captures_one_graph_per_bucket_and_variant_then_replays(monkeypatch, hub):
+    compiled_engine(monkeypatch, hub, VLM_MAX_BATCH_SIZE=4)
+    assert call(chat("a"))["response"] == "echo:a"
+    assert (hub.capture_attempts, captured(), replays()) == (1, 1, 0)  # recorded after the first batch
+    steps = hub.decode_steps
+    assert call(chat("again"))["response"] == "echo:again"
+    assert hub.capture_attempts == 1
+    assert replays() == hub.decode_steps - steps > 0  # every step of the second batch is a replay
+    assert call(chat("s", do_sample=True, temperature=0.5, top_p=0.5))["response"] == "echo:s"
+    assert (hub.capture_attempts, captured()) == (2, 2)  # the sampling variant
+    assert call(chat("t", do_sample=True, temperature=0.5, top_p=0.5))["response"] == "echo:t"
+    assert hub.capture_attempts == 2
+    out = batch(chat("p"), chat("q"), chat("r"))  # 3 rows: the 4-row bucket
+    assert [r["response"] for r in out["results"]] == ["echo:p", "echo:q", "echo:r"]
+    assert (hub.capture_attempts, captured()) == (3, 3)
+    before = replays()
+    out = batch(chat("u"), chat("v"))  # 2 rows: the same 4-row bucket, replayed
+    assert [r["response"] for r in out["results"]] == ["echo:u", "echo:v"]
+    assert hub.capture_attempts == 3 and replays() > before
+    assert len(hub.compiles) == 1 and hub.compiles[0]["dynamic"] is False  # one compiled forward
+
+
+def test_a_failed_graph_capture_falls_back_to_plain_steps(monkeypatch, hub, caplog):
+    compiled_engine(monkeypatch, hub)
+    hub.capture_failures = 1
+    assert call(chat("a"))["response"] == "echo:a"
+    assert hub.capture_attempts == 1 and captured() == 0
+    assert "CUDA graph capture failed" in caplog.text
+    calls = hub.models[0].compiled_calls
+    out = call(chat("b" * 20))
+    assert out["response"] == "echo:" + "b" * 20 and out["finish_reason"] == "stop"
+    assert hub.capture_attempts == 1 and replays() == 0  # not retried for that bucket
+    assert hub.models[0].compiled_calls - calls >= 20  # the steps ran through the compiled forward
+
+
+def test_warm_up_records_every_bucket_and_variant(monkeypatch, hub):
+    compiled_engine(monkeypatch, hub, VLM_MAX_BATCH_SIZE=4)
+    engine = handler.get_engine()
+    assert engine.warm_up() >= 0.0
+    assert [d["rows"] for d in hub.decode_calls] == [1, 1, 1, 1, 4, 4, 4, 4]
+    assert [d["do_sample"][0] for d in hub.decode_calls] == [False, False, True, True] * 2
+    assert (hub.capture_attempts, captured()) == (4, 4)
+    out = batch(chat("a"), chat("b", do_sample=True, temperature=0.5, top_p=0.5))
+    assert [r["response"] for r in out["results"]] == ["echo:a", "echo:b"]
+    assert hub.capture_attempts == 4 and replays() > 0  # nothing left to record for a request
+
+
+def test_warm_up_does_nothing_off_the_gpu(monkeypatch, hub):
+    serve(monkeypatch, QWEN)
+    assert handler.get_engine().warm_up() == 0.0
+    assert not hub.decode_calls and not hub.graphs and not hub.compiles
+
+
+def test_compiled_replays_answer_like_the_eager_path(monkeypatch, hub):
+    hub.reply, hub.repetition_penalty = echo, 1.1
+    items = [chat("one", min_new_tokens=8), chat("two", do_sample=True, temperature=0.6, top_p=0.3),
+             chat("three", max_new_tokens=4)]
+    serve(monkeypatch, QWEN, VLM_COMPILE="false")
+    eager = batch(*items)["results"]
+    handler.reset_engine()
+    hub.reset()
+    compiled_engine(monkeypatch, hub)
+    hub.repetition_penalty = 1.1
+    batch(*items)  # captures the graph
+    compiled = batch(*items)["results"]  # replays it
+    assert replays() > 0
+    for key in ("response", "finish_reason", "usage"):
+        assert [r[key] for r in compiled] == [r[key] for r in eager]
 
 
 # =================================================================================================
