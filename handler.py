@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import functools
 import io
 import json
 import logging
@@ -107,8 +108,8 @@ class Settings:
     max_messages: int = 64
     min_pixels: int = 0  # Qwen processors' visual-token bounds; 0 keeps the model's own
     max_pixels: int = 0
-    compile: bool = True  # static cache + torch.compile on CUDA (never on CPU or bitsandbytes)
-    cache_len: int = 2048  # KV-cache length compiled at warm-up; longer requests grow it once
+    compile: bool = True  # torch.compile + CUDA graphs for decoding (CUDA only, never bitsandbytes)
+    cache_len: int = 2048  # KV-cache length compiled at warm-up; a longer request doubles it
     compile_cache_dir: str = ""  # compiled kernels kept here are reused by a restarted worker
 
     @classmethod
@@ -538,10 +539,15 @@ def _dns_pool():
 def _tls_context():
     """System trust (honours SSL_CERT_FILE / SSL_CERT_DIR); certifi's bundle when it is installed
     and no override is set, as requests does."""
+    return _tls_context_for(os.environ.get("SSL_CERT_FILE") or None, os.environ.get("SSL_CERT_DIR") or None)
+
+
+@functools.lru_cache(maxsize=4)
+def _tls_context_for(cafile: Optional[str], cadir: Optional[str]):
+    """Built once per trust setting: loading a CA bundle takes tens of milliseconds."""
     import ssl
 
-    cafile = os.environ.get("SSL_CERT_FILE") or None
-    if cafile is None and not os.environ.get("SSL_CERT_DIR"):
+    if cafile is None and not cadir:
         try:
             import certifi
 
@@ -887,29 +893,22 @@ class FamilyAdapter:
     native = True  # loads with AutoProcessor + AutoModelForImageTextToText, no remote code
     grounding: Optional[str] = None  # coordinate system of boxes: "qwen-1000", "qwen-abs-pixels", None
     quantization_skip_modules: tuple[str, ...] = ()
-    supports_system_role = True
-    static_cache = True
 
     def grounding_prompt(self, target: str) -> str:
         return f"Locate {target} in the image and give its bounding box as [x1, y1, x2, y2]."
 
     def chat_messages(self, turns: list[Turn]) -> list[dict]:
         """Turns in the format processors' chat templates take: images become {"type": "image"}."""
-        messages = []
-        pending_system = []
-        for turn in turns:
-            content = [
-                {"type": "text", "text": p} if isinstance(p, str) else {"type": "image"}
-                for p in turn.parts
-            ]
-            if turn.role == "system" and not self.supports_system_role:
-                pending_system.extend(content)
-                continue
-            if pending_system and turn.role == "user":
-                content = pending_system + content
-                pending_system = []
-            messages.append({"role": turn.role, "content": content})
-        return messages
+        return [
+            {
+                "role": turn.role,
+                "content": [
+                    {"type": "text", "text": p} if isinstance(p, str) else {"type": "image"}
+                    for p in turn.parts
+                ],
+            }
+            for turn in turns
+        ]
 
     def prompt(self, processor, turns: list[Turn]) -> str:
         return processor.apply_chat_template(
@@ -958,14 +957,14 @@ class RemoteCodeAdapter(FamilyAdapter):
     """Families served through their repository's own code (trust_remote_code), one item at a time."""
 
     native = False
-    static_cache = False
+    model_class, processor_class = "AutoModel", "AutoTokenizer"  # names in transformers
 
     def load(self, path: str, load_kwargs: dict):
-        from transformers import AutoModel, AutoTokenizer
+        import transformers
 
-        model = AutoModel.from_pretrained(path, **load_kwargs).eval()
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
-        return model, tokenizer
+        model = getattr(transformers, self.model_class).from_pretrained(path, **load_kwargs).eval()
+        processor = getattr(transformers, self.processor_class).from_pretrained(path, trust_remote_code=True)
+        return model, processor
 
     def run(self, model, processor, item: Prepared, sampling: dict) -> Generation:
         raise NotImplementedError
@@ -996,13 +995,7 @@ class Phi3VisionAdapter(RemoteCodeAdapter):
 
     name = "phi3-vision"
     quantization_skip_modules = ("model.vision_embed_tokens", "lm_head")
-
-    def load(self, path, load_kwargs):
-        from transformers import AutoModelForCausalLM, AutoProcessor
-
-        model = AutoModelForCausalLM.from_pretrained(path, **load_kwargs).eval()
-        processor = AutoProcessor.from_pretrained(path, trust_remote_code=True)
-        return model, processor
+    model_class, processor_class = "AutoModelForCausalLM", "AutoProcessor"
 
     def chat_messages(self, turns):
         messages, index = [], 0
@@ -1025,7 +1018,7 @@ class Phi3VisionAdapter(RemoteCodeAdapter):
         )
         inputs = processor(prompt, item.images or None, return_tensors="pt").to(model.device)
         # The card passes the tokenizer's end token; the generation config's (<|end|>) ends turns too.
-        eos = set(_token_ids(model.generation_config.eos_token_id)) | {processor.tokenizer.eos_token_id}
+        eos = set(_token_ids(model.generation_config.eos_token_id)) | set(_token_ids(processor.tokenizer.eos_token_id))
         with torch.inference_mode():
             out = model.generate(**inputs, eos_token_id=sorted(eos), **sampling)
         new_tokens = out[0, inputs["input_ids"].shape[1]:]
@@ -1094,7 +1087,7 @@ class InternVL2Adapter(RemoteCodeAdapter):
 
     def run(self, model, tokenizer, item, sampling):
         # InternVL2's chat takes one question plus (question, answer) history pairs.
-        history, question_parts, pending = [], [], None
+        history, pending = [], None
         for turn in item.turns:
             text = "\n".join(
                 "<image>" if not isinstance(p, str) else p for p in turn.parts
@@ -1104,11 +1097,9 @@ class InternVL2Adapter(RemoteCodeAdapter):
                 pending = None
             elif turn.role in ("user", "system"):
                 pending = text if pending is None else f"{pending}\n{text}"
-        question_parts = pending or ""
         values, num_patches = self.pixel_values(item.images, model.dtype, model.device)
-        generation_config = dict(sampling)
         text = model.chat(
-            tokenizer, values, question_parts, generation_config,
+            tokenizer, values, pending or "", sampling,
             num_patches_list=num_patches or None, history=history or None,
         )
         return _remote_generation(tokenizer, text, item.params.max_new_tokens)
@@ -1176,9 +1167,9 @@ class Decoder:
 
     A step (forward of the last tokens, repetition penalty, end-token blocking before
     min_new_tokens, greedy or temperature/top-p choice per row, bookkeeping) reads and writes only
-    these fixed tensors. On the GPU the step is captured once as a CUDA graph and replayed, so a
-    token costs one launch rather than generate()'s hundreds of Python-issued kernels. Greedy rows
-    give the tokens of `model.generate(do_sample=False)`."""
+    these fixed tensors. On the GPU the step is captured as a CUDA graph (one for batches with
+    sampled rows, one without) and replayed, so a token costs one launch rather than generate()'s
+    hundreds of Python-issued kernels. Greedy rows give the tokens of `model.generate(do_sample=False)`."""
 
     def __init__(self, engine: "Engine", rows: int, length: int):
         import torch
@@ -1199,7 +1190,7 @@ class Decoder:
         zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         self.token, self.cache_position, self.step = zeros(rows, 1), zeros(1), zeros(1)
         self.mask, self.generated = zeros(rows, length), zeros(rows, length)
-        self.min_new, self.finished = zeros(rows), zeros(rows, dtype=torch.bool)
+        self.min_new, self.max_new, self.finished = zeros(rows), zeros(rows), zeros(rows, dtype=torch.bool)
         self.sample = zeros(rows, dtype=torch.bool)
         self.temperature, self.top_p = zeros(rows, dtype=torch.float), zeros(rows, dtype=torch.float)
         self.position = None  # shaped like the family's position ids on the first call
@@ -1218,7 +1209,7 @@ class Decoder:
         if self.any_sample:
             token = torch.where(self.sample, self._sampled(logits), token)
         self.generated.index_copy_(1, self.step, token[:, None])
-        self.finished |= self.is_eos[token]
+        self.finished |= self.is_eos[token] | (self.step + 1 >= self.max_new)
         if self.seen is not None:
             self.seen.scatter_(1, token[:, None], True)
         self.token.copy_(token[:, None])
@@ -1263,6 +1254,7 @@ class Decoder:
         self.step.zero_()
         self.finished.zero_()
         self.min_new.copy_(torch.tensor([p.min_new_tokens for p in params]))
+        self.max_new.copy_(torch.tensor([p.max_new_tokens for p in params]))
         self.any_sample = any(p.do_sample for p in params)
         self.sample.copy_(torch.tensor([p.do_sample for p in params]))
         self.temperature.copy_(torch.tensor([p.temperature for p in params]))
@@ -1334,7 +1326,9 @@ class Engine:
         self.model_id = settings.model
         self.quantize = quantize or settings.quantize
         self.lock = threading.Lock()
-        self.load_seconds = 0.0
+        self._decoders: dict[tuple[int, int], Decoder] = {}  # by (rows, cache length)
+        self._compiled_forward = None
+        self._cache_len = settings.cache_len
         self._load()
 
     # ---- loading ----------------------------------------------------------------------------
@@ -1411,8 +1405,10 @@ class Engine:
         else:
             self.model, self.processor = self.adapter.load(self.model_id, load_kwargs)
         self.eos_ids = self._eos_ids()
-        self.load_seconds = time.perf_counter() - started
-        log.info("loaded %s (%s) in %.1fs", self.model_id, self.adapter.name, self.load_seconds)
+        text_config = self.model.config.get_text_config(decoder=True)
+        self.context_length = getattr(text_config, "max_position_embeddings", None)
+        self.compiled = self._can_compile()
+        log.info("loaded %s (%s) in %.1fs", self.model_id, self.adapter.name, time.perf_counter() - started)
 
     def _eos_ids(self) -> set:
         config_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
@@ -1422,14 +1418,13 @@ class Engine:
     def tokenizer(self):
         return getattr(self.processor, "tokenizer", self.processor)
 
-    @property
-    def compiled(self) -> bool:
+    def _can_compile(self) -> bool:
         import torch
 
-        return (
+        return bool(
             self.settings.compile
             and self.quantize == "none"
-            and self.adapter.static_cache
+            and self.adapter.native
             and torch.cuda.is_available()
             and str(self.model.device).startswith("cuda")
         )
@@ -1447,7 +1442,7 @@ class Engine:
         return kwargs
 
     def generate(self, items: list[Prepared]) -> list[Generation]:
-        """Generate for a batch of items, left-padded."""
+        """Generate for a batch of items (left-padded together on the native path)."""
         with self.lock:
             if not self.adapter.native:
                 return [
@@ -1456,18 +1451,26 @@ class Engine:
                 ]
             return self._generate_native(items)
 
-    def _generate_native(self, items: list[Prepared]) -> list[Generation]:
+    _PADDING_PARAMS = GenerationParams(max_new_tokens=1, temperature=0.0, top_p=1.0, do_sample=False)
+
+    def _generate_native(self, items: list[Prepared]) -> list[Any]:
+        """Generations (or a RequestError for an item over the model's context), in item order."""
         import torch
 
         rows = len(items)
-        # On the compiled path the batch is padded to a fixed size (copies of the last item, whose
-        # answers are dropped) so that a new batch size never triggers a recompilation.
-        padded = items + [items[-1]] * (self.row_bucket(rows) - rows)
+        # On the compiled path the batch is padded to a fixed size, so that a new batch size never
+        # triggers a recompilation, with short text-only rows: one token each, then dropped.
+        filler = Prepared("chat", [Turn("user", ["."])], self._PADDING_PARAMS)
+        padded = items + [filler] * (self.row_bucket(rows) - rows)
         inputs = self.processor_inputs(padded)
-        self._check_context(items, inputs["attention_mask"].sum(dim=1).tolist())
+        prompt_tokens = inputs["attention_mask"].sum(dim=1).tolist()
+        refused = [self._context_error(item, prompt) for item, prompt in zip(items, prompt_tokens)]
+        if any(refused):
+            fitting = [item for item, error in zip(items, refused) if error is None]
+            answers = iter(self._generate_native(fitting) if fitting else [])
+            return [error or next(answers) for error in refused]
         with torch.no_grad():
             tokens = self.decode(inputs, [item.params for item in padded])
-        attention = inputs["attention_mask"]
         results = []
         for row, item in enumerate(items):
             ids = tokens[row][: item.params.max_new_tokens]
@@ -1475,24 +1478,25 @@ class Engine:
             results.append(
                 Generation(
                     text=self.tokenizer.decode(kept, skip_special_tokens=True).strip(),
-                    raw_text=self.tokenizer.decode(kept, skip_special_tokens=False),
+                    # Grounding reads boxes between special tokens (Qwen's <|box_start|>...).
+                    raw_text=self.tokenizer.decode(kept, skip_special_tokens=False)
+                    if item.task == "grounding" else None,
                     finish_reason=_finish_reason(ids, self.eos_ids, item.params.max_new_tokens),
-                    prompt_tokens=int(attention[row].sum()),
+                    prompt_tokens=prompt_tokens[row],
                     completion_tokens=len(kept),
                 )
             )
         return results
 
-    def _check_context(self, items: list[Prepared], prompt_tokens: list[int]) -> None:
-        context = getattr(self.model.config.get_text_config(decoder=True), "max_position_embeddings", None)
-        for item, prompt in zip(items, prompt_tokens):
-            if context and prompt + item.params.max_new_tokens > context:
-                raise RequestError(
-                    "context_too_long",
-                    f"the prompt ({prompt} tokens, images included) plus max_new_tokens "
-                    f"({item.params.max_new_tokens}) exceed the model's context of {context} tokens",
-                    _join(item.param, "max_new_tokens"),
-                )
+    def _context_error(self, item: Prepared, prompt_tokens: int) -> Optional[RequestError]:
+        if self.context_length and prompt_tokens + item.params.max_new_tokens > self.context_length:
+            return RequestError(
+                "context_too_long",
+                f"the prompt ({prompt_tokens} tokens, images included) plus max_new_tokens "
+                f"({item.params.max_new_tokens}) exceed the model's context of {self.context_length} tokens",
+                _join(item.param, "max_new_tokens"),
+            )
+        return None
 
     def processor_inputs(self, items: list[Prepared]):
         """Chat-templated prompts and pixels for a batch, left-padded, on the model's device."""
@@ -1514,7 +1518,6 @@ class Engine:
     # ---- decoding -----------------------------------------------------------------------------
 
     ROW_BUCKETS = (1, 4, 16, 64)
-    CACHE_LEN_STEP = 256
 
     @property
     def row_buckets(self) -> list[int]:
@@ -1527,24 +1530,22 @@ class Engine:
         return next((b for b in self.row_buckets if b >= rows), rows)
 
     def cache_length(self, needed: int) -> int:
-        """KV-cache length for a batch. Compiled: one length for all batches, grown (once, with a
-        recompilation) only by a request longer than any before; eager: exactly what is needed."""
+        """KV-cache length for a batch. Compiled: one length for all batches, doubled (each time
+        with a recompilation of every batch size) only by a request longer than any before;
+        eager: exactly what is needed."""
         if not self.compiled:
             return needed
-        step = self.CACHE_LEN_STEP
-        self._cache_len = max(getattr(self, "_cache_len", 0), self.settings.cache_len, -(-needed // step) * step)
+        while self._cache_len < needed:
+            self._cache_len *= 2
         return self._cache_len
 
     def decode(self, inputs, params: list[GenerationParams]) -> list[list[int]]:
         rows, prompt_length = inputs["input_ids"].shape
-        max_new_tokens = max(p.max_new_tokens for p in params)
-        length = self.cache_length(prompt_length + max_new_tokens)
-        decoders = getattr(self, "_decoders", {})
-        decoder = decoders.get((rows, length))
+        length = self.cache_length(prompt_length + max(p.max_new_tokens for p in params))
+        decoder = self._decoders.get((rows, length))
         if decoder is None:
-            decoders = {key: d for key, d in decoders.items() if key[1] == length}
-            decoder = decoders[(rows, length)] = Decoder(self, rows, length)
-            self._decoders = decoders
+            self._decoders = {key: d for key, d in self._decoders.items() if key[1] == length}
+            decoder = self._decoders[(rows, length)] = Decoder(self, rows, length)
         return decoder.run(inputs, params)
 
     def decode_forward(self):
@@ -1552,7 +1553,7 @@ class Engine:
         around it by the Decoder, so inductor's own are off), the plain model elsewhere."""
         if not self.compiled:
             return self.model
-        if getattr(self, "_compiled_forward", None) is None:
+        if self._compiled_forward is None:
             import torch
 
             cache_dir = self.settings.compile_cache_dir
@@ -1574,13 +1575,14 @@ class Engine:
         sampled = dataclasses.replace(greedy, temperature=1.0, do_sample=True)
         for rows in self.row_buckets:
             bucket_started = time.perf_counter()
-            for params in (greedy, greedy, sampled, sampled):  # compile, then record both graphs
+            # Each variant's first call compiles and records its graph, the second replays it.
+            for params in (greedy, greedy, sampled, sampled):
                 item = Prepared("caption", [Turn("user", [image, TASK_PROMPTS["caption"]])], params)
                 self.generate([item] * rows)
             log.info("warm-up: batch size %d ready in %.1fs", rows, time.perf_counter() - bucket_started)
-        self.warm_up_seconds = time.perf_counter() - started
-        log.info("warmed up batch sizes %s in %.1fs", self.row_buckets, self.warm_up_seconds)
-        return self.warm_up_seconds
+        seconds = time.perf_counter() - started
+        log.info("warmed up batch sizes %s in %.1fs", self.row_buckets, seconds)
+        return seconds
 
 
 _engine: Optional[Engine] = None
@@ -1617,7 +1619,7 @@ TASKS = ("chat", "caption", "caption_long", "vqa", "grounding")
 class RequestModel(BaseModel):
     """The fields of one request; messages and images are checked by hand for precise paths."""
 
-    model_config = ConfigDict(extra="forbid", strict=False)
+    model_config = ConfigDict(extra="forbid", strict=True)  # 1.0 is no token count, "yes" no bool
 
     task: Optional[str] = None
     messages: Optional[Any] = None
@@ -1696,7 +1698,7 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
     if task == "chat":
         if request.messages is None:
             raise RequestError("invalid_request", "required for the chat task", _join(param, "messages"))
-        turns = parse_messages(request.messages, settings, _join(param, "messages"), resolve=False)
+        turns = parse_messages(request.messages, settings, _join(param, "messages"))
         if loose_images:
             first_user = next((t for t in turns if t.role == "user"), None)
             if first_user is None:
@@ -1752,9 +1754,9 @@ def _loose_images(request: RequestModel, param: Optional[str]) -> list["ImageSpe
     return specs
 
 
-def parse_messages(messages: Any, settings: Settings, param: str, resolve: bool = True) -> list[Turn]:
-    """OpenAI-style messages -> turns, with the images of every accepted block shape decoded
-    (or left as ImageSpec when `resolve` is false, for the caller to resolve under its limits)."""
+def parse_messages(messages: Any, settings: Settings, param: str) -> list[Turn]:
+    """OpenAI-style messages -> turns; images of every accepted block shape are left as ImageSpec,
+    for `_resolve_images` to fetch under the request's limits."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("invalid_request", "must be a non-empty list of messages", param)
     if len(messages) > settings.max_messages:
@@ -1775,7 +1777,6 @@ def parse_messages(messages: Any, settings: Settings, param: str, resolve: bool 
         if isinstance(content, str):
             parts = [content]
         elif isinstance(content, list) and content:
-            parts = []
             parts = [_parse_block(block, f"{where}.content[{j}]") for j, block in enumerate(content)]
         else:
             raise RequestError(
@@ -1786,8 +1787,6 @@ def parse_messages(messages: Any, settings: Settings, param: str, resolve: bool 
         turns.append(Turn(role, parts))
     if turns[-1].role != "user":
         raise RequestError("invalid_request", "the last message must come from the user", f"{param}[{len(turns) - 1}].role")
-    if resolve:
-        _resolve_images(turns, settings, param)
     return turns
 
 
@@ -1813,6 +1812,7 @@ def _parse_block(block: Any, where: str):
 
 def _check_text_length(item: Prepared, settings: Settings, param: Optional[str]) -> None:
     text = sum(len(p) for t in item.turns for p in t.parts if isinstance(p, str))
+    text += len(item.grounding_target or "")  # becomes part of the prompt when the batch runs
     if text > settings.max_text_chars:
         raise RequestError(
             "text_too_long", f"the request's text is over {settings.max_text_chars} characters", param or "input"
@@ -1933,18 +1933,18 @@ def run_prepared(engine: Engine, items: list[Prepared]) -> list[Any]:
             item.turns[-1].parts[-1] = engine.adapter.grounding_prompt(item.grounding_target)
     results: list[Any] = [None] * len(items)
     order = sorted(range(len(items)), key=lambda i: items[i].params.max_new_tokens)
-    size = engine.settings.max_batch_size
+    # Remote-code families answer one item per call anyway: batching them would only make a
+    # failure redo the items before it.
+    size = engine.settings.max_batch_size if engine.adapter.native else 1
     for start in range(0, len(order), size):
         chunk = order[start:start + size]
-        try:
-            generations = engine.generate([items[i] for i in chunk])
-        except RequestError as error:
-            generations = [error] if len(chunk) == 1 else [_generate_one(engine, items[i]) for i in chunk]
-        except Exception:
-            if len(chunk) == 1:
-                log.exception("generation failed")
-                generations = [RequestError("generation_failed", "the model could not answer this request")]
-            else:
+        if len(chunk) == 1:
+            generations = [_generate_one(engine, items[chunk[0]])]
+        else:
+            try:
+                generations = engine.generate([items[i] for i in chunk])
+            except Exception:
+                log.warning("a batch of %d failed; answering its items one by one", len(chunk), exc_info=True)
                 generations = [_generate_one(engine, items[i]) for i in chunk]
         for i, generation in zip(chunk, generations):
             results[i] = generation
@@ -1958,7 +1958,7 @@ def _generate_one(engine: Engine, item: Prepared):
         return error
     except Exception:
         log.exception("generation failed")
-        return RequestError("generation_failed", "the model could not answer this request")
+        return RequestError("generation_failed", "the model could not answer this request", item.param)
 
 
 def format_output(engine: Engine, item: Prepared, generation: Generation, request: RequestModel) -> dict:
@@ -2019,16 +2019,35 @@ def handler(job: dict) -> dict:
         return {"error": "internal error while answering this request", "code": "internal_error", "param": None}
 
 
+def _served() -> tuple[Settings, str]:
+    """The settings and model id in force: the loaded engine's, else the environment's."""
+    if _engine is not None:
+        return _engine.settings, _engine.model_id
+    settings = Settings.from_env()
+    return settings, settings.model
+
+
+def _read(raw: Any, settings: Settings, model_id: str, param: Optional[str]) -> tuple[RequestModel, Prepared]:
+    request, item = parse_request(raw, settings, param)
+    _check_model(request, model_id, param)
+    return request, item
+
+
+def _answer(parsed: list[tuple[RequestModel, Prepared]]) -> list[dict]:
+    """Outputs (or error dicts) for validated requests; the first request to ask for a
+    quantization decides it if this call loads the model."""
+    engine = get_engine(next((request.quantize for request, _ in parsed if request.quantize), None))
+    generations = run_prepared(engine, [item for _, item in parsed])
+    return [
+        generation.to_dict() if isinstance(generation, RequestError)
+        else format_output(engine, item, generation, request)
+        for (request, item), generation in zip(parsed, generations)
+    ]
+
+
 def _handle_single(payload: dict) -> dict:
-    settings = _engine.settings if _engine is not None else Settings.from_env()
-    model_id = _engine.model_id if _engine is not None else settings.model
-    request, item = parse_request(payload, settings)
-    _check_model(request, model_id, None)
-    engine = get_engine(request.quantize)
-    result = run_prepared(engine, [item])[0]
-    if isinstance(result, RequestError):
-        raise result
-    return format_output(engine, item, result, request)
+    settings, model_id = _served()
+    return _answer([_read(payload, settings, model_id, None)])[0]
 
 
 def _handle_batch(job: dict, payload: dict) -> dict:
@@ -2036,20 +2055,18 @@ def _handle_batch(job: dict, payload: dict) -> dict:
     if extra:
         raise RequestError("invalid_request", "unknown field beside 'requests'", sorted(extra)[0])
     raw_items = payload["requests"]
-    settings = _engine.settings if _engine is not None else Settings.from_env()
-    model_id = _engine.model_id if _engine is not None else settings.model
+    settings, model_id = _served()
     if not isinstance(raw_items, list) or not raw_items:
         raise RequestError("invalid_request", "must be a non-empty list of requests", "requests")
     if len(raw_items) > settings.max_batch_requests:
         raise RequestError(
             "too_many_requests", f"at most {settings.max_batch_requests} requests per call", "requests"
         )
-    def parse_item(index: int, raw: Any):
+
+    def read_item(index: int, raw: Any):
         param = f"requests[{index}]"
         try:
-            request, item = parse_request(raw, settings, param)
-            _check_model(request, model_id, param)
-            return request, item
+            return _read(raw, settings, model_id, param)
         except (RequestError, SettingsError) as error:
             return error
         except Exception:
@@ -2059,25 +2076,15 @@ def _handle_batch(job: dict, payload: dict) -> dict:
     # Items are read side by side: their images download and decode in parallel (Pillow's
     # decoders release the GIL).
     with ThreadPoolExecutor(max_workers=min(8, len(raw_items))) as pool:
-        outcomes = list(pool.map(parse_item, range(len(raw_items)), raw_items))
-    results: list[Any] = [None] * len(raw_items)
-    parsed: list[tuple[int, RequestModel, Prepared]] = []
-    for index, outcome in enumerate(outcomes):
+        outcomes = list(pool.map(read_item, range(len(raw_items)), raw_items))
+    for outcome in outcomes:
         if isinstance(outcome, SettingsError):
             raise outcome
-        if isinstance(outcome, RequestError):
-            results[index] = outcome.to_dict()
-        else:
-            parsed.append((index, *outcome))
-    if parsed:
-        quantize = next((r.quantize for _, r, _ in parsed if r.quantize), None)
-        engine = get_engine(quantize)
-        generations = run_prepared(engine, [item for _, _, item in parsed])
-        for (index, request, item), generation in zip(parsed, generations):
-            if isinstance(generation, RequestError):
-                results[index] = generation.to_dict()
-            else:
-                results[index] = format_output(engine, item, generation, request)
+    results = [outcome.to_dict() if isinstance(outcome, RequestError) else None for outcome in outcomes]
+    readable = [index for index, outcome in enumerate(outcomes) if not isinstance(outcome, RequestError)]
+    if readable:
+        for index, answer in zip(readable, _answer([outcomes[i] for i in readable])):
+            results[index] = answer
     return {"model": model_id, "count": len(results), "id": job.get("id"), "results": results}
 
 

@@ -72,12 +72,13 @@ STUBBED_API = frozenset({
     "torch.Tensor.masked_fill",
     "torch.Tensor.all",
     "torch.Tensor.__bool__",
-    "torch.Tensor.__int__",
     "torch.Tensor.__len__",
     "torch.Tensor.__iadd__",
     "torch.Tensor.__ior__",
     "torch.Tensor.__and__",
+    "torch.Tensor.__or__",
     "torch.Tensor.__gt__",
+    "torch.Tensor.__ge__",
     "torch.Tensor.__lt__",
     "torch.Tensor.__add__",
     "torch.Tensor.__sub__",
@@ -562,9 +563,19 @@ class FakeTensor:
         return self._binary(other, lambda a, b: bool(a) and bool(b), BOOL)
 
     @_op
+    def __or__(self, other):
+        _use("torch.Tensor.__or__")
+        return self._binary(other, lambda a, b: bool(a) or bool(b), BOOL)
+
+    @_op
     def __gt__(self, other):
         _use("torch.Tensor.__gt__")
         return self._binary(other, lambda a, b: a > b, BOOL)
+
+    @_op
+    def __ge__(self, other):
+        _use("torch.Tensor.__ge__")
+        return self._binary(other, lambda a, b: a >= b, BOOL)
 
     @_op
     def __lt__(self, other):
@@ -2996,6 +3007,25 @@ def test_decoding_stops_early_once_every_row_has_ended(monkeypatch, hub):
     assert out["finish_reason"] == "length" and hub.decode_steps == 29  # the budget, not the check
 
 
+def test_a_row_at_its_own_budget_counts_as_ended(monkeypatch, hub):
+    hub.reply = echo
+    serve(monkeypatch)
+    # "x" talks on past 4 tokens but may say only 4; "b" ends after 7 of its 200: nothing is left.
+    out = batch(chat("x" * 40, max_new_tokens=4), chat("b", max_new_tokens=200))
+    assert out["results"][0]["finish_reason"] == "length" and out["results"][1]["response"] == "echo:b"
+    assert hub.decode_steps <= 16
+
+
+def test_filler_rows_of_the_compiled_path_never_hold_a_batch_open(monkeypatch, hub):
+    hub.reply, hub.cuda_available, hub.device = echo, True, "cuda:0"
+    serve(monkeypatch, QWEN, VLM_COMPILE="true")
+    out = batch(chat("a", max_new_tokens=200), chat("b", max_new_tokens=200))  # 2 rows padded to 4
+    assert [r["response"] for r in out["results"]] == ["echo:a", "echo:b"]
+    assert hub.decode_calls[-1]["rows"] == 4 and hub.decode_steps <= 16
+    (processed,) = hub.processor_calls
+    assert len(processed["text"]) == 4
+
+
 def test_end_tokens_past_the_vocabulary_are_ignored(monkeypatch, hub):
     hub.reply, hub.extra_eos = "fine", [VOCAB + 7]
     serve(monkeypatch)
@@ -3102,7 +3132,9 @@ def test_sampling_on_the_compiled_path(monkeypatch, hub):
     out = batch(chat("x", do_sample=True, temperature=0.5), chat("y", do_sample=True, temperature=0.5))
     assert [r["response"] for r in out["results"]] == ["echo:x", "echo:y"]
     (decoded,) = hub.decode_calls
-    assert decoded["rows"] == 4 and all(decoded["do_sample"])  # padded to the bucket with the last item
+    # Padded to the bucket with short greedy filler rows, which never hold the batch open.
+    assert decoded["rows"] == 4
+    assert decoded["do_sample"] == [True, True, False, False] and decoded["max_new_tokens"][2:] == [1, 1]
     assert [g.captured for g in hub.graphs] == [True]  # the sampling variant of the step
 
 

@@ -209,7 +209,7 @@ def test_batch_answers_in_order_and_isolates_a_bad_item(engine):
     assert [r.get("image_count") for r in results] == [1, None, 2, 1, 1]
 
 
-def test_prompt_plus_max_new_tokens_beyond_the_context_is_refused_alone(family, tiny_model, serve):
+def test_prompt_plus_max_new_tokens_beyond_the_context_is_refused_alone(family, tiny_model, serve, monkeypatch):
     engine = serve(tiny_model(family), VLM_MAX_NEW_TOKENS="1000000")
     context = engine.model.config.get_text_config(decoder=True).max_position_embeddings
     good = {"task": "caption", "image_url": data_uri(striped()), "max_new_tokens": 3}
@@ -217,9 +217,18 @@ def test_prompt_plus_max_new_tokens_beyond_the_context_is_refused_alone(family, 
     alone = ask(too_long)
     assert alone["code"] == "context_too_long" and alone["param"] == "max_new_tokens"
     assert str(context) in alone["error"]
+    batches = []
+    real_generate = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda items: batches.append(len(items)) or real_generate(items))
     first, second = ask({"requests": [good, too_long]})["results"]
     assert first["usage"]["completion_tokens"] == 3
     assert second["code"] == "context_too_long" and second["param"] == "requests[1].max_new_tokens"
+    assert batches == [2]  # refused inside the batch: the good item is not re-run alone
+
+
+def test_a_grounding_target_counts_toward_the_text_limit(engine):
+    answer = ask({"task": "grounding", "image_url": data_uri(striped()), "target": "x" * 40_000})
+    assert answer["code"] == "text_too_long" and "32000" in answer["error"]
 
 
 def test_each_batch_item_equals_its_solo_run(engine):
