@@ -539,23 +539,22 @@ class FakeTensor:
             raise TypeError("len() of a 0-d tensor")
         return self.dims[0]
 
-    @_op
-    def __iadd__(self, other):
-        _use("torch.Tensor.__iadd__")
-        result = self._binary(other, lambda a, b: a + b, self._dtype)
+    def _in_place(self, other, fn, dtype) -> "FakeTensor":
+        result = self._binary(other, fn, dtype)
         if result.dims != self.dims:
-            raise RuntimeError("an in-place add may not change the shape")
+            raise RuntimeError("an in-place operation may not change the shape")
         self._data = result._data
         return self
 
     @_op
+    def __iadd__(self, other):
+        _use("torch.Tensor.__iadd__")
+        return self._in_place(other, lambda a, b: a + b, self._dtype)
+
+    @_op
     def __ior__(self, other):
         _use("torch.Tensor.__ior__")
-        result = self._binary(other, lambda a, b: bool(a) or bool(b), BOOL)
-        if result.dims != self.dims:
-            raise RuntimeError("an in-place or may not change the shape")
-        self._data = result._data
-        return self
+        return self._in_place(other, lambda a, b: bool(a) or bool(b), BOOL)
 
     @_op
     def __and__(self, other):
