@@ -1046,10 +1046,9 @@ class InternVL2Adapter(RemoteCodeAdapter):
         """The card's `dynamic_preprocess`: the closest aspect-ratio grid of 448px tiles + a thumbnail."""
         width, height = image.size
         aspect = width / height
+        sides = range(1, self.max_tiles + 1)
         grids = sorted(
-            {(i, j) for n in range(1, self.max_tiles + 1) for i in range(1, n + 1)
-             for j in range(1, n + 1) if 1 <= i * j <= self.max_tiles},
-            key=lambda g: g[0] * g[1],
+            {(i, j) for i in sides for j in sides if i * j <= self.max_tiles}, key=lambda g: g[0] * g[1]
         )
         best, best_diff, area = (1, 1), float("inf"), width * height
         for cols, rows in grids:
