@@ -863,7 +863,7 @@ class GenerationParams:
 
 
 @dataclasses.dataclass
-class Prepared:
+class GenerationRequest:
     """One validated item, ready for the engine."""
 
     task: str
@@ -884,6 +884,7 @@ class Generation:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     raw_text: Optional[str] = None  # with special tokens, for box parsing
+    image_input_size: Optional[tuple[int, int]] = None  # first image as the model saw it (boxes)
 
 
 class FamilyAdapter:
@@ -896,6 +897,14 @@ class FamilyAdapter:
 
     def grounding_prompt(self, target: str) -> str:
         return f"Locate {target} in the image and give its bounding box as [x1, y1, x2, y2]."
+
+    def request_turns(self, item: "GenerationRequest") -> list[Turn]:
+        """The turns the model is prompted with: a grounding request's last turn gets the family's
+        grounding prompt after its images."""
+        if item.task != "grounding":
+            return item.turns
+        *before, last = item.turns
+        return [*before, Turn(last.role, [*last.parts, self.grounding_prompt(item.grounding_target)])]
 
     def chat_messages(self, turns: list[Turn]) -> list[dict]:
         """Turns in the format processors' chat templates take: images become {"type": "image"}."""
@@ -914,6 +923,28 @@ class FamilyAdapter:
         return processor.apply_chat_template(
             self.chat_messages(turns), add_generation_prompt=True, tokenize=False
         )
+
+    def batch_inputs(self, processor, items: list["GenerationRequest"], device, dtype):
+        """Chat-templated prompts and pixels for a batch, left-padded, on `device`; and for each item
+        the size its first image was resized to (the frame of boxes in input pixels), or None."""
+        prompts = [self.prompt(processor, self.request_turns(item)) for item in items]
+        images = [item.images for item in items]
+        kwargs: dict = {"text": prompts, "padding": True, "return_tensors": "pt"}
+        if any(images):
+            kwargs["images"] = images if len(items) > 1 else images[0]
+        inputs = processor(**kwargs).to(device)
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+        input_sizes: list = [None] * len(items)
+        if "image_grid_thw" in inputs:  # Qwen2.5-VL boxes are in pixels of this resized input
+            patch = processor.image_processor.patch_size
+            grids = iter(inputs["image_grid_thw"].tolist())
+            for row, group in enumerate(images):
+                sizes = [next(grids) for _ in group]
+                if sizes:
+                    _, rows, cols = sizes[0]
+                    input_sizes[row] = (cols * patch, rows * patch)
+        return inputs, input_sizes
 
     def processor_kwargs(self, settings: Settings) -> dict:
         return {}
@@ -966,7 +997,7 @@ class RemoteCodeAdapter(FamilyAdapter):
         processor = getattr(transformers, self.processor_class).from_pretrained(path, trust_remote_code=True)
         return model, processor
 
-    def run(self, model, processor, item: Prepared, sampling: dict) -> Generation:
+    def run(self, model, processor, item: GenerationRequest, sampling: dict) -> Generation:
         raise NotImplementedError
 
 
@@ -978,7 +1009,7 @@ class MiniCPMVAdapter(RemoteCodeAdapter):
 
     def run(self, model, tokenizer, item, sampling):
         msgs, system = [], None
-        for turn in item.turns:
+        for turn in self.request_turns(item):
             if turn.role == "system":
                 system = " ".join(p for p in turn.parts if isinstance(p, str))
                 continue
@@ -1014,7 +1045,7 @@ class Phi3VisionAdapter(RemoteCodeAdapter):
         import torch
 
         prompt = processor.tokenizer.apply_chat_template(
-            self.chat_messages(item.turns), tokenize=False, add_generation_prompt=True
+            self.chat_messages(self.request_turns(item)), tokenize=False, add_generation_prompt=True
         )
         inputs = processor(prompt, item.images or None, return_tensors="pt").to(model.device)
         # The card passes the tokenizer's end token; the generation config's (<|end|>) ends turns too.
@@ -1087,7 +1118,7 @@ class InternVL2Adapter(RemoteCodeAdapter):
     def run(self, model, tokenizer, item, sampling):
         # InternVL2's chat takes one question plus (question, answer) history pairs.
         history, pending = [], None
-        for turn in item.turns:
+        for turn in self.request_turns(item):
             text = "\n".join(
                 "<image>" if not isinstance(p, str) else p for p in turn.parts
             )
@@ -1440,7 +1471,7 @@ class Engine:
             kwargs["min_new_tokens"] = params.min_new_tokens
         return kwargs
 
-    def generate(self, items: list[Prepared]) -> list[Generation]:
+    def generate(self, items: list[GenerationRequest]) -> list[Generation]:
         """Generate for a batch of items (left-padded together on the native path)."""
         with self.lock:
             if not self.adapter.native:
@@ -1452,16 +1483,16 @@ class Engine:
 
     _PADDING_PARAMS = GenerationParams(max_new_tokens=1, temperature=0.0, top_p=1.0, do_sample=False)
 
-    def _generate_native(self, items: list[Prepared]) -> list[Any]:
+    def _generate_native(self, items: list[GenerationRequest]) -> list[Any]:
         """Generations (or a RequestError for an item over the model's context), in item order."""
         import torch
 
         rows = len(items)
         # On the compiled path the batch is padded to a fixed size, so that a new batch size never
         # triggers a recompilation, with short text-only rows: one token each, then dropped.
-        filler = Prepared("chat", [Turn("user", ["."])], self._PADDING_PARAMS)
+        filler = GenerationRequest("chat", [Turn("user", ["."])], self._PADDING_PARAMS)
         padded = items + [filler] * (self.row_bucket(rows) - rows)
-        inputs = self.processor_inputs(padded)
+        inputs, input_sizes = self.adapter.batch_inputs(self.processor, padded, self.model.device, self.dtype)
         prompt_tokens = inputs["attention_mask"].sum(dim=1).tolist()
         refused = [self._context_error(item, prompt) for item, prompt in zip(items, prompt_tokens)]
         if any(refused):
@@ -1483,11 +1514,12 @@ class Engine:
                     finish_reason=_finish_reason(ids, self.eos_ids, item.params.max_new_tokens),
                     prompt_tokens=prompt_tokens[row],
                     completion_tokens=len(kept),
+                    image_input_size=input_sizes[row],
                 )
             )
         return results
 
-    def _context_error(self, item: Prepared, prompt_tokens: int) -> Optional[RequestError]:
+    def _context_error(self, item: GenerationRequest, prompt_tokens: int) -> Optional[RequestError]:
         if self.context_length and prompt_tokens + item.params.max_new_tokens > self.context_length:
             return RequestError(
                 "context_too_long",
@@ -1496,23 +1528,6 @@ class Engine:
                 _join(item.param, "max_new_tokens"),
             )
         return None
-
-    def processor_inputs(self, items: list[Prepared]):
-        """Chat-templated prompts and pixels for a batch, left-padded, on the model's device."""
-        prompts = [self.adapter.prompt(self.processor, item.turns) for item in items]
-        images = [item.images for item in items]
-        kwargs: dict = {"text": prompts, "padding": True, "return_tensors": "pt"}
-        if any(images):
-            kwargs["images"] = images if len(items) > 1 else images[0]
-        inputs = self.processor(**kwargs).to(self.model.device)
-        if "pixel_values" in inputs:
-            inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
-        if "image_grid_thw" in inputs:  # Qwen2.5-VL boxes are in pixels of this resized input
-            patch = self.processor.image_processor.patch_size
-            flat = [image for group in images for image in group]
-            for image, (_, rows, cols) in zip(flat, inputs["image_grid_thw"].tolist()):
-                image.model_input_size = (cols * patch, rows * patch)
-        return inputs
 
     # ---- decoding -----------------------------------------------------------------------------
 
@@ -1576,7 +1591,7 @@ class Engine:
             bucket_started = time.perf_counter()
             # Each variant's first call compiles and records its graph, the second replays it.
             for params in (greedy, greedy, sampled, sampled):
-                item = Prepared("caption", [Turn("user", [image, TASK_PROMPTS["caption"]])], params)
+                item = GenerationRequest("caption", [Turn("user", [image, TASK_PROMPTS["caption"]])], params)
                 self.generate([item] * rows)
             log.info("warm-up: batch size %d ready in %.1fs", rows, time.perf_counter() - bucket_started)
         seconds = time.perf_counter() - started
@@ -1660,8 +1675,8 @@ def _pydantic_error(error: ValidationError, param: Optional[str]) -> RequestErro
     return RequestError("invalid_request", message, _join(param, location) if location else param)
 
 
-def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> tuple[RequestModel, Prepared]:
-    """Validate one request dict into its fields and a Prepared item (images decoded)."""
+def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> tuple[RequestModel, GenerationRequest]:
+    """Validate one request dict into its fields and a GenerationRequest (images decoded)."""
     if not isinstance(raw, dict):
         raise RequestError("invalid_request", "must be a JSON object", param or "input")
     try:
@@ -1705,7 +1720,7 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
                     "invalid_request", "images need a user message to attach to", _join(param, "messages")
                 )
             first_user.parts[:0] = loose_images
-        prepared = Prepared(task, turns, params, param=param)
+        prepared = GenerationRequest(task, turns, params, param=param)
     else:
         if request.messages is not None:
             raise RequestError(
@@ -1721,11 +1736,11 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
             text = _required_text(request.question, _join(param, "question"), "the vqa task")
         elif task == "grounding":
             target = _required_text(request.target, _join(param, "target"), "the grounding task")
-            text = ""  # the family's grounding prompt, filled in by the engine's adapter
         else:
             text = TASK_PROMPTS[task]
-        turn = Turn("user", [*loose_images, text])
-        prepared = Prepared(
+        # A grounding prompt is the family's own: its adapter adds it (FamilyAdapter.request_turns).
+        turn = Turn("user", loose_images if task == "grounding" else [*loose_images, text])
+        prepared = GenerationRequest(
             task, [turn], params, grounding_target=target if task == "grounding" else None, param=param
         )
     _check_text_length(prepared, settings, param)
@@ -1809,7 +1824,7 @@ def _parse_block(block: Any, where: str):
     raise RequestError("invalid_request", "type must be text, image_url or image", f"{where}.type")
 
 
-def _check_text_length(item: Prepared, settings: Settings, param: Optional[str]) -> None:
+def _check_text_length(item: GenerationRequest, settings: Settings, param: Optional[str]) -> None:
     text = sum(len(p) for t in item.turns for p in t.parts if isinstance(p, str))
     text += len(item.grounding_target or "")  # becomes part of the prompt when the batch runs
     if text > settings.max_text_chars:
@@ -1902,7 +1917,7 @@ def box_to_pixels(box: list[float], system: Optional[str], size: tuple[int, int]
     ]
 
 
-def grounding_fields(item: Prepared, generation: Generation, adapter: FamilyAdapter) -> dict:
+def grounding_fields(item: GenerationRequest, generation: Generation, adapter: FamilyAdapter) -> dict:
     fields: dict = {"bbox": None, "supports_grounding": adapter.grounding is not None}
     if adapter.grounding is None:
         fields["bbox_warning"] = f"the {adapter.name} family has no grounding output; see response"
@@ -1912,7 +1927,7 @@ def grounding_fields(item: Prepared, generation: Generation, adapter: FamilyAdap
         fields["bbox_warning"] = "no bounding box found in the model's answer"
         return fields
     image = item.images[0]
-    fields["bbox"] = box_to_pixels(box, adapter.grounding, image.size, getattr(image, "model_input_size", None))
+    fields["bbox"] = box_to_pixels(box, adapter.grounding, image.size, generation.image_input_size)
     return fields
 
 
@@ -1921,15 +1936,12 @@ def grounding_fields(item: Prepared, generation: Generation, adapter: FamilyAdap
 # =================================================================================================
 
 
-def run_prepared(engine: Engine, items: list[Prepared]) -> list[Any]:
+def generate_all(engine: Engine, items: list[GenerationRequest]) -> list[Any]:
     """Run prepared items as padded batches; results in input order.
 
     Greedy and sampled items share batches (sampling is chosen per row). Items are batched by
     similar max_new_tokens, so a short answer rarely waits for a long one. A batch that fails is
     retried item by item, so one bad item never sinks its neighbours."""
-    for item in items:
-        if item.task == "grounding":
-            item.turns[-1].parts[-1] = engine.adapter.grounding_prompt(item.grounding_target)
     results: list[Any] = [None] * len(items)
     order = sorted(range(len(items)), key=lambda i: items[i].params.max_new_tokens)
     # Remote-code families answer one item per call anyway: batching them would only make a
@@ -1938,19 +1950,19 @@ def run_prepared(engine: Engine, items: list[Prepared]) -> list[Any]:
     for start in range(0, len(order), size):
         chunk = order[start:start + size]
         if len(chunk) == 1:
-            generations = [_generate_one(engine, items[chunk[0]])]
+            generations = [generate_alone(engine, items[chunk[0]])]
         else:
             try:
                 generations = engine.generate([items[i] for i in chunk])
             except Exception:
                 log.warning("a batch of %d failed; answering its items one by one", len(chunk), exc_info=True)
-                generations = [_generate_one(engine, items[i]) for i in chunk]
+                generations = [generate_alone(engine, items[i]) for i in chunk]
         for i, generation in zip(chunk, generations):
             results[i] = generation
     return results
 
 
-def _generate_one(engine: Engine, item: Prepared):
+def generate_alone(engine: Engine, item: GenerationRequest):
     try:
         return engine.generate([item])[0]
     except RequestError as error:
@@ -1960,7 +1972,7 @@ def _generate_one(engine: Engine, item: Prepared):
         return RequestError("generation_failed", "the model could not answer this request", item.param)
 
 
-def format_output(engine: Engine, item: Prepared, generation: Generation, request: RequestModel) -> dict:
+def format_output(engine: Engine, item: GenerationRequest, generation: Generation, request: RequestModel) -> dict:
     output = {
         "response": generation.text,
         "model": engine.model_id,
@@ -2018,7 +2030,7 @@ def handler(job: dict) -> dict:
         return {"error": "internal error while answering this request", "code": "internal_error", "param": None}
 
 
-def _served() -> tuple[Settings, str]:
+def served_model() -> tuple[Settings, str]:
     """The settings and model id in force: the loaded engine's, else the environment's."""
     if _engine is not None:
         return _engine.settings, _engine.model_id
@@ -2026,17 +2038,17 @@ def _served() -> tuple[Settings, str]:
     return settings, settings.model
 
 
-def _read(raw: Any, settings: Settings, model_id: str, param: Optional[str]) -> tuple[RequestModel, Prepared]:
+def read_request(raw: Any, settings: Settings, model_id: str, param: Optional[str]) -> tuple[RequestModel, GenerationRequest]:
     request, item = parse_request(raw, settings, param)
     _check_model(request, model_id, param)
     return request, item
 
 
-def _answer(parsed: list[tuple[RequestModel, Prepared]]) -> list[dict]:
+def answer_requests(parsed: list[tuple[RequestModel, GenerationRequest]]) -> list[dict]:
     """Outputs (or error dicts) for validated requests; the first request to ask for a
     quantization decides it if this call loads the model."""
     engine = get_engine(next((request.quantize for request, _ in parsed if request.quantize), None))
-    generations = run_prepared(engine, [item for _, item in parsed])
+    generations = generate_all(engine, [item for _, item in parsed])
     return [
         generation.to_dict() if isinstance(generation, RequestError)
         else format_output(engine, item, generation, request)
@@ -2045,8 +2057,8 @@ def _answer(parsed: list[tuple[RequestModel, Prepared]]) -> list[dict]:
 
 
 def _handle_single(payload: dict) -> dict:
-    settings, model_id = _served()
-    return _answer([_read(payload, settings, model_id, None)])[0]
+    settings, model_id = served_model()
+    return answer_requests([read_request(payload, settings, model_id, None)])[0]
 
 
 def _handle_batch(job: dict, payload: dict) -> dict:
@@ -2054,7 +2066,7 @@ def _handle_batch(job: dict, payload: dict) -> dict:
     if extra:
         raise RequestError("invalid_request", "unknown field beside 'requests'", sorted(extra)[0])
     raw_items = payload["requests"]
-    settings, model_id = _served()
+    settings, model_id = served_model()
     if not isinstance(raw_items, list) or not raw_items:
         raise RequestError("invalid_request", "must be a non-empty list of requests", "requests")
     if len(raw_items) > settings.max_batch_requests:
@@ -2065,7 +2077,7 @@ def _handle_batch(job: dict, payload: dict) -> dict:
     def read_item(index: int, raw: Any):
         param = f"requests[{index}]"
         try:
-            return _read(raw, settings, model_id, param)
+            return read_request(raw, settings, model_id, param)
         except (RequestError, SettingsError) as error:
             return error
         except Exception:
@@ -2082,7 +2094,7 @@ def _handle_batch(job: dict, payload: dict) -> dict:
     results = [outcome.to_dict() if isinstance(outcome, RequestError) else None for outcome in outcomes]
     readable = [index for index, outcome in enumerate(outcomes) if not isinstance(outcome, RequestError)]
     if readable:
-        for index, answer in zip(readable, _answer([outcomes[i] for i in readable])):
+        for index, answer in zip(readable, answer_requests([outcomes[i] for i in readable])):
             results[index] = answer
     return {"model": model_id, "count": len(results), "id": job.get("id"), "results": results}
 

@@ -909,14 +909,14 @@ def worker(monkeypatch):
         quantize = "none"
         adapter = handler.FamilyAdapter()
 
-    def run_prepared(engine, items):
+    def generate_all(engine, items):
         return [
             handler.Generation(text=" ".join(f"{i.width}x{i.height}" for i in item.images), finish_reason="stop")
             for item in items
         ]
 
     monkeypatch.setattr(handler, "_engine", FakeEngine())
-    monkeypatch.setattr(handler, "run_prepared", run_prepared)
+    monkeypatch.setattr(handler, "generate_all", generate_all)
     return handler.handler
 
 

@@ -361,7 +361,7 @@ def run_everything(folder: Path, patch: pytest.MonkeyPatch) -> dict:
 
     patch.setattr(engine.model, "chat", chat, raising=False)
     params = handler.GenerationParams(max_new_tokens=4, temperature=0.0, top_p=1.0, do_sample=False)
-    item = handler.Prepared("caption", [handler.Turn("user", [striped((112, 56)), "Describe."])], params)
+    item = handler.GenerationRequest("caption", [handler.Turn("user", [striped((112, 56)), "Describe."])], params)
     results["internvl"] = handler.InternVL2Adapter().run(engine.model, tokenizer, item, engine.sampling_kwargs(params))
     results["internvl_chat"] = chats[-1]
     results["minicpm"] = handler.MiniCPMVAdapter().run(engine.model, tokenizer, item, engine.sampling_kwargs(params))
@@ -371,7 +371,7 @@ def run_everything(folder: Path, patch: pytest.MonkeyPatch) -> dict:
     # item (its <|image_N|> placeholders are Phi-3's own) through the tiny model's tokenizer.
     if getattr(tokenizer, "chat_template", None) is None:
         patch.setattr(tokenizer, "chat_template", engine.processor.chat_template, raising=False)
-    text_item = handler.Prepared("chat", [handler.Turn("user", ["Hello there"])], params)
+    text_item = handler.GenerationRequest("chat", [handler.Turn("user", ["Hello there"])], params)
     results["phi3"] = handler.Phi3VisionAdapter().run(
         engine.model, Phi3StyleProcessor(engine.processor), text_item, engine.sampling_kwargs(params))
     results["tokenizer"] = tokenizer
