@@ -9,17 +9,20 @@ from __future__ import annotations
 
 import base64
 import binascii
+import copy
 import dataclasses
 import functools
 import io
+import itertools
 import json
 import logging
 import os
 import re
 import threading
 import time
+import asyncio
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -100,7 +103,11 @@ class Settings:
     allow_any: bool = False
     max_new_tokens_cap: int = 2048
     default_max_new_tokens: int = 256
-    max_batch_size: int = 16  # rows per GPU batch
+    max_batch_size: int = 16  # rows decoding together (continuous batching)
+    max_concurrency: int = 32  # jobs this worker takes at once (RunPod concurrency_modifier)
+    sync_interval: int = 8  # decode steps between looks at the tokens (admission, stops, streaming)
+    stream_interval_ms: int = 50  # streamed jobs post at most this often
+    load_at_boot: bool = True  # load and warm up before taking jobs; off: the first request loads
     max_batch_requests: int = 64  # items in one {"requests": [...]} call
     max_images: int = 16  # per request
     max_total_pixels: int = 64_000_000  # decoded pixels per request, all images together
@@ -125,6 +132,10 @@ class Settings:
             max_new_tokens_cap=_env_int(env, "VLM_MAX_NEW_TOKENS", 2048, 1),
             default_max_new_tokens=_env_int(env, "VLM_DEFAULT_MAX_NEW_TOKENS", 256, 1),
             max_batch_size=_env_int(env, "VLM_MAX_BATCH_SIZE", 16, 1),
+            max_concurrency=_env_int(env, "VLM_MAX_CONCURRENCY", 32, 1),
+            sync_interval=_env_int(env, "VLM_SYNC_INTERVAL", 8, 1),
+            stream_interval_ms=_env_int(env, "VLM_STREAM_INTERVAL_MS", 50, 0),
+            load_at_boot=_env_bool(env, "VLM_LOAD_AT_BOOT", True),
             max_batch_requests=_env_int(env, "VLM_MAX_BATCH_REQUESTS", 64, 1),
             max_images=_env_int(env, "VLM_MAX_IMAGES", 16, 1),
             max_total_pixels=_env_int(env, "VLM_MAX_TOTAL_PIXELS", 64_000_000, 1),
@@ -1192,71 +1203,207 @@ def _trimmed_length(ids: list[int], eos: set) -> int:
     return len(ids)
 
 
-class Decoder:
-    """Decoding state for `rows` rows over a `length`-token static KV cache, kept between calls.
+def _use_grouped_query_decode_attention(model) -> None:
+    """Decode steps attend with SDPA's own grouped-query attention. transformers' SDPA path copies
+    K/V for every query head (repeat_kv) whenever a mask is passed, which every decode step of a
+    batch with rows of different lengths does: at 64 rows that copy was most of the step."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
 
-    A step (forward of the last tokens, repetition penalty, end-token blocking before
-    min_new_tokens, greedy or temperature/top-p choice per row, bookkeeping) reads and writes only
-    these fixed tensors. On the GPU the step is captured as a CUDA graph (one for batches with
-    sampled rows, one without) and replayed, so a token costs one launch rather than generate()'s
-    hundreds of Python-issued kernels. Greedy rows give the tokens of `model.generate(do_sample=False)`."""
+    def attention(module, query, key, value, attention_mask, **kwargs):
+        if attention_mask is None or query.shape[2] != 1 or getattr(module, "num_key_value_groups", 1) == 1:
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        import torch
 
-    def __init__(self, engine: "Engine", rows: int, length: int):
+        output = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=kwargs.get("scaling"), enable_gqa=True
+        )
+        return output.transpose(1, 2).contiguous(), None
+
+    text_config = model.config.get_text_config(decoder=True)
+    if getattr(text_config, "_attn_implementation", None) != "sdpa":
+        return
+    AttentionInterface.register("sdpa_gqa_decode", attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa_gqa_decode", sdpa_mask)
+    try:
+        sub_config = next((name for name in getattr(model.config, "sub_configs", {})
+                           if getattr(model.config, name, None) is text_config), None)
+        model.set_attn_implementation({sub_config: "sdpa_gqa_decode"} if sub_config else "sdpa_gqa_decode")
+    except Exception:
+        log.warning("grouped-query decode attention unavailable; using transformers' SDPA", exc_info=True)
+
+
+class SlotDecoder:
+    """Continuous-batching decoding state: `rows` sequences over one static KV cache of `length` slots.
+
+    Every row writes its next token at the same slot (the shared pointer), so one decode step has
+    fixed shapes and is compiled and replayed as one CUDA graph whatever rows join or leave. A new
+    row's prompt is prefilled on its own and its keys/values copied into the slots just before the
+    pointer; the attention mask hides every slot a row does not own. When the pointer would run past
+    the end, all rows' slots are shifted left at once (rotary positions are baked into the keys and
+    kept per row, so a shift changes no result). Greedy rows give the tokens of
+    `model.generate(do_sample=False)`, alone or beside any other rows."""
+
+    def __init__(self, model, forward, eos_ids: set, rows: int, length: int, use_graph: bool, interval: int):
         import torch
         from transformers import StaticCache
 
-        model, device = engine.model, engine.model.device
-        self.model, self.forward, self.rows, self.length = model, engine.decode_forward(), rows, length
-        self.use_graph = engine.compiled
-        self.graphs: dict = {}  # one CUDA graph per variant of the step: with or without sampling
-        self.any_sample = False
-        self.cache = StaticCache(config=model.config.get_text_config(decoder=True), max_cache_len=length)
+        device = model.device
+        self.model, self.forward, self.rows, self.length = model, forward, rows, length
+        self.use_graph, self.interval = use_graph, interval
+        self.graphs: dict = {}  # one CUDA graph per variant of the step: with or without sampled rows
+        text_config = copy.copy(model.config.get_text_config(decoder=True))
+        text_config.sliding_window, text_config.layer_types = None, None  # the engine keeps length <= window
+        self.cache = StaticCache(config=text_config, max_cache_len=length)
         vocab = model.get_output_embeddings().weight.shape[0]
         self.is_eos = torch.zeros(vocab, dtype=torch.bool, device=device)
-        self.is_eos[[i for i in engine.eos_ids if i < vocab]] = True
+        self.is_eos[[i for i in eos_ids if i < vocab]] = True
         penalty = getattr(model.generation_config, "repetition_penalty", None) or 1.0
         self.penalty = penalty if penalty != 1.0 else None
         self.seen = torch.zeros((rows, vocab), dtype=torch.bool, device=device) if self.penalty else None
         zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
-        self.token, self.cache_position, self.step = zeros(rows, 1), zeros(1), zeros(1)
-        self.mask, self.generated = zeros(rows, length), zeros(rows, length)
-        self.min_new, self.max_new, self.finished = zeros(rows), zeros(rows), zeros(rows, dtype=torch.bool)
+        self.token, self.cache_position, self.ring_index = zeros(rows, 1), zeros(1), zeros(1)
+        self.mask, self.ring = zeros(rows, length), zeros(rows, interval)
+        self.count, self.min_new = zeros(rows), zeros(rows)
         self.sample = zeros(rows, dtype=torch.bool)
         self.temperature, self.top_p = zeros(rows, dtype=torch.float), zeros(rows, dtype=torch.float)
-        self.position = None  # shaped like the family's position ids on the first call
+        self.position = None  # shaped like the family's position ids at the first prefill
+        self.pointer = 0  # the slot the next step writes (host copy of cache_position)
+        self.spans: dict[int, tuple[int, int]] = {}  # row -> (first slot, slot past its last token)
+        self.any_sample = False
 
-    def choose(self, logits) -> None:
-        """Pick each row's next token from its logits, in place."""
+    # ---- admission --------------------------------------------------------------------------
+
+    def free_rows(self) -> list[int]:
+        return [row for row in range(self.rows) if row not in self.spans]
+
+    def plan(self, prompt_length: int, max_new_tokens: int) -> Optional[int]:
+        """The shift that makes room for a new row (0: none needed), or None if it cannot fit now."""
+        need = prompt_length + max_new_tokens + self.interval  # rows finish at an interval's end
+        if need > self.length:
+            return None
+        if not self.spans:
+            return prompt_length - self.pointer
+        low, high = min(s for s, _ in self.spans.values()), max(e for _, e in self.spans.values())
+        if self.pointer >= prompt_length and self.pointer + max_new_tokens + self.interval <= self.length:
+            return 0
+        shift = max(prompt_length - self.pointer, -low)
+        fits = high + shift <= self.length and self.pointer + shift + max_new_tokens + self.interval <= self.length
+        return shift if fits else None
+
+    def shift(self, delta: int) -> None:
+        """Move every row's slots by `delta` (negative: left)."""
         import torch
 
+        if delta == 0:
+            return
+        for layer in self.cache.layers:
+            if getattr(layer, "is_initialized", False):
+                layer.keys.copy_(torch.roll(layer.keys, delta, dims=2))
+                layer.values.copy_(torch.roll(layer.values, delta, dims=2))
+        self.mask.copy_(torch.roll(self.mask, delta, dims=1))
+        if delta > 0:
+            self.mask[:, :delta] = 0  # what wrapped around from the end
+        else:
+            self.mask[:, self.length + delta:] = 1  # future slots: hidden by causality until written
+        self._set_pointer(self.pointer + delta)
+        self.spans = {row: (s + delta, e + delta) for row, (s, e) in self.spans.items()}
+
+    def _set_pointer(self, pointer: int) -> None:
+        self.pointer = pointer
+        self.cache_position.fill_(pointer)
+        for layer in self.cache.layers:  # transformers' StaticLayer writes at its own counter
+            if getattr(layer, "is_initialized", False):
+                layer.cumulative_length.fill_(pointer)
+
+    def prefill(self, inputs, rows: list[int], params: list[GenerationParams]) -> list[int]:
+        """Run new items' prompts (one left-padded batch) and place them in `rows`, whose slots end
+        at the pointer (the caller made room with `plan`/`shift`). Returns each row's first token."""
+        import torch
+        from transformers import DynamicCache
+
+        model = self.model
+        input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
+        count, prompt_length = input_ids.shape
+        # Positions continue from the prompt's exactly as generate() continues them (M-RoPE too).
+        position_ids = model._prepare_position_ids_for_generation(input_ids, dict(inputs))
+        scratch = DynamicCache(config=model.config.get_text_config(decoder=True))
+        output = model(**inputs, position_ids=position_ids, past_key_values=scratch, use_cache=True, logits_to_keep=1)
+        index = torch.tensor(rows, device=input_ids.device)
+        start, end = self.pointer - prompt_length, self.pointer
+        for layer, new in zip(self.cache.layers, scratch.layers):
+            if not getattr(layer, "is_initialized", False):
+                layer.lazy_initialization(new.keys[:1].expand(self.rows, -1, -1, -1), new.values[:1].expand(self.rows, -1, -1, -1))
+                layer.cumulative_length.fill_(self.pointer)
+            layer.keys[index, :, start:end] = new.keys
+            layer.values[index, :, start:end] = new.values
+        self.mask[index] = 0
+        self.mask[index, start:end] = attention_mask
+        self.mask[index, end:] = 1
+        if self.position is None:
+            shape = list(position_ids.shape)
+            shape[-2], shape[-1] = self.rows, 1
+            self.position = torch.zeros(shape, dtype=position_ids.dtype, device=position_ids.device)
+        self.position.index_copy_(-2, index, position_ids[..., -1:] + 1)
+        self.count[index] = 0
+        self.min_new[index] = torch.tensor([p.min_new_tokens for p in params], device=index.device)
+        self.sample[index] = torch.tensor([p.do_sample for p in params], device=index.device)
+        self.temperature[index] = torch.tensor([p.temperature for p in params], device=index.device, dtype=torch.float)
+        self.top_p[index] = torch.tensor([p.top_p for p in params], device=index.device, dtype=torch.float)
+        if self.seen is not None:
+            seen = torch.zeros((count, self.seen.shape[1]), dtype=torch.bool, device=index.device)
+            self.seen[index] = seen.scatter_(1, input_ids, True)
+        token = self._choose(output.logits[:, -1, :], index)
+        self.token[index] = token[:, None]
+        self.count[index] = 1
+        for row, p in zip(rows, params):
+            self.spans[row] = (start, end + p.max_new_tokens + self.interval)
+        self.any_sample = bool(self.sample[sorted(self.spans)].any()) if self.spans else False
+        return token.tolist()
+
+    def release(self, row: int) -> None:
+        """Free a row: its slots are hidden from now on and it may be given to a new item."""
+        self.spans.pop(row, None)
+        self.mask[row, : self.pointer] = 0
+        self.any_sample = bool(self.sample[sorted(self.spans)].any()) if self.spans else False
+
+    # ---- decoding ---------------------------------------------------------------------------
+
+    def _choose(self, logits, index=None):
+        """Each row's next token from its logits (rows `index`, or all)."""
+        import torch
+
+        pick = (lambda t: t) if index is None else (lambda t: t[index])  # noqa: E731
         logits = logits.float()
         if self.seen is not None:  # as transformers' RepetitionPenaltyLogitsProcessor
             penalized = torch.where(logits < 0, logits * self.penalty, logits / self.penalty)
-            logits = torch.where(self.seen, penalized, logits)
-        blocked = (self.step < self.min_new)[:, None] & self.is_eos[None, :]
+            logits = torch.where(pick(self.seen), penalized, logits)
+        blocked = (pick(self.count) < pick(self.min_new))[:, None] & self.is_eos[None, :]
         logits = logits.masked_fill(blocked, float("-inf"))
         token = logits.argmax(dim=-1)
-        if self.any_sample:
-            token = torch.where(self.sample, self._sampled(logits), token)
-        self.generated.index_copy_(1, self.step, token[:, None])
-        self.finished |= self.is_eos[token] | (self.step + 1 >= self.max_new)
-        if self.seen is not None:
+        if self.any_sample or index is not None:
+            sampled = self._sampled(logits, pick(self.temperature), pick(self.top_p))
+            token = torch.where(pick(self.sample), sampled, token)
+        if self.seen is not None and index is None:
             self.seen.scatter_(1, token[:, None], True)
-        self.token.copy_(token[:, None])
-        self.step += 1
+        elif self.seen is not None:
+            self.seen[index] = self.seen[index].scatter(1, token[:, None], True)
+        return token
 
-    def _sampled(self, logits):
+    @staticmethod
+    def _sampled(logits, temperature, top_p):
         """Temperature and top-p sampling, drawn as argmax(p / Exp(1)) so a CUDA graph can hold it."""
         import torch
 
-        probs = torch.softmax(logits / self.temperature.clamp(min=1e-5)[:, None], dim=-1)
+        probs = torch.softmax(logits / temperature.clamp(min=1e-5)[:, None], dim=-1)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_probs.cumsum(dim=-1) - sorted_probs > self.top_p[:, None]
+        outside = sorted_probs.cumsum(dim=-1) - sorted_probs > top_p[:, None]
         probs = probs.scatter(1, order, sorted_probs.masked_fill(outside, 0.0))
         return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
 
-    def advance(self) -> None:
-        """One decoding step: the last chosen tokens go through the model, the next are chosen."""
+    def _advance(self) -> None:
+        """One step: every row's last token goes through the model, and its next is chosen."""
         output = self.forward(
             input_ids=self.token,
             attention_mask=self.mask,
@@ -1266,56 +1413,22 @@ class Decoder:
             use_cache=True,
             logits_to_keep=1,
         )
-        self.choose(output.logits[:, -1, :])
+        token = self._choose(output.logits[:, -1, :])
+        self.ring.index_copy_(1, self.ring_index, token[:, None])
+        self.ring_index += 1
+        self.count += 1
+        self.token.copy_(token[:, None])
         self.position += 1
         self.cache_position += 1
 
-    def run(self, inputs, params: list[GenerationParams]) -> list[list[int]]:
-        import torch
-
-        model, device = self.model, self.model.device
-        input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
-        prompt_length = input_ids.shape[1]
-        max_new_tokens = max(p.max_new_tokens for p in params)
-        self.cache.reset()
-        self.mask.fill_(1)  # positions not yet written are hidden by causality
-        self.mask[:, :prompt_length] = attention_mask
-        self.generated.zero_()
-        self.step.zero_()
-        self.finished.zero_()
-        self.min_new.copy_(torch.tensor([p.min_new_tokens for p in params]))
-        self.max_new.copy_(torch.tensor([p.max_new_tokens for p in params]))
-        self.any_sample = any(p.do_sample for p in params)
-        self.sample.copy_(torch.tensor([p.do_sample for p in params]))
-        self.temperature.copy_(torch.tensor([p.temperature for p in params]))
-        self.top_p.copy_(torch.tensor([p.top_p for p in params]))
-        if self.seen is not None:
-            self.seen.zero_()
-            self.seen.scatter_(1, input_ids, True)
-        model_inputs = dict(inputs)
-        # Positions continue from the prompt's exactly as generate() continues them (M-RoPE too).
-        position_ids = model._prepare_position_ids_for_generation(input_ids, model_inputs)
-        output = model(
-            **model_inputs,
-            position_ids=position_ids,
-            past_key_values=self.cache,
-            cache_position=torch.arange(prompt_length, device=device),
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        if self.position is None:
-            self.position = torch.zeros_like(position_ids[..., -1:])
-        self.position.copy_(position_ids[..., -1:] + 1)
-        self.cache_position.fill_(prompt_length)
-        self.choose(output.logits[:, -1, :])
-        produced, replay = 1, self._replay()
-        while produced < max_new_tokens:
-            # Look for the end only every 16 tokens: each look waits for the GPU.
-            if produced % 16 == 0 and bool(self.finished.all()):
-                break
-            replay()
-            produced += 1
-        tokens = self.generated[:, :produced].tolist()
+    def step(self, steps: int) -> list[list[int]]:
+        """Run `steps` (at most `interval`) decode steps; each row's new tokens, row by row."""
+        self.ring_index.zero_()
+        graph = self.graphs.get(self.any_sample)
+        for _ in range(steps):
+            graph.replay() if graph is not None else self._advance()
+        self.pointer += steps
+        tokens = self.ring[:, :steps].tolist()
         if self.use_graph and self.any_sample not in self.graphs:
             try:
                 self._capture()
@@ -1324,27 +1437,32 @@ class Decoder:
                 self.use_graph = False
         return tokens
 
-    def _replay(self):
-        graph = self.graphs.get(self.any_sample)
-        return graph.replay if graph is not None else self.advance
-
     def _capture(self) -> None:
-        """Record one step as a CUDA graph (after a first call has compiled the forward)."""
+        """Record one step as a CUDA graph (after a first step has compiled the forward). The
+        warm-up steps it runs write only the slot at the pointer, which the next step rewrites."""
         import torch
 
-        self.cache_position.zero_()  # any in-range state will do: the next call resets it
-        self.step.zero_()
+        saved = [t.clone() for t in (self.token, self.position, self.count, self.mask)]
+        seen = self.seen.clone() if self.seen is not None else None
+        pointer = self.pointer
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self.advance()
+                self._set_pointer(pointer)
+                self.ring_index.zero_()
+                self._advance()
         torch.cuda.current_stream().wait_stream(stream)
-        self.cache_position.zero_()
-        self.step.zero_()
+        self._set_pointer(pointer)
+        self.ring_index.zero_()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            self.advance()
+            self._advance()
+        self._set_pointer(pointer)
+        for tensor, value in zip((self.token, self.position, self.count, self.mask), saved):
+            tensor.copy_(value)
+        if seen is not None:
+            self.seen.copy_(seen)
         self.graphs[self.any_sample] = graph
 
 
@@ -1355,11 +1473,13 @@ class Engine:
         self.settings = settings
         self.model_id = settings.model
         self.quantize = quantize or settings.quantize
-        self.lock = threading.Lock()
-        self._decoders: dict[tuple[int, int], Decoder] = {}  # by (rows, cache length)
         self._compiled_forward = None
-        self._cache_len = settings.cache_len
         self._load()
+        self._wake = threading.Condition()  # guards the queue; the engine thread waits on it
+        self._queue: list[Ticket] = []  # submitted, not yet given a row, in arrival order
+        self._rows: dict[int, Ticket] = {}  # decoder row -> the item decoding there (engine thread only)
+        self._thread: Optional[threading.Thread] = None
+        self._decoder: Optional[SlotDecoder] = None
 
     # ---- loading ----------------------------------------------------------------------------
 
@@ -1438,7 +1558,26 @@ class Engine:
         text_config = self.model.config.get_text_config(decoder=True)
         self.context_length = getattr(text_config, "max_position_embeddings", None)
         self.compiled = self._can_compile()
+        # Rows join and leave a running batch through one static cache; sliding-window layers and
+        # remote-code chat() APIs cannot, and answer one item at a time.
+        # A sliding window no shorter than the cache attends like full attention over it.
+        window = getattr(text_config, "sliding_window", None)
+        kinds = getattr(text_config, "layer_types", None) or (["sliding_attention"] if window else [])
+        self.max_slots = window if window and any(k != "full_attention" for k in kinds) else None
+        self.continuous = self.adapter.native and (self.max_slots is None or self.max_slots >= self.settings.cache_len)
+        if self.continuous:
+            _use_grouped_query_decode_attention(self.model)
         log.info("loaded %s (%s) in %.1fs", self.model_id, self.adapter.name, time.perf_counter() - started)
+
+    @property
+    def decoder(self) -> SlotDecoder:
+        if self._decoder is None:
+            self._decoder = self._new_decoder(self.settings.cache_len)
+        return self._decoder
+
+    @decoder.setter
+    def decoder(self, decoder: SlotDecoder) -> None:
+        self._decoder = decoder
 
     def _eos_ids(self) -> set:
         config_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
@@ -1459,7 +1598,7 @@ class Engine:
             and str(self.model.device).startswith("cuda")
         )
 
-    # ---- generation -------------------------------------------------------------------------
+    # ---- generation: the engine thread ------------------------------------------------------
 
     def sampling_kwargs(self, params: GenerationParams) -> dict:
         kwargs: dict = {"max_new_tokens": params.max_new_tokens, "do_sample": params.do_sample}
@@ -1471,53 +1610,202 @@ class Engine:
             kwargs["min_new_tokens"] = params.min_new_tokens
         return kwargs
 
-    def generate(self, items: list[GenerationRequest]) -> list[Generation]:
-        """Generate for a batch of items (left-padded together on the native path)."""
-        with self.lock:
-            if not self.adapter.native:
-                return [
-                    self.adapter.run(self.model, self.processor, item, self.sampling_kwargs(item.params))
-                    for item in items
-                ]
-            return self._generate_native(items)
+    def submit(self, item: GenerationRequest, listener: Callable[[Any], None], stream: bool = False) -> "Ticket":
+        """Queue an item. `listener` is called from the engine thread with StreamDelta events (when
+        `stream`) and then exactly once with the final Generation or RequestError."""
+        ticket = Ticket(item, listener, stream)
+        with self._wake:
+            self._queue.append(ticket)
+            self._wake.notify()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._serve, name="vlm-engine", daemon=True)
+                self._thread.start()
+        return ticket
 
-    _PADDING_PARAMS = GenerationParams(max_new_tokens=1, temperature=0.0, top_p=1.0, do_sample=False)
-
-    def _generate_native(self, items: list[GenerationRequest]) -> list[Any]:
-        """Generations (or a RequestError for an item over the model's context), in item order."""
+    def _serve(self) -> None:
+        """The engine thread: admit queued items at step boundaries, decode, hand out tokens."""
         import torch
 
-        rows = len(items)
-        # On the compiled path the batch is padded to a fixed size, so that a new batch size never
-        # triggers a recompilation, with short text-only rows: one token each, then dropped.
-        filler = GenerationRequest("chat", [Turn("user", ["."])], self._PADDING_PARAMS)
-        padded = items + [filler] * (self.row_bucket(rows) - rows)
-        inputs, input_sizes = self.adapter.batch_inputs(self.processor, padded, self.model.device, self.dtype)
-        prompt_tokens = inputs["attention_mask"].sum(dim=1).tolist()
-        refused = [self._context_error(item, prompt) for item, prompt in zip(items, prompt_tokens)]
-        if any(refused):
-            fitting = [item for item, error in zip(items, refused) if error is None]
-            answers = iter(self._generate_native(fitting) if fitting else [])
-            return [error or next(answers) for error in refused]
-        with torch.no_grad():
-            tokens = self.decode(inputs, [item.params for item in padded])
-        results = []
-        for row, item in enumerate(items):
-            ids = tokens[row][: item.params.max_new_tokens]
-            kept = ids[: _trimmed_length(ids, self.eos_ids)]
-            results.append(
-                Generation(
-                    text=self.tokenizer.decode(kept, skip_special_tokens=True).strip(),
-                    # Grounding reads boxes between special tokens (Qwen's <|box_start|>...).
-                    raw_text=self.tokenizer.decode(kept, skip_special_tokens=False)
-                    if item.task == "grounding" else None,
-                    finish_reason=_finish_reason(ids, self.eos_ids, item.params.max_new_tokens),
-                    prompt_tokens=prompt_tokens[row],
-                    completion_tokens=len(kept),
-                    image_input_size=input_sizes[row],
-                )
+        with torch.inference_mode():
+            self._serve_forever()
+
+    def _serve_forever(self) -> None:
+        while True:
+            with self._wake:
+                while not self._queue and not self._rows:
+                    self._wake.wait()
+                self._queue = [t for t in self._queue if not t.cancelled]
+                waiting = list(self._queue)
+            try:
+                if not self.continuous:
+                    if waiting:
+                        self._take(waiting[:1])
+                        self._run_alone(waiting[0])
+                    continue
+                self._admit(waiting)
+                if self._rows:
+                    self._decode_interval()
+            except Exception:
+                log.exception("the engine failed a step; failing the items in flight")
+                self._fail_all(RequestError("generation_failed", "the model could not answer this request"))
+
+    def _take(self, tickets: list["Ticket"]) -> None:
+        with self._wake:
+            for ticket in tickets:
+                self._queue.remove(ticket)
+
+    def _run_alone(self, ticket: "Ticket") -> None:
+        """Families outside continuous batching (remote code, sliding-window caches): one at a time."""
+        item = ticket.item
+        try:
+            if self.adapter.native:
+                result = self._generate_with_generate(item)
+            else:
+                result = self.adapter.run(self.model, self.processor, item, self.sampling_kwargs(item.params))
+        except RequestError as error:
+            result = error
+        except Exception:
+            log.exception("generation failed")
+            result = RequestError("generation_failed", "the model could not answer this request", item.param)
+        ticket.finish(result)
+
+    def _generate_with_generate(self, item: GenerationRequest):
+        import torch
+
+        inputs, input_sizes = self.adapter.batch_inputs(self.processor, [item], self.model.device, self.dtype)
+        prompt_tokens = int(inputs["attention_mask"].sum())
+        error = self._context_error(item, prompt_tokens)
+        if error:
+            return error
+        with torch.inference_mode():
+            out = self.model.generate(**inputs, eos_token_id=sorted(self.eos_ids), **self.sampling_kwargs(item.params))
+        ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+        return self._generation(item, ids, prompt_tokens, input_sizes[0])
+
+    def _admit(self, waiting: list["Ticket"]) -> None:
+        """Prefill as many waiting items as fit (in arrival order) and give them rows."""
+        import torch
+
+        decoder = self.decoder
+        free = decoder.free_rows()
+        if not waiting or not free:
+            return
+        group = waiting[:1] if waiting[0].alone else [t for t in itertools.takewhile(lambda t: not t.alone, waiting)][: len(free)]
+        self._take(group)
+        try:
+            self._place(group, free)
+        except Exception:
+            log.exception("could not admit %d items", len(group))
+            with self._wake:
+                lost = [t for t in group if t.row is None and t not in self._queue]
+            for ticket in lost:
+                ticket.finish(RequestError("generation_failed", "the model could not answer this request", ticket.item.param))
+
+    def _place(self, group: list["Ticket"], free: list[int]) -> None:
+        import torch
+
+        decoder = self.decoder
+        try:
+            inputs, input_sizes = self.adapter.batch_inputs(
+                self.processor, [t.item for t in group], self.model.device, self.dtype
             )
-        return results
+        except Exception:
+            if len(group) > 1:  # find the bad item: the others go back to the front of the queue
+                self._requeue(group[1:])
+                return self._admit_failed(group[0])
+            return self._admit_failed(group[0])
+        prompt_tokens = inputs["attention_mask"].sum(dim=1).tolist()
+        errors = [self._context_error(t.item, n) for t, n in zip(group, prompt_tokens)]
+        if any(errors):
+            for ticket, error in zip(group, errors):
+                if error:
+                    ticket.finish(error)
+            self._requeue([t for t, e in zip(group, errors) if not e])
+            return
+        prompt_length = inputs["input_ids"].shape[1]
+        longest = max(t.item.params.max_new_tokens for t in group)
+        shift = decoder.plan(prompt_length, longest)
+        if shift is None:
+            if len(group) > 1:  # a smaller group may fit
+                self._requeue(group[1:])
+                self._requeue([group[0]])
+                return
+            if not self._rows:  # alone and still too long: a decoder with a longer cache
+                length = self._cache_length(prompt_length + longest + decoder.interval)
+                if self.max_slots is not None and length > self.max_slots:
+                    return self._run_alone(group[0])  # past the sliding window: generate() handles it
+                self.decoder = self._new_decoder(length)
+                return self._requeue(group)
+            return self._requeue(group)  # waits for rows to finish
+        decoder.shift(shift)
+        rows = free[: len(group)]
+        try:
+            first = decoder.prefill(inputs, rows, [t.item.params for t in group])
+        except Exception:
+            for row in rows:
+                decoder.release(row)
+            if len(group) > 1:
+                log.warning("a prefill of %d items failed; admitting them one by one", len(group), exc_info=True)
+                return self._requeue(group, one_by_one=True)
+            return self._admit_failed(group[0])
+        for ticket, row, token, prompt, size in zip(group, rows, first, prompt_tokens, input_sizes):
+            ticket.start(row, prompt, size)
+            self._rows[row] = ticket
+            self._accept(ticket, [token])
+
+    def _requeue(self, tickets: list["Ticket"], one_by_one: bool = False) -> None:
+        with self._wake:
+            for ticket in reversed(tickets):
+                ticket.alone = ticket.alone or one_by_one
+                self._queue.insert(0, ticket)
+
+    def _admit_failed(self, ticket: "Ticket") -> None:
+        log.exception("could not prepare an item")
+        ticket.finish(RequestError("generation_failed", "the model could not answer this request", ticket.item.param))
+
+    def _decode_interval(self) -> None:
+        import torch
+
+        decoder = self.decoder
+        remaining = max(t.item.params.max_new_tokens - len(t.ids) for t in self._rows.values())
+        tokens = decoder.step(max(1, min(decoder.interval, remaining)))
+        for row, ticket in list(self._rows.items()):
+            self._accept(ticket, tokens[row])
+
+    def _accept(self, ticket: "Ticket", tokens: list[int]) -> None:
+        """New tokens for a row: stream them, and finish the row at its end token or length."""
+        item, done = ticket.item, ticket.cancelled
+        for token in tokens:
+            if done:
+                break
+            ticket.ids.append(token)
+            done = token in self.eos_ids or len(ticket.ids) >= item.params.max_new_tokens
+        if ticket.stream and not ticket.cancelled:
+            ticket.emit_delta(self.tokenizer, self.eos_ids)
+        if done:
+            self.decoder.release(ticket.row)
+            del self._rows[ticket.row]
+            if not ticket.cancelled:
+                ticket.finish(self._generation(item, ticket.ids, ticket.prompt_tokens, ticket.input_size))
+
+    def _fail_all(self, error: RequestError) -> None:
+        for row, ticket in list(self._rows.items()):
+            self.decoder.release(row)
+            ticket.finish(RequestError(error.code, error.message, ticket.item.param))
+        self._rows.clear()
+
+    def _generation(self, item: GenerationRequest, ids: list[int], prompt_tokens: int, input_size) -> Generation:
+        ids = ids[: item.params.max_new_tokens]
+        kept = ids[: _trimmed_length(ids, self.eos_ids)]
+        return Generation(
+            text=self.tokenizer.decode(kept, skip_special_tokens=True).strip(),
+            # Grounding reads boxes between special tokens (Qwen's <|box_start|>...).
+            raw_text=self.tokenizer.decode(kept, skip_special_tokens=False) if item.task == "grounding" else None,
+            finish_reason=_finish_reason(ids, self.eos_ids, item.params.max_new_tokens),
+            prompt_tokens=int(prompt_tokens),
+            completion_tokens=len(kept),
+            image_input_size=input_size,
+        )
 
     def _context_error(self, item: GenerationRequest, prompt_tokens: int) -> Optional[RequestError]:
         if self.context_length and prompt_tokens + item.params.max_new_tokens > self.context_length:
@@ -1529,42 +1817,23 @@ class Engine:
             )
         return None
 
-    # ---- decoding -----------------------------------------------------------------------------
+    # ---- the decoder and its compiled step ----------------------------------------------------
 
-    ROW_BUCKETS = (1, 4, 16, 64)
+    def _cache_length(self, needed: int) -> int:
+        length = self.settings.cache_len
+        while length < needed:
+            length *= 2
+        return length
 
-    @property
-    def row_buckets(self) -> list[int]:
-        largest = self.settings.max_batch_size
-        return sorted({b for b in self.ROW_BUCKETS if b < largest} | {largest})
-
-    def row_bucket(self, rows: int) -> int:
-        if not self.compiled:
-            return rows
-        return next((b for b in self.row_buckets if b >= rows), rows)
-
-    def cache_length(self, needed: int) -> int:
-        """KV-cache length for a batch. Compiled: one length for all batches, doubled (each time
-        with a recompilation of every batch size) only by a request longer than any before;
-        eager: exactly what is needed."""
-        if not self.compiled:
-            return needed
-        while self._cache_len < needed:
-            self._cache_len *= 2
-        return self._cache_len
-
-    def decode(self, inputs, params: list[GenerationParams]) -> list[list[int]]:
-        rows, prompt_length = inputs["input_ids"].shape
-        length = self.cache_length(prompt_length + max(p.max_new_tokens for p in params))
-        decoder = self._decoders.get((rows, length))
-        if decoder is None:
-            self._decoders = {key: d for key, d in self._decoders.items() if key[1] == length}
-            decoder = self._decoders[(rows, length)] = Decoder(self, rows, length)
-        return decoder.run(inputs, params)
+    def _new_decoder(self, length: int) -> SlotDecoder:
+        return SlotDecoder(
+            self.model, self.decode_forward(), self.eos_ids, rows=self.settings.max_batch_size,
+            length=length, use_graph=self.compiled, interval=self.settings.sync_interval,
+        )
 
     def decode_forward(self):
         """The model's forward for decoding steps: compiled on the GPU (CUDA graphs are captured
-        around it by the Decoder, so inductor's own are off), the plain model elsewhere."""
+        around it by the decoder, so inductor's own are off), the plain model elsewhere."""
         if not self.compiled:
             return self.model
         if self._compiled_forward is None:
@@ -1578,25 +1847,53 @@ class Engine:
         return self._compiled_forward
 
     def warm_up(self) -> float:
-        """Compile and record every batch size at boot, so no request pays for it. Returns seconds."""
+        """Compile and record the decode step (greedy and sampled) at boot. Returns seconds."""
         if not self.compiled:
             return 0.0
         from PIL import Image
 
         started = time.perf_counter()
         image = Image.new("RGB", (448, 448), (127, 127, 127))
-        greedy = GenerationParams(max_new_tokens=8, temperature=0.0, top_p=1.0, do_sample=False)
+        greedy = GenerationParams(max_new_tokens=2 * self.settings.sync_interval, temperature=0.0, top_p=1.0, do_sample=False)
         sampled = dataclasses.replace(greedy, temperature=1.0, do_sample=True)
-        for rows in self.row_buckets:
-            bucket_started = time.perf_counter()
-            # Each variant's first call compiles and records its graph, the second replays it.
-            for params in (greedy, greedy, sampled, sampled):
-                item = GenerationRequest("caption", [Turn("user", [image, TASK_PROMPTS["caption"]])], params)
-                self.generate([item] * rows)
-            log.info("warm-up: batch size %d ready in %.1fs", rows, time.perf_counter() - bucket_started)
+        for params in (greedy, greedy, sampled, sampled):
+            item = GenerationRequest("caption", [Turn("user", [image, TASK_PROMPTS["caption"]])], params)
+            generate_all(self, [item])
         seconds = time.perf_counter() - started
-        log.info("warmed up batch sizes %s in %.1fs", self.row_buckets, seconds)
+        log.info("warmed up the decode step for %d rows in %.1fs", self.settings.max_batch_size, seconds)
         return seconds
+
+
+class Ticket:
+    """One item's way through the engine: queued, then a row of the decoder, then finished."""
+
+    def __init__(self, item: GenerationRequest, listener: Callable[[Any], None], stream: bool):
+        self.item, self.listener, self.stream = item, listener, stream
+        self.cancelled = self.alone = self.done = False
+        self.row: Optional[int] = None
+        self.ids: list[int] = []
+        self.prompt_tokens, self.input_size, self.sent = 0, None, ""
+
+    def start(self, row: int, prompt_tokens: int, input_size) -> None:
+        self.row, self.prompt_tokens, self.input_size = row, prompt_tokens, input_size
+
+    def cancel(self) -> None:
+        """Give up on the item: the engine drops it from the queue or frees its row at the next step."""
+        self.cancelled = True
+
+    def emit_delta(self, tokenizer, eos_ids: set) -> None:
+        kept = self.ids[: _trimmed_length(self.ids, eos_ids)]
+        text = tokenizer.decode(kept, skip_special_tokens=True).lstrip()
+        if text.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
+            return
+        if text.startswith(self.sent) and len(text) > len(self.sent):
+            delta, self.sent = text[len(self.sent):], text
+            self.listener(StreamDelta(delta, len(kept)))
+
+    def finish(self, result) -> None:
+        if not self.done:
+            self.done = True
+            self.listener(result)
 
 
 _engine: Optional[Engine] = None
@@ -1649,6 +1946,7 @@ class RequestModel(BaseModel):
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     do_sample: bool = False
+    stream: bool = False
     batch_images: Optional[bool] = None
 
     @field_validator("task")
@@ -1936,40 +2234,59 @@ def grounding_fields(item: GenerationRequest, generation: Generation, adapter: F
 # =================================================================================================
 
 
-def generate_all(engine: Engine, items: list[GenerationRequest]) -> list[Any]:
-    """Run prepared items as padded batches; results in input order.
+@dataclasses.dataclass
+class StreamDelta:
+    """A piece of an answer as it is produced."""
 
-    Greedy and sampled items share batches (sampling is chosen per row). Items are batched by
-    similar max_new_tokens, so a short answer rarely waits for a long one. A batch that fails is
-    retried item by item, so one bad item never sinks its neighbours."""
-    results: list[Any] = [None] * len(items)
-    order = sorted(range(len(items)), key=lambda i: items[i].params.max_new_tokens)
-    # Remote-code families answer one item per call anyway: batching them would only make a
-    # failure redo the items before it.
-    size = engine.settings.max_batch_size if engine.adapter.native else 1
-    for start in range(0, len(order), size):
-        chunk = order[start:start + size]
-        if len(chunk) == 1:
-            generations = [generate_alone(engine, items[chunk[0]])]
-        else:
-            try:
-                generations = engine.generate([items[i] for i in chunk])
-            except Exception:
-                log.warning("a batch of %d failed; answering its items one by one", len(chunk), exc_info=True)
-                generations = [generate_alone(engine, items[i]) for i in chunk]
-        for i, generation in zip(chunk, generations):
-            results[i] = generation
-    return results
+    text: str  # new text since the previous delta
+    completion_tokens: int  # tokens generated so far
 
 
-def generate_alone(engine: Engine, item: GenerationRequest):
+Outcome = Union[Generation, RequestError]  # what the engine gives back for one item
+
+
+def generate_all(engine: Engine, items: list[GenerationRequest]) -> list[Outcome]:
+    """Answer items through the engine, beside every other job's items; results in input order.
+    Blocks the calling thread (never the engine's)."""
+    results: list[Optional[Outcome]] = [None] * len(items)
+    finished = threading.Semaphore(0)
+
+    def listener(index: int):
+        def on_event(event) -> None:
+            if not isinstance(event, StreamDelta):
+                results[index] = event
+                finished.release()
+
+        return on_event
+
+    for index, item in enumerate(items):
+        engine.submit(item, listener(index))
+    for _ in items:
+        finished.acquire()
+    return results  # type: ignore[return-value]
+
+
+async def stream_generation(engine: Engine, item: GenerationRequest, stream: bool = True):
+    """Yields StreamDelta events as tokens are produced (when `stream`), then the final Generation
+    or RequestError. Leaving early (break, aclose, a cancelled task) cancels the item."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    ticket = engine.submit(item, lambda event: loop.call_soon_threadsafe(events.put_nowait, event), stream)
     try:
-        return engine.generate([item])[0]
-    except RequestError as error:
-        return error
-    except Exception:
-        log.exception("generation failed")
-        return RequestError("generation_failed", "the model could not answer this request", item.param)
+        while True:
+            event = await events.get()
+            yield event
+            if not isinstance(event, StreamDelta):
+                return
+    finally:
+        ticket.cancel()  # no effect once finished; otherwise frees its row at the next step
+
+
+async def generate_one(engine: Engine, item: GenerationRequest) -> Outcome:
+    """The final Generation or RequestError of one item."""
+    async for event in stream_generation(engine, item, stream=False):
+        result = event
+    return result
 
 
 def format_output(engine: Engine, item: GenerationRequest, generation: Generation, request: RequestModel) -> dict:
@@ -1992,7 +2309,7 @@ def format_output(engine: Engine, item: GenerationRequest, generation: Generatio
         output["quantize"] = engine.quantize
         output["quantize_warning"] = (
             f"the model was loaded as {engine.quantize!r}; the requested {request.quantize!r} "
-            "applies only when a request loads the model"
+            "applies only when a request loads the model (VLM_LOAD_AT_BOOT=false)"
         )
     return output
 
@@ -2011,23 +2328,54 @@ def _check_model(request: RequestModel, model_id: str, param: Optional[str]) -> 
 # =================================================================================================
 
 
-def handler(job: dict) -> dict:
-    """RunPod entry: one request, or {"requests": [...]} answered item by item."""
+async def handler(job: dict):
+    """RunPod entry, an async generator: a streamed request yields its answer in pieces, any other
+    job yields one output (an answer, a batch's answers, or an error)."""
     try:
         payload = job.get("input") if isinstance(job, dict) else None
         if not isinstance(payload, dict):
             raise RequestError("invalid_request", "the job needs an 'input' object", "input")
         if "requests" in payload:
-            return _handle_batch(job, payload)
-        return _handle_single(payload)
+            yield await asyncio.to_thread(answer_batch, job, payload)
+            return
+        settings, model_id = served_model()
+        request, item = await asyncio.to_thread(read_request, payload, settings, model_id, None)
+        engine = await asyncio.to_thread(get_engine, request.quantize)
+        if request.stream:
+            async for chunk in stream_chunks(engine, item, request):
+                yield chunk
+            return
+        result = await generate_one(engine, item)
+        yield result.to_dict() if isinstance(result, RequestError) else format_output(engine, item, result, request)
     except RequestError as error:
-        return error.to_dict()
+        yield error.to_dict()
     except SettingsError as error:
         log.error("settings: %s", error)
-        return {"error": f"worker misconfigured: {error}", "code": "worker_misconfigured", "param": None}
+        yield {"error": f"worker misconfigured: {error}", "code": "worker_misconfigured", "param": None}
     except Exception:
         log.exception("unexpected failure")
-        return {"error": "internal error while answering this request", "code": "internal_error", "param": None}
+        yield {"error": "internal error while answering this request", "code": "internal_error", "param": None}
+
+
+async def stream_chunks(engine: Engine, item: GenerationRequest, request: RequestModel):
+    """A streamed answer as `{"text": ...}` chunks, at most one per VLM_STREAM_INTERVAL_MS; the last
+    one carries finish_reason, usage and the other fields of a whole answer (but `response`)."""
+    interval, sent, pending, last = engine.settings.stream_interval_ms / 1000, "", "", time.monotonic()
+    events = stream_generation(engine, item)
+    async for event in events:
+        if isinstance(event, RequestError):
+            yield event.to_dict()
+            return
+        if isinstance(event, Generation):
+            tail = event.text[len(sent + pending):] if event.text.startswith(sent + pending) else ""
+            final = format_output(engine, item, event, request)
+            del final["response"]
+            yield {"text": pending + tail, **final}
+            return
+        pending += event.text
+        if time.monotonic() - last >= interval and pending:
+            yield {"text": pending}
+            sent, pending, last = sent + pending, "", time.monotonic()
 
 
 def served_model() -> tuple[Settings, str]:
@@ -2056,12 +2404,8 @@ def answer_requests(parsed: list[tuple[RequestModel, GenerationRequest]]) -> lis
     ]
 
 
-def _handle_single(payload: dict) -> dict:
-    settings, model_id = served_model()
-    return answer_requests([read_request(payload, settings, model_id, None)])[0]
-
-
-def _handle_batch(job: dict, payload: dict) -> dict:
+def answer_batch(job: dict, payload: dict) -> dict:
+    """A `{"requests": [...]}` call: every item answered (or refused) on its own."""
     extra = set(payload) - {"requests"}
     if extra:
         raise RequestError("invalid_request", "unknown field beside 'requests'", sorted(extra)[0])
@@ -2077,7 +2421,10 @@ def _handle_batch(job: dict, payload: dict) -> dict:
     def read_item(index: int, raw: Any):
         param = f"requests[{index}]"
         try:
-            return read_request(raw, settings, model_id, param)
+            request, item = read_request(raw, settings, model_id, param)
+            if request.stream:
+                raise RequestError("invalid_request", "items of a batch call cannot stream", _join(param, "stream"))
+            return request, item
         except (RequestError, SettingsError) as error:
             return error
         except Exception:
@@ -2099,12 +2446,28 @@ def _handle_batch(job: dict, payload: dict) -> dict:
     return {"model": model_id, "count": len(results), "id": job.get("id"), "results": results}
 
 
+async def answer(job: dict) -> Any:
+    """The job's whole output: its one output, or the list of a streamed job's chunks (what RunPod's
+    `return_aggregate_stream` gives /runsync). For `--test_input`, which cannot iterate a generator."""
+    outputs = [output async for output in handler(job)]
+    return outputs[0] if len(outputs) == 1 and "text" not in outputs[0] else outputs
+
+
 def main() -> None:
+    import sys
+
     import runpod
 
     logging.basicConfig(level=os.environ.get("VLM_LOG_LEVEL", "INFO"))
-    get_engine().warm_up()  # load and compile before taking jobs: the first user pays neither
-    runpod.serverless.start({"handler": handler})
+    settings = Settings.from_env()
+    if settings.load_at_boot:
+        get_engine().warm_up()  # load and compile before taking jobs: the first user pays neither
+    local_test = any(arg.startswith("--test_input") for arg in sys.argv)
+    runpod.serverless.start({
+        "handler": answer if local_test else handler,
+        "return_aggregate_stream": True,
+        "concurrency_modifier": lambda current: settings.max_concurrency,
+    })
 
 
 if __name__ == "__main__":

@@ -11,6 +11,8 @@ guard's record of connect attempts.
 
 from __future__ import annotations
 
+import asyncio
+
 import base64
 import datetime
 import http.server
@@ -916,8 +918,12 @@ def worker(monkeypatch):
         ]
 
     monkeypatch.setattr(handler, "_engine", FakeEngine())
+    async def generate_one(engine, item):
+        return generate_all(engine, [item])[0]
+
     monkeypatch.setattr(handler, "generate_all", generate_all)
-    return handler.handler
+    monkeypatch.setattr(handler, "generate_one", generate_one)
+    return lambda job: asyncio.run(handler.answer(job))
 
 
 def chat(*blocks) -> dict:
