@@ -1,0 +1,284 @@
+"""GPU benchmark of RunPod-style traffic: separate concurrent jobs through the async handler.
+
+Random weights at Qwen2-VL-2B shapes (tools/tiny_models.py), loaded through the handler's own path.
+Every job goes through `handler.handler(job)` as the runpod SDK calls it (one asyncio task per job),
+and every figure is compared with a baseline measured in the same run:
+
+    python bench/serving.py --out OUT [--quick]
+
+- cold start: process start to the first answer in fresh processes (compiled and eager);
+- correctness on the GPU: compiled continuous-batching answers vs eager `model.generate`;
+- batch 1: time to first token and decode tokens/s;
+- uniform: 64 jobs x 448x448 x 128 tokens at once; the decode step at 64 rows;
+- mixed: 64 jobs (448x448 to 1280x720 images, 64-256 tokens, varied questions) one after another
+  (the baseline) and all at once: aggregate tokens/s, p50/p95 time to first token and latency;
+- open loop: the mixed jobs arriving at 4, 16 and 64 jobs/s (Poisson): p50/p95 latency and time to
+  first token, and the highest rate whose p95 latency stays under twice the unloaded p95.
+Results go to OUT/serving.json as they come; the summary is printed last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
+
+from benchmark import data_uri  # noqa: E402
+
+SIZES = [(448, 448), (640, 480), (800, 600), (1024, 768), (1280, 720)]
+QUESTIONS = [
+    "Describe this image in one sentence.",
+    "What is in the picture?",
+    "List every object you can see, with its colour.",
+    "Is there any text in this image? Read it out.",
+    "Describe the scene in detail: the objects, the light and the mood.",
+]
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
+
+
+def mixed_jobs(count: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    jobs = []
+    for index in range(count):
+        width, height = rng.choice(SIZES)
+        tokens = rng.randint(64, 256)
+        jobs.append({"id": f"mixed-{index}", "input": {
+            "task": "vqa", "question": rng.choice(QUESTIONS), "image_url": data_uri(width, height, index),
+            "max_new_tokens": tokens, "min_new_tokens": tokens, "stream": True,
+        }})
+    return jobs
+
+
+async def run_job(handler, job: dict) -> dict:
+    """One job as the SDK runs it; records time to first chunk, latency and tokens."""
+    started = time.perf_counter()
+    first, last = None, None
+    async for chunk in handler.handler(job):
+        if "error" in chunk:
+            raise RuntimeError(f"job {job['id']} failed: {chunk}")
+        first = first or time.perf_counter()
+        last = chunk
+    end = time.perf_counter()
+    tokens = last["usage"]["completion_tokens"] if "usage" in last else None
+    return {"ttft_s": first - started, "latency_s": end - started, "tokens": tokens}
+
+
+def summarize(records: list[dict], seconds: float) -> dict:
+    tokens = sum(r["tokens"] for r in records)
+    return {
+        "jobs": len(records), "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+        "ttft_p50_s": percentile([r["ttft_s"] for r in records], 0.5),
+        "ttft_p95_s": percentile([r["ttft_s"] for r in records], 0.95),
+        "latency_p50_s": percentile([r["latency_s"] for r in records], 0.5),
+        "latency_p95_s": percentile([r["latency_s"] for r in records], 0.95),
+    }
+
+
+async def sequential(handler, jobs: list[dict]) -> dict:
+    started = time.perf_counter()
+    records = [await run_job(handler, job) for job in jobs]
+    return summarize(records, time.perf_counter() - started)
+
+
+async def concurrent(handler, jobs: list[dict]) -> dict:
+    started = time.perf_counter()
+    records = await asyncio.gather(*(run_job(handler, job) for job in jobs))
+    return summarize(list(records), time.perf_counter() - started)
+
+
+async def open_loop(handler, jobs: list[dict], rate: float, seed: int = 1) -> dict:
+    rng = random.Random(seed)
+    started = time.perf_counter()
+    tasks, at = [], 0.0
+    for job in jobs:
+        at += rng.expovariate(rate)
+        delay = started + at - time.perf_counter()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(run_job(handler, job)))
+    records = await asyncio.gather(*tasks)
+    return dict(summarize(list(records), time.perf_counter() - started), rate=rate)
+
+
+def decode_step_ms(handler, engine, rows: int, steps: int = 80) -> float:
+    """The decode step with `rows` rows in flight, timed on the engine's decoder while it is idle."""
+    import torch
+    from PIL import Image
+
+    decoder = engine.decoder
+    image = Image.new("RGB", (448, 448), (90, 120, 150))
+    params = handler.GenerationParams(max_new_tokens=steps + 8, temperature=0.0, top_p=1.0, do_sample=False,
+                                      min_new_tokens=steps + 8)
+    items = [handler.GenerationRequest("caption", [handler.Turn("user", [image, "Describe."])], params)
+             for _ in range(rows)]
+    with torch.inference_mode():
+        inputs, _ = engine.adapter.batch_inputs(engine.processor, items, engine.model.device, engine.dtype)
+        decoder.shift(decoder.plan(inputs["input_ids"].shape[1], params.max_new_tokens))
+        free = decoder.free_rows()[:rows]
+        decoder.prefill(inputs, free, [params] * rows)
+        decoder.step(decoder.interval)  # graph capture if not yet
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        for _ in range(steps // decoder.interval):
+            decoder.step(decoder.interval)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+        for row in free:
+            decoder.release(row)
+    return 1000 * seconds / (steps // decoder.interval * decoder.interval)
+
+
+def gpu_parity(handler, engine, count: int = 6) -> dict:
+    """Greedy answers of the compiled continuous-batching engine (all at once) vs eager generate."""
+    import torch
+
+    jobs = mixed_jobs(count, seed=7)
+    for job in jobs:
+        job["input"].update(stream=False, max_new_tokens=24, min_new_tokens=0)
+
+    async def all_at_once():
+        return await asyncio.gather(*(handler.answer(job) for job in jobs))
+
+    answers = asyncio.run(all_at_once())
+    same = 0
+    for job, answer in zip(jobs, answers):
+        _, item = handler.read_request(job["input"], engine.settings, engine.model_id, None)
+        inputs, _ = engine.adapter.batch_inputs(engine.processor, [item], engine.model.device, engine.dtype)
+        with torch.inference_mode():
+            out = engine.model.generate(**inputs, max_new_tokens=24, do_sample=False)
+        ids = out[0, inputs["input_ids"].shape[1]:].tolist()
+        text = engine.tokenizer.decode(ids[: handler._trimmed_length(ids, engine.eos_ids)], skip_special_tokens=True)
+        same += text.strip() == answer["response"]
+    return {"jobs": count, "identical_to_eager_generate": same}
+
+
+def cold_start(folder: Path, compile_: bool) -> dict:
+    env = dict(os.environ, VLM_MODEL=str(folder), VLM_COMPILE="true" if compile_ else "false")
+    started = time.perf_counter()
+    child = subprocess.run([sys.executable, __file__, "--child-cold-start"], env=env,
+                           capture_output=True, text=True, timeout=900)
+    lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
+    if child.returncode != 0 or not lines:
+        return {"error": child.stderr[-3000:]}
+    out = json.loads(lines[-1])
+    out["process_total_s"] = time.perf_counter() - started
+    return out
+
+
+def child_cold_start() -> None:
+    started = time.perf_counter()
+    import handler
+
+    engine = handler.get_engine()
+    loaded = time.perf_counter()
+    warm_up_s = engine.warm_up()
+    job = {"id": "first", "input": {"task": "vqa", "question": QUESTIONS[0], "image_url": data_uri(448, 448, 0),
+                                    "max_new_tokens": 32, "min_new_tokens": 32}}
+    answer = asyncio.run(handler.answer(job))
+    first = time.perf_counter()
+    assert "error" not in answer, answer
+    print(json.dumps({"load_s": loaded - started, "warm_up_s": warm_up_s,
+                      "process_start_to_first_answer_s": first - started}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
+    parser.add_argument("--quick", action="store_true", help="fewer jobs (a smoke run)")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip")
+    parser.add_argument("--child-cold-start", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child_cold_start:
+        return child_cold_start()
+
+    import logging
+
+    import torch
+    import tiny_models
+    import transformers
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    skip = set(filter(None, args.skip.split(",")))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                     "transformers": transformers.__version__, "command": " ".join(sys.argv)}
+
+    def save():
+        (out / "serving.json").write_text(json.dumps(results, indent=2))
+
+    folder = Path(args.models) / "qwen2-vl-2b"
+    if not (folder / "config.json").exists():
+        started = time.perf_counter()
+        tiny_models.build("qwen2-vl", folder, "qwen2-vl-2b", device="cuda", dtype="bf16")
+        results["build_s"] = time.perf_counter() - started
+        torch.cuda.empty_cache()
+    os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", VLM_DTYPE="bf16", VLM_MAX_BATCH_SIZE="64",
+                      VLM_MAX_CONCURRENCY="64", VLM_MAX_BATCH_REQUESTS="64", VLM_STREAM_INTERVAL_MS="0")
+    import handler
+
+    started = time.perf_counter()
+    engine = handler.get_engine()
+    results["load_s"] = time.perf_counter() - started
+    results["warm_up_s"] = engine.warm_up()
+    save()
+    results["gpu_parity"] = gpu_parity(handler, engine)
+    save()
+
+    uri = data_uri(448, 448, 0)
+    first = {"id": "ttft", "input": {"task": "vqa", "question": QUESTIONS[0], "image_url": uri, "max_new_tokens": 1}}
+    full = {"id": "b1", "input": {"task": "vqa", "question": QUESTIONS[0], "image_url": uri,
+                                  "max_new_tokens": 128, "min_new_tokens": 128}}
+    ttft = statistics.median(asyncio.run(run_job(handler, first))["latency_s"] for _ in range(5))
+    whole = statistics.median(asyncio.run(run_job(handler, full))["latency_s"] for _ in range(3))
+    results["batch1"] = {"time_to_first_token_s": ttft, "request_s": whole, "decode_tokens_per_s": 127 / (whole - ttft)}
+    save()
+
+    count = 16 if args.quick else 64
+    uniform = [{"id": f"u{i}", "input": {"task": "vqa", "question": QUESTIONS[0], "image_url": data_uri(448, 448, i),
+                                         "max_new_tokens": 128, "min_new_tokens": 128, "stream": True}}
+               for i in range(count)]
+    results["uniform_64x448x128"] = asyncio.run(concurrent(handler, uniform))
+    results["decode_step_ms"] = {str(rows): decode_step_ms(handler, engine, rows) for rows in (1, 16, 64)}
+    save()
+
+    jobs = mixed_jobs(count)
+    results["mixed_sequential"] = asyncio.run(sequential(handler, jobs))
+    save()
+    results["mixed_concurrent"] = asyncio.run(concurrent(handler, jobs))
+    results["mixed_speedup"] = results["mixed_concurrent"]["tokens_per_s"] / results["mixed_sequential"]["tokens_per_s"]
+    save()
+    if "open" not in skip:
+        unloaded_p95 = results["mixed_sequential"]["latency_p95_s"]
+        results["open_loop"] = []
+        for rate in (4, 16, 64):
+            results["open_loop"].append(asyncio.run(open_loop(handler, mixed_jobs(count, seed=rate), rate)))
+            save()
+        held = [r["rate"] for r in results["open_loop"] if r["latency_p95_s"] < 2 * unloaded_p95]
+        results["highest_rate_p95_under_2x_unloaded"] = max(held) if held else None
+    results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    save()
+    if "cold" not in skip:  # fresh processes, after this one's figures are safe
+        handler.reset_engine()
+        results["cold_start"] = {"eager": cold_start(folder, False), "compiled": cold_start(folder, True)}
+        save()
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
