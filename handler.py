@@ -1234,40 +1234,53 @@ def _use_grouped_query_decode_attention(model) -> None:
         log.warning("grouped-query decode attention unavailable; using transformers' SDPA", exc_info=True)
 
 
+class _RowState:
+    """The per-row decoding tensors of some rows: views of the decoder's (the first n rows, one
+    bucket) or copies (rows being admitted)."""
+
+    FIELDS = ("token", "mask", "count", "min_new", "sample", "temperature", "top_p", "seen", "ring")
+
+    def __init__(self, **tensors):
+        self.__dict__.update(tensors)
+
+
 class SlotDecoder:
     """Continuous-batching decoding state: `rows` sequences over one static KV cache of `length` slots.
 
-    Every row writes its next token at the same slot (the shared pointer), so one decode step has
-    fixed shapes and is compiled and replayed as one CUDA graph whatever rows join or leave. A new
-    row's prompt is prefilled on its own and its keys/values copied into the slots just before the
-    pointer; the attention mask hides every slot a row does not own. When the pointer would run past
-    the end, all rows' slots are shifted left at once (rotary positions are baked into the keys and
-    kept per row, so a shift changes no result). Greedy rows give the tokens of
+    Every row writes its next token at the same slot (the shared pointer), so a decode step has
+    fixed shapes and is replayed as one CUDA graph whatever rows join or leave. A new row's prompt
+    is prefilled on its own and its keys/values copied into the slots just before the pointer; the
+    attention mask hides every slot a row does not own. When the pointer would run past the end,
+    all rows' slots are shifted at once (rotary positions are baked into the keys and kept per row,
+    so a shift changes no result). Rows are handed out lowest first and a step runs on the smallest
+    bucket of leading rows that holds every busy row (views of the same tensors), so a lightly
+    loaded worker does not pay for reading all rows' caches. Greedy rows give the tokens of
     `model.generate(do_sample=False)`, alone or beside any other rows."""
 
-    def __init__(self, model, forward, eos_ids: set, rows: int, length: int, use_graph: bool, interval: int):
+    def __init__(self, model, eos_ids: set, rows: int, length: int, use_graph: bool, interval: int):
         import torch
-        from transformers import StaticCache
 
         device = model.device
-        self.model, self.forward, self.rows, self.length = model, forward, rows, length
+        self.model, self.rows, self.length = model, rows, length
         self.use_graph, self.interval = use_graph, interval
-        self.graphs: dict = {}  # one CUDA graph per variant of the step: with or without sampled rows
-        text_config = copy.copy(model.config.get_text_config(decoder=True))
-        text_config.sliding_window, text_config.layer_types = None, None  # the engine keeps length <= window
-        self.cache = StaticCache(config=text_config, max_cache_len=length)
+        self.buckets = sorted({b for b in (8,) if b < rows} | {rows})
+        self.forwards = {bucket: model for bucket in self.buckets}  # `use_forward` swaps in compiled ones
+        self.graphs: dict = {}  # (bucket, any sampled row) -> CUDA graph of one step
+        self.text_config = copy.copy(model.config.get_text_config(decoder=True))
+        self.text_config.sliding_window, self.text_config.layer_types = None, None  # length <= window
+        self.caches: dict[int, Any] = {}  # bucket -> StaticCache over the first `bucket` rows
         vocab = model.get_output_embeddings().weight.shape[0]
-        self.is_eos = torch.zeros(vocab, dtype=torch.bool, device=device)
-        self.is_eos[[i for i in eos_ids if i < vocab]] = True
+        self.eos_index = torch.tensor(sorted(i for i in eos_ids if i < vocab), dtype=torch.long, device=device)
         penalty = getattr(model.generation_config, "repetition_penalty", None) or 1.0
         self.penalty = penalty if penalty != 1.0 else None
-        self.seen = torch.zeros((rows, vocab), dtype=torch.bool, device=device) if self.penalty else None
         zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
-        self.token, self.cache_position, self.ring_index = zeros(rows, 1), zeros(1), zeros(1)
-        self.mask, self.ring = zeros(rows, length), zeros(rows, interval)
-        self.count, self.min_new = zeros(rows), zeros(rows)
-        self.sample = zeros(rows, dtype=torch.bool)
-        self.temperature, self.top_p = zeros(rows, dtype=torch.float), zeros(rows, dtype=torch.float)
+        self.cache_position, self.ring_index = zeros(1), zeros(1)
+        self.state = _RowState(
+            token=zeros(rows, 1), mask=zeros(rows, length), count=zeros(rows), min_new=zeros(rows),
+            sample=zeros(rows, dtype=torch.bool), temperature=zeros(rows, dtype=torch.float),
+            top_p=zeros(rows, dtype=torch.float), ring=zeros(rows, interval),
+            seen=zeros(rows, vocab, dtype=torch.bool) if self.penalty else None,
+        )
         self.position = None  # shaped like the family's position ids at the first prefill
         self.pointer = 0  # the slot the next step writes (host copy of cache_position)
         self.spans: dict[int, tuple[int, int]] = {}  # row -> (first slot, slot past its last token)
@@ -1280,8 +1293,7 @@ class SlotDecoder:
 
     def plan(self, prompt_length: int, max_new_tokens: int) -> Optional[int]:
         """The shift that makes room for a new row (0: none needed), or None if it cannot fit now."""
-        need = prompt_length + max_new_tokens + self.interval  # rows finish at an interval's end
-        if need > self.length:
+        if prompt_length + max_new_tokens + self.interval > self.length:
             return None
         if not self.spans:
             return prompt_length - self.pointer
@@ -1298,24 +1310,45 @@ class SlotDecoder:
 
         if delta == 0:
             return
-        for layer in self.cache.layers:
-            if getattr(layer, "is_initialized", False):
-                layer.keys.copy_(torch.roll(layer.keys, delta, dims=2))
-                layer.values.copy_(torch.roll(layer.values, delta, dims=2))
-        self.mask.copy_(torch.roll(self.mask, delta, dims=1))
+        full = self.caches.get(self.rows)
+        for layer in full.layers if full else ():
+            layer.keys.copy_(torch.roll(layer.keys, delta, dims=2))
+            layer.values.copy_(torch.roll(layer.values, delta, dims=2))
+        mask = self.state.mask
+        mask.copy_(torch.roll(mask, delta, dims=1))
         if delta > 0:
-            self.mask[:, :delta] = 0  # what wrapped around from the end
+            mask[:, :delta] = 0  # what wrapped around from the end
         else:
-            self.mask[:, self.length + delta:] = 1  # future slots: hidden by causality until written
+            mask[:, self.length + delta:] = 1  # future slots: hidden by causality until written
         self._set_pointer(self.pointer + delta)
         self.spans = {row: (s + delta, e + delta) for row, (s, e) in self.spans.items()}
 
     def _set_pointer(self, pointer: int) -> None:
         self.pointer = pointer
         self.cache_position.fill_(pointer)
-        for layer in self.cache.layers:  # transformers' StaticLayer writes at its own counter
-            if getattr(layer, "is_initialized", False):
+        for cache in self.caches.values():  # transformers' StaticLayer writes at its own counter
+            for layer in cache.layers:
                 layer.cumulative_length.fill_(pointer)
+
+    def _allocate(self, keys, values) -> None:
+        """The static cache of all rows, shaped from a prefill's keys/values; each smaller bucket's
+        cache holds views of its leading rows."""
+        import torch
+        from transformers import StaticCache
+
+        for bucket in self.buckets:
+            cache = StaticCache(config=self.text_config, max_cache_len=self.length)
+            for layer, k, v in zip(cache.layers, keys, values):
+                layer.lazy_initialization(k[:1].expand(bucket, -1, -1, -1), v[:1].expand(bucket, -1, -1, -1))
+            self.caches[bucket] = cache
+        full = self.caches[self.rows]
+        for bucket, cache in self.caches.items():
+            if bucket != self.rows:
+                for layer, whole in zip(cache.layers, full.layers):
+                    layer.keys, layer.values = whole.keys[:bucket], whole.values[:bucket]
+                    torch._dynamo.mark_static_address(layer.keys)
+                    torch._dynamo.mark_static_address(layer.values)
+        self._set_pointer(self.pointer)
 
     def prefill(self, inputs, rows: list[int], params: list[GenerationParams]) -> list[int]:
         """Run new items' prompts (one left-padded batch) and place them in `rows`, whose slots end
@@ -1323,72 +1356,81 @@ class SlotDecoder:
         import torch
         from transformers import DynamicCache
 
-        model = self.model
+        model, state = self.model, self.state
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
         count, prompt_length = input_ids.shape
         # Positions continue from the prompt's exactly as generate() continues them (M-RoPE too).
         position_ids = model._prepare_position_ids_for_generation(input_ids, dict(inputs))
         scratch = DynamicCache(config=model.config.get_text_config(decoder=True))
         output = model(**inputs, position_ids=position_ids, past_key_values=scratch, use_cache=True, logits_to_keep=1)
+        if not self.caches:
+            self._allocate([layer.keys for layer in scratch.layers], [layer.values for layer in scratch.layers])
         index = torch.tensor(rows, device=input_ids.device)
         start, end = self.pointer - prompt_length, self.pointer
-        for layer, new in zip(self.cache.layers, scratch.layers):
-            if not getattr(layer, "is_initialized", False):
-                layer.lazy_initialization(new.keys[:1].expand(self.rows, -1, -1, -1), new.values[:1].expand(self.rows, -1, -1, -1))
-                layer.cumulative_length.fill_(self.pointer)
+        for layer, new in zip(self.caches[self.rows].layers, scratch.layers):
             layer.keys[index, :, start:end] = new.keys
             layer.values[index, :, start:end] = new.values
-        self.mask[index] = 0
-        self.mask[index, start:end] = attention_mask
-        self.mask[index, end:] = 1
+        state.mask[index] = 0
+        state.mask[index, start:end] = attention_mask
+        state.mask[index, end:] = 1
         if self.position is None:
             shape = list(position_ids.shape)
             shape[-2], shape[-1] = self.rows, 1
             self.position = torch.zeros(shape, dtype=position_ids.dtype, device=position_ids.device)
         self.position.index_copy_(-2, index, position_ids[..., -1:] + 1)
-        self.count[index] = 0
-        self.min_new[index] = torch.tensor([p.min_new_tokens for p in params], device=index.device)
-        self.sample[index] = torch.tensor([p.do_sample for p in params], device=index.device)
-        self.temperature[index] = torch.tensor([p.temperature for p in params], device=index.device, dtype=torch.float)
-        self.top_p[index] = torch.tensor([p.top_p for p in params], device=index.device, dtype=torch.float)
-        if self.seen is not None:
-            seen = torch.zeros((count, self.seen.shape[1]), dtype=torch.bool, device=index.device)
-            self.seen[index] = seen.scatter_(1, input_ids, True)
-        token = self._choose(output.logits[:, -1, :], index)
-        self.token[index] = token[:, None]
-        self.count[index] = 1
+
+        def column(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=index.device)
+
+        new = _RowState(
+            count=torch.zeros(count, dtype=torch.long, device=index.device),
+            min_new=column([p.min_new_tokens for p in params], torch.long),
+            sample=column([p.do_sample for p in params], torch.bool),
+            temperature=column([p.temperature for p in params], torch.float),
+            top_p=column([p.top_p for p in params], torch.float),
+            seen=None,
+        )
+        if self.penalty:
+            new.seen = torch.zeros((count, state.seen.shape[1]), dtype=torch.bool, device=index.device)
+            new.seen.scatter_(1, input_ids, True)
+        token = self._choose(output.logits[:, -1, :], new, any_sample=any(p.do_sample for p in params))
+        for name in ("min_new", "sample", "temperature", "top_p", "seen"):
+            if getattr(new, name) is not None:
+                getattr(state, name)[index] = getattr(new, name)
+        state.token[index] = token[:, None]
+        state.count[index] = 1
         for row, p in zip(rows, params):
             self.spans[row] = (start, end + p.max_new_tokens + self.interval)
-        self.any_sample = bool(self.sample[sorted(self.spans)].any()) if self.spans else False
+        self._update_any_sample()
         return token.tolist()
 
     def release(self, row: int) -> None:
         """Free a row: its slots are hidden from now on and it may be given to a new item."""
         self.spans.pop(row, None)
-        self.mask[row, : self.pointer] = 0
-        self.any_sample = bool(self.sample[sorted(self.spans)].any()) if self.spans else False
+        self.state.mask[row, : self.pointer] = 0
+        self._update_any_sample()
+
+    def _update_any_sample(self) -> None:
+        self.any_sample = bool(self.state.sample[sorted(self.spans)].any()) if self.spans else False
 
     # ---- decoding ---------------------------------------------------------------------------
 
-    def _choose(self, logits, index=None):
-        """Each row's next token from its logits (rows `index`, or all)."""
+    def _choose(self, logits, rows: _RowState, any_sample: bool):
+        """Each row's next token from its logits."""
         import torch
 
-        pick = (lambda t: t) if index is None else (lambda t: t[index])  # noqa: E731
         logits = logits.float()
-        if self.seen is not None:  # as transformers' RepetitionPenaltyLogitsProcessor
+        if rows.seen is not None:  # as transformers' RepetitionPenaltyLogitsProcessor
             penalized = torch.where(logits < 0, logits * self.penalty, logits / self.penalty)
-            logits = torch.where(pick(self.seen), penalized, logits)
-        blocked = (pick(self.count) < pick(self.min_new))[:, None] & self.is_eos[None, :]
-        logits = logits.masked_fill(blocked, float("-inf"))
+            logits = torch.where(rows.seen, penalized, logits)
+        if self.eos_index.numel():  # no end token before min_new_tokens
+            early = (rows.count < rows.min_new)[:, None]
+            logits[:, self.eos_index] = logits[:, self.eos_index].masked_fill(early, float("-inf"))
         token = logits.argmax(dim=-1)
-        if self.any_sample or index is not None:
-            sampled = self._sampled(logits, pick(self.temperature), pick(self.top_p))
-            token = torch.where(pick(self.sample), sampled, token)
-        if self.seen is not None and index is None:
-            self.seen.scatter_(1, token[:, None], True)
-        elif self.seen is not None:
-            self.seen[index] = self.seen[index].scatter(1, token[:, None], True)
+        if any_sample:
+            token = torch.where(rows.sample, self._sampled(logits, rows.temperature, rows.top_p), token)
+        if rows.seen is not None:
+            rows.seen.scatter_(1, token[:, None], True)
         return token
 
     @staticmethod
@@ -1402,48 +1444,70 @@ class SlotDecoder:
         probs = probs.scatter(1, order, sorted_probs.masked_fill(outside, 0.0))
         return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
 
-    def _advance(self) -> None:
-        """One step: every row's last token goes through the model, and its next is chosen."""
-        output = self.forward(
-            input_ids=self.token,
-            attention_mask=self.mask,
-            position_ids=self.position,
-            past_key_values=self.cache,
+    def _rows_of(self, bucket: int) -> _RowState:
+        state = self.state
+        return _RowState(**{
+            name: getattr(state, name)[:bucket] if getattr(state, name) is not None else None
+            for name in _RowState.FIELDS
+        })
+
+    def _advance(self, bucket: int) -> None:
+        """One step of the first `bucket` rows: their last tokens go through the model, the next
+        are chosen."""
+        rows = self._rows_of(bucket)
+        position = self.position[..., :bucket, :]
+        output = self.forwards[bucket](
+            input_ids=rows.token,
+            attention_mask=rows.mask,
+            position_ids=position,
+            past_key_values=self.caches[bucket],
             cache_position=self.cache_position,
             use_cache=True,
             logits_to_keep=1,
         )
-        token = self._choose(output.logits[:, -1, :])
-        self.ring.index_copy_(1, self.ring_index, token[:, None])
+        token = self._choose(output.logits[:, -1, :], rows, self.any_sample)
+        rows.ring.index_copy_(1, self.ring_index, token[:, None])
         self.ring_index += 1
-        self.count += 1
-        self.token.copy_(token[:, None])
-        self.position += 1
+        rows.count += 1
+        rows.token.copy_(token[:, None])
+        position += 1
         self.cache_position += 1
 
+    def bucket(self) -> int:
+        busy = max(self.spans, default=0) + 1
+        return next(b for b in self.buckets if b >= busy)
+
     def step(self, steps: int) -> list[list[int]]:
-        """Run `steps` (at most `interval`) decode steps; each row's new tokens, row by row."""
+        """Run `steps` (at most `interval`) decode steps; each busy bucket row's new tokens."""
+        bucket = self.bucket()
+        self._set_pointer(self.pointer)  # another bucket's steps moved only its own counters
         self.ring_index.zero_()
-        graph = self.graphs.get(self.any_sample)
+        graph = self.graphs.get((bucket, self.any_sample))
         for _ in range(steps):
-            graph.replay() if graph is not None else self._advance()
+            graph.replay() if graph is not None else self._advance(bucket)
         self.pointer += steps
-        tokens = self.ring[:, :steps].tolist()
-        if self.use_graph and self.any_sample not in self.graphs:
+        tokens = self.state.ring[:bucket, :steps].tolist()
+        if self.use_graph and graph is None and self.spans and self.pointer < self.length:
             try:
-                self._capture()
+                self._capture(bucket)
             except Exception:  # still correct without the graph, only slower
                 log.warning("CUDA graph capture failed; decoding without it", exc_info=True)
                 self.use_graph = False
         return tokens
 
-    def _capture(self) -> None:
+    def use_forward(self, bucket: int, forward) -> None:
+        """Step `bucket` with another forward (the compiled one, once ready); its graphs are
+        recorded anew at its next step."""
+        self.forwards[bucket] = forward
+        self.graphs = {key: graph for key, graph in self.graphs.items() if key[0] != bucket}
+
+    def _capture(self, bucket: int) -> None:
         """Record one step as a CUDA graph (after a first step has compiled the forward). The
-        warm-up steps it runs write only the slot at the pointer, which the next step rewrites."""
+        steps run to record it write only the slot at the pointer, which the next step rewrites."""
         import torch
 
-        saved = [t.clone() for t in (self.token, self.position, self.count, self.mask)]
-        seen = self.seen.clone() if self.seen is not None else None
+        kept = [t.clone() for t in (self.state.token, self.position, self.state.count)]
+        seen = self.state.seen.clone() if self.state.seen is not None else None
         pointer = self.pointer
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -1451,19 +1515,20 @@ class SlotDecoder:
             for _ in range(2):
                 self._set_pointer(pointer)
                 self.ring_index.zero_()
-                self._advance()
+                self._advance(bucket)
         torch.cuda.current_stream().wait_stream(stream)
         self._set_pointer(pointer)
         self.ring_index.zero_()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            self._advance()
+        # thread_local: the background compile may use the GPU from its own thread meanwhile
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self._advance(bucket)
         self._set_pointer(pointer)
-        for tensor, value in zip((self.token, self.position, self.count, self.mask), saved):
+        for tensor, value in zip((self.state.token, self.position, self.state.count), kept):
             tensor.copy_(value)
         if seen is not None:
-            self.seen.copy_(seen)
-        self.graphs[self.any_sample] = graph
+            self.state.seen.copy_(seen)
+        self.graphs[(bucket, self.any_sample)] = graph
 
 
 class Engine:
@@ -1474,6 +1539,9 @@ class Engine:
         self.model_id = settings.model
         self.quantize = quantize or settings.quantize
         self._compiled_forward = None
+        self._compiling: set = set()  # (bucket, cache length) queued or compiled in the background
+        self._compiled_shapes: set = set()  # ... ready
+        self._newly_compiled: list = []  # ... ready, not yet switched to by the engine thread
         self._load()
         self._wake = threading.Condition()  # guards the queue; the engine thread waits on it
         self._queue: list[Ticket] = []  # submitted, not yet given a row, in arrival order
@@ -1557,7 +1625,8 @@ class Engine:
         self.eos_ids = self._eos_ids()
         text_config = self.model.config.get_text_config(decoder=True)
         self.context_length = getattr(text_config, "max_position_embeddings", None)
-        self.compiled = self._can_compile()
+        self.use_graphs = self._cuda_graphs_possible()
+        self.compile = self.use_graphs and self.settings.compile
         # Rows join and leave a running batch through one static cache; sliding-window layers and
         # remote-code chat() APIs cannot, and answer one item at a time.
         # A sliding window no shorter than the cache attends like full attention over it.
@@ -1587,8 +1656,15 @@ class Engine:
     def tokenizer(self):
         return getattr(self.processor, "tokenizer", self.processor)
 
-    def _can_compile(self) -> bool:
+    def _cuda_graphs_possible(self) -> bool:
         import torch
+
+        return bool(
+            self.quantize == "none"
+            and self.adapter.native
+            and torch.cuda.is_available()
+            and str(self.model.device).startswith("cuda")
+        )
 
         return bool(
             self.settings.compile
@@ -1632,7 +1708,7 @@ class Engine:
     def _serve_forever(self) -> None:
         while True:
             with self._wake:
-                while not self._queue and not self._rows:
+                while not self._queue and not self._rows and not self._newly_compiled:
                     self._wake.wait()
                 self._queue = [t for t in self._queue if not t.cancelled]
                 waiting = list(self._queue)
@@ -1642,6 +1718,8 @@ class Engine:
                         self._take(waiting[:1])
                         self._run_alone(waiting[0])
                     continue
+                if self._newly_compiled:
+                    self._switch_to_compiled()
                 self._admit(waiting)
                 if self._rows:
                     self._decode_interval()
@@ -1826,42 +1904,89 @@ class Engine:
         return length
 
     def _new_decoder(self, length: int) -> SlotDecoder:
-        return SlotDecoder(
-            self.model, self.decode_forward(), self.eos_ids, rows=self.settings.max_batch_size,
-            length=length, use_graph=self.compiled, interval=self.settings.sync_interval,
+        decoder = SlotDecoder(
+            self.model, self.eos_ids, rows=self.settings.max_batch_size, length=length,
+            use_graph=self.use_graphs, interval=self.settings.sync_interval,
         )
+        for bucket in decoder.buckets:
+            if (bucket, length) in self._compiled_shapes:
+                decoder.use_forward(bucket, self._compiled_forward)
+            elif self.compile:
+                self._compile_later(bucket, length)
+        return decoder
 
-    def decode_forward(self):
-        """The model's forward for decoding steps: compiled on the GPU (CUDA graphs are captured
-        around it by the decoder, so inductor's own are off), the plain model elsewhere."""
-        if not self.compiled:
-            return self.model
-        if self._compiled_forward is None:
-            import torch
+    def _switch_to_compiled(self) -> None:
+        """At a step boundary: buckets whose compiled forward is ready decode with it from now on."""
+        with self._wake:
+            ready, self._newly_compiled = self._newly_compiled, []
+        for bucket, length in ready:
+            if self._decoder is not None and self._decoder.length == length:
+                self._decoder.use_forward(bucket, self._compiled_forward)
+                log.info("decoding %d-row steps with the compiled forward from now on", bucket)
 
-            cache_dir = self.settings.compile_cache_dir
-            if cache_dir:  # inductor and Triton read these when they first compile
-                os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir, "inductor"))
-                os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache_dir, "triton"))
-            self._compiled_forward = torch.compile(self.model.__call__, dynamic=False)
-        return self._compiled_forward
+    def _compile_later(self, bucket: int, length: int) -> None:
+        """Compile the forward for a decode shape in a background thread. Decoding goes on meanwhile
+        with CUDA graphs of the plain forward, and switches at a step boundary once it is ready."""
+        import torch
 
-    def warm_up(self) -> float:
-        """Compile and record the decode step (greedy and sampled) at boot. Returns seconds."""
-        if not self.compiled:
-            return 0.0
-        from PIL import Image
+        with self._wake:
+            if (bucket, length) in self._compiling:
+                return
+            self._compiling.add((bucket, length))
+            if self._compiled_forward is None:
+                cache_dir = self.settings.compile_cache_dir
+                if cache_dir:  # inductor and Triton read these when they first compile
+                    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir, "inductor"))
+                    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache_dir, "triton"))
+                self._compiled_forward = torch.compile(self.model.__call__, dynamic=False)
+                self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlm-compile")
+        self._compiler.submit(self._compile_shape, bucket, length)
+
+    def _compile_shape(self, bucket: int, length: int) -> None:
+        """Trace and compile one decode shape on a shadow decoder of the same shapes (own buffers),
+        so the engine's own state is never touched from this thread."""
+        import torch
 
         started = time.perf_counter()
-        image = Image.new("RGB", (448, 448), (127, 127, 127))
-        greedy = GenerationParams(max_new_tokens=2 * self.settings.sync_interval, temperature=0.0, top_p=1.0, do_sample=False)
-        sampled = dataclasses.replace(greedy, temperature=1.0, do_sample=True)
-        for params in (greedy, greedy, sampled, sampled):
-            item = GenerationRequest("caption", [Turn("user", [image, TASK_PROMPTS["caption"]])], params)
-            generate_all(self, [item])
-        seconds = time.perf_counter() - started
-        log.info("warmed up the decode step for %d rows in %.1fs", self.settings.max_batch_size, seconds)
-        return seconds
+        try:
+            with torch.inference_mode():
+                shadow = SlotDecoder(self.model, self.eos_ids, rows=self.settings.max_batch_size, length=length,
+                                     use_graph=False, interval=self.settings.sync_interval)
+                params = GenerationParams(max_new_tokens=4, temperature=0.0, top_p=1.0, do_sample=False)
+                items = [GenerationRequest("chat", [Turn("user", ["warm up"])], params)] * bucket
+                inputs, _ = self.adapter.batch_inputs(self.processor, items, self.model.device, self.dtype)
+                shadow.shift(shadow.plan(inputs["input_ids"].shape[1], params.max_new_tokens))
+                shadow.prefill(inputs, list(range(bucket)), [params] * bucket)
+                shadow.use_forward(bucket, self._compiled_forward)
+                for _ in range(2):
+                    shadow._advance(bucket)
+                torch.cuda.synchronize()
+                del shadow
+        except Exception:
+            log.warning("compiling the %d-row decode step failed; it stays uncompiled", bucket, exc_info=True)
+            return
+        log.info("compiled the %d-row decode step in the background in %.1fs", bucket, time.perf_counter() - started)
+        with self._wake:
+            self._compiled_shapes.add((bucket, length))
+            self._newly_compiled.append((bucket, length))
+            self._wake.notify()
+
+    def warm_up(self) -> float:
+        """Get the decode step's compilation going (in the background). Returns seconds spent here."""
+        started = time.perf_counter()
+        if self.continuous and self.compile:
+            self.decoder  # noqa: B018 (creating it queues the compilation of its shapes)
+        return time.perf_counter() - started
+
+    def wait_until_compiled(self, timeout: float) -> bool:
+        """Whether every shape of the current decoder decodes compiled (benchmarks, tests)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            decoder = self._decoder
+            if decoder is not None and all(f is self._compiled_forward for f in decoder.forwards.values()):
+                return True
+            time.sleep(0.05)
+        return False
 
 
 class Ticket:
@@ -1883,12 +2008,13 @@ class Ticket:
 
     def emit_delta(self, tokenizer, eos_ids: set) -> None:
         kept = self.ids[: _trimmed_length(self.ids, eos_ids)]
-        text = tokenizer.decode(kept, skip_special_tokens=True).lstrip()
-        if text.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
-            return
-        if text.startswith(self.sent) and len(text) > len(self.sent):
+        text = tokenizer.decode(kept, skip_special_tokens=True).strip()
+        delta = ""
+        # Half of a multi-byte character waits for the rest; a text that changed behind what was
+        # sent (tokenizers may merge) sends nothing until the final answer settles it.
+        if not text.endswith("\ufffd") and text.startswith(self.sent):
             delta, self.sent = text[len(self.sent):], text
-            self.listener(StreamDelta(delta, len(kept)))
+        self.listener(StreamDelta(delta, len(kept)))
 
     def finish(self, result) -> None:
         if not self.done:
@@ -2373,7 +2499,7 @@ async def stream_chunks(engine: Engine, item: GenerationRequest, request: Reques
             yield {"text": pending + tail, **final}
             return
         pending += event.text
-        if time.monotonic() - last >= interval and pending:
+        if pending and time.monotonic() - last >= interval:
             yield {"text": pending}
             sent, pending, last = sent + pending, "", time.monotonic()
 

@@ -64,17 +64,27 @@ def mixed_jobs(count: int, seed: int = 0) -> list[dict]:
 
 
 async def run_job(handler, job: dict) -> dict:
-    """One job as the SDK runs it; records time to first chunk, latency and tokens."""
+    """One job on the handler's own path (read the request off the event loop, stream the item
+    through the engine); records time to first token, latency, tokens and the longest gap
+    between two token deliveries."""
     started = time.perf_counter()
-    first, last = None, None
-    async for chunk in handler.handler(job):
-        if "error" in chunk:
-            raise RuntimeError(f"job {job['id']} failed: {chunk}")
-        first = first or time.perf_counter()
-        last = chunk
+    settings, model_id = handler.served_model()
+    _, item = await asyncio.to_thread(handler.read_request, job["input"], settings, model_id, None)
+    first = previous = None
+    gap, result = 0.0, None
+    async for event in handler.stream_generation(handler.get_engine(), item):
+        now = time.perf_counter()
+        if isinstance(event, handler.StreamDelta):
+            first = first or now
+            gap = max(gap, now - previous) if previous else gap
+            previous = now
+        else:
+            result = event
+    if isinstance(result, handler.RequestError):
+        raise RuntimeError(f"job {job['id']} failed: {result.to_dict()}")
     end = time.perf_counter()
-    tokens = last["usage"]["completion_tokens"] if "usage" in last else None
-    return {"ttft_s": first - started, "latency_s": end - started, "tokens": tokens}
+    return {"ttft_s": first - started, "latency_s": end - started, "tokens": result.completion_tokens,
+            "longest_gap_s": gap, "text": result.text}
 
 
 def summarize(records: list[dict], seconds: float) -> dict:
@@ -167,7 +177,8 @@ def gpu_parity(handler, engine, count: int = 6) -> dict:
 
 
 def cold_start(folder: Path, compile_: bool) -> dict:
-    env = dict(os.environ, VLM_MODEL=str(folder), VLM_COMPILE="true" if compile_ else "false")
+    env = dict(os.environ, VLM_MODEL=str(folder), VLM_COMPILE="true" if compile_ else "false",
+               BENCH_SPAWNED_AT=repr(time.time()))
     started = time.perf_counter()
     child = subprocess.run([sys.executable, __file__, "--child-cold-start"], env=env,
                            capture_output=True, text=True, timeout=900)
@@ -179,20 +190,52 @@ def cold_start(folder: Path, compile_: bool) -> dict:
     return out
 
 
+def speed(handler) -> dict:
+    """Batch-1 decode tokens/s and 16 concurrent jobs' tokens/s (448x448, 128 tokens)."""
+    one = {"id": "s1", "input": {"task": "vqa", "question": QUESTIONS[0], "image_url": data_uri(448, 448, 0),
+                                 "max_new_tokens": 128, "min_new_tokens": 128}}
+    record = min((asyncio.run(run_job(handler, one)) for _ in range(3)), key=lambda r: r["latency_s"])
+    jobs = [{"id": f"s16-{i}", "input": dict(one["input"], image_url=data_uri(448, 448, i))} for i in range(16)]
+    return {"batch1_decode_tokens_per_s": 127 / (record["latency_s"] - record["ttft_s"]),
+            "batch16_tokens_per_s": asyncio.run(concurrent(handler, jobs))["tokens_per_s"]}
+
+
 def child_cold_start() -> None:
-    started = time.perf_counter()
+    """A fresh worker: first answer, then steady traffic while the compiled step is built in the
+    background, the switch, and the speed once compiled."""
+    spawned = float(os.environ["BENCH_SPAWNED_AT"])
     import handler
 
     engine = handler.get_engine()
-    loaded = time.perf_counter()
-    warm_up_s = engine.warm_up()
+    loaded = time.time() - spawned
+    engine.warm_up()
     job = {"id": "first", "input": {"task": "vqa", "question": QUESTIONS[0], "image_url": data_uri(448, 448, 0),
                                     "max_new_tokens": 32, "min_new_tokens": 32}}
-    answer = asyncio.run(handler.answer(job))
-    first = time.perf_counter()
-    assert "error" not in answer, answer
-    print(json.dumps({"load_s": loaded - started, "warm_up_s": warm_up_s,
-                      "process_start_to_first_answer_s": first - started}))
+    asyncio.run(run_job(handler, job))
+    out = {"load_s": loaded, "process_start_to_first_answer_s": time.time() - spawned}
+    out["speed_before_compiled"] = speed(handler)
+    rounds, answers = [], {}
+    traffic = [{"id": f"t{i}", "input": {"task": "vqa", "question": QUESTIONS[i % 5], "image_url": data_uri(448, 448, 100 + i),
+                                         "max_new_tokens": 192}} for i in range(4)]
+    while engine.compile and not engine.wait_until_compiled(0) and time.time() - spawned < 600:
+        records = asyncio.run(concurrent_records(handler, traffic))
+        rounds.append(max(r["longest_gap_s"] for r in records))
+        for job_, record in zip(traffic, records):
+            answers.setdefault(job_["id"], set()).add(record["text"])
+    if engine.compile:
+        out["process_start_to_compiled_s"] = time.time() - spawned
+        out["speed_compiled"] = speed(handler)
+        final = asyncio.run(concurrent_records(handler, traffic))
+        out["traffic_rounds_while_compiling"] = len(rounds)
+        out["longest_gap_between_tokens_while_compiling_s"] = max(rounds, default=None)
+        out["greedy_answers_identical_across_switch"] = all(
+            answers.get(job_["id"], {record["text"]}) == {record["text"]} for job_, record in zip(traffic, final)
+        )
+    print(json.dumps(out))
+
+
+async def concurrent_records(handler, jobs: list[dict]) -> list[dict]:
+    return list(await asyncio.gather(*(run_job(handler, job) for job in jobs)))
 
 
 def main() -> None:
@@ -235,7 +278,8 @@ def main() -> None:
     started = time.perf_counter()
     engine = handler.get_engine()
     results["load_s"] = time.perf_counter() - started
-    results["warm_up_s"] = engine.warm_up()
+    engine.warm_up()
+    results["compiled_in_background_s"] = time.perf_counter() - started if engine.wait_until_compiled(900) else None
     save()
     results["gpu_parity"] = gpu_parity(handler, engine)
     save()
@@ -244,7 +288,7 @@ def main() -> None:
     first = {"id": "ttft", "input": {"task": "vqa", "question": QUESTIONS[0], "image_url": uri, "max_new_tokens": 1}}
     full = {"id": "b1", "input": {"task": "vqa", "question": QUESTIONS[0], "image_url": uri,
                                   "max_new_tokens": 128, "min_new_tokens": 128}}
-    ttft = statistics.median(asyncio.run(run_job(handler, first))["latency_s"] for _ in range(5))
+    ttft = statistics.median(asyncio.run(run_job(handler, first))["ttft_s"] for _ in range(5))
     whole = statistics.median(asyncio.run(run_job(handler, full))["latency_s"] for _ in range(3))
     results["batch1"] = {"time_to_first_token_s": ttft, "request_s": whole, "decode_tokens_per_s": 127 / (whole - ttft)}
     save()
@@ -271,6 +315,7 @@ def main() -> None:
             save()
         held = [r["rate"] for r in results["open_loop"] if r["latency_p95_s"] < 2 * unloaded_p95]
         results["highest_rate_p95_under_2x_unloaded"] = max(held) if held else None
+    results["speed_warm"] = speed(handler)
     results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
     save()
     if "cold" not in skip:  # fresh processes, after this one's figures are safe
