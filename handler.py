@@ -1693,10 +1693,14 @@ class Engine:
         with self._wake:
             self._queue.append(ticket)
             self._wake.notify()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._serve, name="vlm-engine", daemon=True)
-                self._thread.start()
+            self._start_thread()
         return ticket
+
+    def _start_thread(self) -> None:
+        """Start the engine thread once (call with `_wake` held)."""
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="vlm-engine", daemon=True)
+            self._thread.start()
 
     def _serve(self) -> None:
         """The engine thread: admit queued items at step boundaries, decode, hand out tokens."""
@@ -1976,6 +1980,8 @@ class Engine:
         started = time.perf_counter()
         if self.continuous and self.compile:
             self.decoder  # noqa: B018 (creating it queues the compilation of its shapes)
+            with self._wake:
+                self._start_thread()  # it switches to each compiled shape as it becomes ready
         return time.perf_counter() - started
 
     def wait_until_compiled(self, timeout: float) -> bool:
