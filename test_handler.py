@@ -9,8 +9,6 @@ fake model received, so the engine's internals may change freely.
 
 from __future__ import annotations
 
-import base64
-import io
 import json
 import sys
 
@@ -22,8 +20,9 @@ import handler
 from fake_backend import (
     BF16, END, EOS, F16, F32, GENERIC, HUB, INTERNVL, LLAVA, LLAVA_NEXT, MINICPM, MODEL_TYPES,
     NATIVE_FAMILY_MODELS, PHI3, QWEN, QWEN25, STUBBED_API, USED, VOCAB, WEB, FakeBitsAndBytesConfig,
-    StubModule, encode, last_user_text, model_load, render, sent_images,
+    StubModule, encode_text, last_user_text, model_load, render, sent_images,
 )
+from sample_images import b64, data_uri, encode, plain, png
 
 # The fakes' fixtures, for every test here: the stubs installed in sys.modules for this module, the
 # scripted hub reset per test (`hub`), and URL fetches answered from WEB (`web`).
@@ -32,23 +31,6 @@ stub_modules, hub, web = fake_backend.stub_modules, fake_backend.hub, fake_backe
 # =================================================================================================
 # Helpers
 # =================================================================================================
-
-
-def png(width=16, height=12, color=(200, 30, 30), mode="RGB", fmt="PNG") -> bytes:
-    buffer = io.BytesIO()
-    fill = color if mode in ("RGB", "RGBA") else (color[0] if mode in ("L", "P") else color)
-    if mode == "RGBA":
-        fill = tuple(color) + (255,)
-    Image.new(mode, (width, height), fill).save(buffer, fmt)
-    return buffer.getvalue()
-
-
-def b64(width=16, height=12, **kwargs) -> str:
-    return base64.b64encode(png(width, height, **kwargs)).decode()
-
-
-def data_uri(width=16, height=12, **kwargs) -> str:
-    return "data:image/png;base64," + b64(width, height, **kwargs)
 
 
 def call(payload, job_id="job-1") -> dict:
@@ -91,7 +73,7 @@ def user_text(messages) -> str:
 
 
 def caption(image=None, **extra):
-    return dict({"task": "caption", "image_b64": image or b64()}, **extra)
+    return dict({"task": "caption", "image_b64": image or b64(png())}, **extra)
 
 
 def chat(text="hi", **extra):
@@ -183,7 +165,7 @@ def test_uncurated_model_is_refused_and_the_message_names_vlm_allow_any(monkeypa
 
 def test_allow_any_serves_an_uncurated_native_model_with_the_generic_adapter(monkeypatch, hub):
     serve(monkeypatch, GENERIC)
-    out = call(chat("What is this?", images=[b64()]))
+    out = call(chat("What is this?", images=[b64(png())]))
     assert out["response"] == "ok" and out["model"] == GENERIC
     api, path, _ = model_load()
     assert (api, path) == ("AutoModelForImageTextToText", GENERIC)
@@ -473,7 +455,7 @@ def test_repetition_penalty_from_the_generation_config_does_not_change_a_clear_a
 @pytest.mark.parametrize("task", ["caption", "caption_long"])
 def test_caption_tasks_send_their_prompt_after_the_image(monkeypatch, hub, task):
     serve(monkeypatch)
-    out = call({"task": task, "image_b64": b64(20, 10)})
+    out = call({"task": task, "image_b64": b64(png((20, 10)))})
     assert out["task"] == task and out["image_count"] == 1
     (messages,) = hub.templates
     assert messages == [{"role": "user", "content": [
@@ -488,7 +470,7 @@ def test_caption_and_caption_long_prompts_differ():
 def test_vqa_sends_the_question(monkeypatch, hub):
     hub.reply = lambda prompt: "asked: " + last_user_text(prompt)
     serve(monkeypatch)
-    out = call({"task": "vqa", "image_b64": b64(), "question": "  How many dogs?  "})
+    out = call({"task": "vqa", "image_b64": b64(png()), "question": "  How many dogs?  "})
     assert out["task"] == "vqa"
     assert out["response"] == "asked: How many dogs?"
     assert hub.templates[0][0]["content"][0] == {"type": "image"}
@@ -510,7 +492,7 @@ def test_vqa_sends_the_question(monkeypatch, hub):
 ])
 def test_task_requirements_name_the_missing_field(monkeypatch, hub, payload, param, code):
     serve(monkeypatch)
-    payload = {k: (b64() if v == "IMG" else v) for k, v in payload.items()}
+    payload = {k: (b64(png()) if v == "IMG" else v) for k, v in payload.items()}
     out = call(payload)
     assert_error(out, param, code)
     assert not hub.models
@@ -536,7 +518,7 @@ def test_output_shape_of_a_chat(monkeypatch, hub):
     assert out["model"] == QWEN and out["task"] == "chat" and out["image_count"] == 0
     assert out["finish_reason"] == "stop"
     prompt = hub.prefills[-1]["prompts"][0] if hub.prefills else hub.processor_calls[-1]["text"][0]
-    assert out["usage"] == {"prompt_tokens": len(encode(prompt)), "completion_tokens": len("Hello there")}
+    assert out["usage"] == {"prompt_tokens": len(encode_text(prompt)), "completion_tokens": len("Hello there")}
     for absent in ("bbox", "bbox_warning", "supports_grounding", "batch_images", "quantize_warning", "error"):
         assert absent not in out
 
@@ -585,7 +567,7 @@ def test_batch_images_is_echoed(monkeypatch, value):
 
 def test_image_count_counts_every_image(monkeypatch):
     serve(monkeypatch)
-    out = call({"task": "caption", "image_b64": b64(), "images": [b64(), data_uri()]})
+    out = call({"task": "caption", "image_b64": b64(png()), "images": [b64(png()), data_uri(png())]})
     assert out["image_count"] == 3
 
 
@@ -608,16 +590,16 @@ HTTPS_URL = "https://images.example.com/cat.png"
 
 def _spec(kind: str, width: int, height: int):
     if kind == "https":
-        WEB[HTTPS_URL] = png(width, height)
+        WEB[HTTPS_URL] = png((width, height))
         return HTTPS_URL
     if kind == "base64":
-        return b64(width, height)
+        return b64(png((width, height)))
     if kind == "data_uri":
-        return data_uri(width, height)
+        return data_uri(png((width, height)))
     if kind == "url_object_data_uri":
-        return {"url": data_uri(width, height)}
+        return {"url": data_uri(png((width, height)))}
     if kind == "url_object_https":
-        WEB[HTTPS_URL] = png(width, height)
+        WEB[HTTPS_URL] = png((width, height))
         return {"url": HTTPS_URL}
     raise AssertionError(kind)
 
@@ -665,7 +647,7 @@ def test_message_image_blocks_accept_every_form(monkeypatch, hub, form, kind):
 @pytest.mark.parametrize("mode", ["RGBA", "L", "P"])
 def test_images_of_other_modes_become_rgb(monkeypatch, mode):
     serve(monkeypatch)
-    out = call(caption(b64(20, 20, mode=mode)))
+    out = call(caption(b64(png((20, 20), mode=mode))))
     assert out["response"] == "ok"
     (image,) = sent_images()
     assert image.mode == "RGB" and image.size == (20, 20)
@@ -673,7 +655,7 @@ def test_images_of_other_modes_become_rgb(monkeypatch, mode):
 
 def test_jpeg_images_are_accepted(monkeypatch):
     serve(monkeypatch)
-    call(caption(b64(32, 16, fmt="JPEG")))
+    call(caption(b64(encode(plain(size=(32, 16)), "JPEG"))))
     assert [im.size for im in sent_images()] == [(32, 16)]
 
 
@@ -681,10 +663,10 @@ def test_several_images_in_one_message_keep_their_order(monkeypatch, hub):
     serve(monkeypatch)
     content = [
         {"type": "text", "text": "Compare"},
-        {"type": "image_url", "image_url": {"url": data_uri(10, 10)}},
+        {"type": "image_url", "image_url": {"url": data_uri(png((10, 10)))}},
         {"type": "text", "text": "with"},
-        {"type": "image", "image": b64(20, 10)},
-        {"type": "image", "image": {"url": data_uri(30, 10)}},
+        {"type": "image", "image": b64(png((20, 10)))},
+        {"type": "image", "image": {"url": data_uri(png((30, 10)))}},
     ]
     out = call({"messages": [{"role": "user", "content": content}]})
     assert out["image_count"] == 3
@@ -697,8 +679,8 @@ def test_several_images_in_one_message_keep_their_order(monkeypatch, hub):
 
 def test_loose_images_come_in_field_order_image_url_image_b64_images(monkeypatch):
     serve(monkeypatch)
-    out = call({"task": "caption", "images": [b64(30, 10), b64(40, 10)], "image_b64": b64(20, 10),
-                "image_url": data_uri(10, 10)})
+    out = call({"task": "caption", "images": [b64(png((30, 10))), b64(png((40, 10)))], "image_b64": b64(png((20, 10))),
+                "image_url": data_uri(png((10, 10)))})
     assert out["image_count"] == 4
     assert [im.size for im in sent_images()] == [(10, 10), (20, 10), (30, 10), (40, 10)]
 
@@ -706,7 +688,7 @@ def test_loose_images_come_in_field_order_image_url_image_b64_images(monkeypatch
 def test_loose_images_in_a_chat_go_before_the_first_user_message(monkeypatch, hub):
     serve(monkeypatch)
     out = call({
-        "image_url": data_uri(12, 12),
+        "image_url": data_uri(png((12, 12))),
         "messages": [
             {"role": "system", "content": "Be brief."},
             {"role": "user", "content": "What is this?"},
@@ -722,7 +704,7 @@ def test_loose_images_in_a_chat_go_before_the_first_user_message(monkeypatch, hu
 
 def test_plain_http_is_fetched_or_refused_naming_the_field(monkeypatch, hub):
     serve(monkeypatch)
-    WEB["http://images.example.com/cat.png"] = png(16, 16)
+    WEB["http://images.example.com/cat.png"] = png((16, 16))
     out = call({"task": "caption", "image_url": "http://images.example.com/cat.png"})
     if "error" in out:  # the URL policy may refuse plain http by default
         assert_error(out, "image_url")
@@ -753,9 +735,9 @@ def test_a_url_that_is_not_an_image_is_refused(monkeypatch):
     ({"image_b64": "!!!not base64!!!"}, "image_b64", "invalid_base64"),
     ({"image_b64": "AAAAA"}, "image_b64", "invalid_base64"),
     ({"image_b64": "QUJD=QUJD"}, "image_b64", "invalid_base64"),
-    ({"image_b64": base64.b64encode(b"definitely not an image, just text").decode()}, "image_b64",
+    ({"image_b64": b64(b"definitely not an image, just text")}, "image_b64",
      "invalid_image_format"),
-    ({"image_url": "data:image/png;base64," + base64.b64encode(b"garbage bytes!").decode()}, "image_url",
+    ({"image_url": data_uri(b"garbage bytes!")}, "image_url",
      "invalid_image_format"),
     ({"image_url": "data:image/png," + "abc"}, "image_url", None),  # not base64
     ({"image_url": {"href": "https://images.example.com/a.png"}}, "image_url", "invalid_image"),
@@ -764,8 +746,8 @@ def test_a_url_that_is_not_an_image_is_refused(monkeypatch):
     ({"image_url": ""}, "image_url", "invalid_image"),
     ({"image_url": "   "}, "image_url", "invalid_image"),
     ({"images": "not-a-list"}, "images", "invalid_request"),
-    ({"images": [b64(), 7]}, "images[1]", "invalid_image"),
-    ({"image_b64": base64.b64encode(png(16, 12)[:40]).decode()}, "image_b64", "invalid_image_format"),
+    ({"images": [b64(png()), 7]}, "images[1]", "invalid_image"),
+    ({"image_b64": b64(png()[:40])}, "image_b64", "invalid_image_format"),
 ])
 def test_bad_images_are_refused_naming_the_field(monkeypatch, hub, payload, param, code):
     serve(monkeypatch)
@@ -793,29 +775,29 @@ def test_bad_image_blocks_name_their_path(monkeypatch, hub, block, param):
 
 def test_too_many_loose_images(monkeypatch, hub):
     serve(monkeypatch, VLM_MAX_IMAGES=2)
-    out = call({"task": "caption", "images": [b64(), b64(), b64()]})
+    out = call({"task": "caption", "images": [b64(png()), b64(png()), b64(png())]})
     assert_error(out, "images[2]", "too_many_images")  # the first image over the limit
     assert "2" in out["error"]
 
 
 def test_too_many_images_in_messages_names_the_first_extra_block(monkeypatch):
     serve(monkeypatch, VLM_MAX_IMAGES=2)
-    blocks = [{"type": "image", "image": b64()} for _ in range(3)]
+    blocks = [{"type": "image", "image": b64(png())} for _ in range(3)]
     out = call({"messages": [{"role": "user", "content": blocks}]})
     assert_error(out, "messages[0].content[2].image", "too_many_images")
 
 
 def test_images_at_the_limit_are_accepted(monkeypatch):
     serve(monkeypatch, VLM_MAX_IMAGES=2)
-    assert call({"task": "caption", "images": [b64(), b64()]})["image_count"] == 2
+    assert call({"task": "caption", "images": [b64(png()), b64(png())]})["image_count"] == 2
 
 
 def test_total_pixels_over_the_limit(monkeypatch, hub):
     serve(monkeypatch, VLM_MAX_TOTAL_PIXELS=500)
-    out = call({"task": "caption", "images": [b64(16, 16), b64(16, 16)]})  # 512 pixels
+    out = call({"task": "caption", "images": [b64(png((16, 16))), b64(png((16, 16)))]})  # 512 pixels
     assert "error" in out and out["code"] == "image_too_large"
     assert not hub.models
-    assert call({"task": "caption", "images": [b64(16, 16)]})["image_count"] == 1
+    assert call({"task": "caption", "images": [b64(png((16, 16)))]})["image_count"] == 1
 
 
 def test_text_over_the_limit(monkeypatch, hub):
@@ -855,7 +837,7 @@ def test_text_over_the_limit(monkeypatch, hub):
 def test_bad_messages_name_the_field(monkeypatch, hub, messages, param):
     serve(monkeypatch)
     if isinstance(messages, list):
-        messages = json.loads(json.dumps(messages).replace('"IMG"', json.dumps(b64())))
+        messages = json.loads(json.dumps(messages).replace('"IMG"', json.dumps(b64(png()))))
     out = call({"messages": messages})
     assert_error(out, param, "invalid_request")
     assert not hub.models
@@ -887,11 +869,11 @@ IMG_A, IMG_B = (20, 10), (10, 20)
 def conversation():
     return [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "image", "image": b64(*IMG_A)},
+        {"role": "user", "content": [{"type": "image", "image": b64(png(IMG_A))},
                                      {"type": "text", "text": "What is this?"}]},
         {"role": "assistant", "content": "A red box."},
         {"role": "user", "content": [{"type": "text", "text": "And this?"},
-                                     {"type": "image_url", "image_url": {"url": data_uri(*IMG_B)}}]},
+                                     {"type": "image_url", "image_url": {"url": data_uri(png(IMG_B))}}]},
     ]
 
 
@@ -982,7 +964,7 @@ def test_phi3_numbers_image_placeholders_across_turns(monkeypatch, hub):
     (generate,) = hub.generate_calls
     # The card's end token and the generation config's (<|end|>) both end the answer.
     assert sorted(generate["eos_token_id"]) == [EOS, END] and generate["max_new_tokens"] == 40
-    assert out["usage"] == {"prompt_tokens": len(encode(render(expected, True))), "completion_tokens": 11}
+    assert out["usage"] == {"prompt_tokens": len(encode_text(render(expected, True))), "completion_tokens": 11}
     assert out["finish_reason"] == "stop"
 
 
@@ -1005,7 +987,7 @@ def test_phi3_text_only_passes_no_images_and_reports_length(monkeypatch, hub):
 ])
 def test_internvl_tiles_each_image_as_its_card_does(monkeypatch, hub, size, tiles):
     serve(monkeypatch, INTERNVL)
-    out = call(caption(b64(*size)))
+    out = call(caption(b64(png(size))))
     assert out["response"] == "ok"
     (chat_call,) = hub.chat_calls
     assert chat_call["num_patches_list"] == [tiles]
@@ -1085,7 +1067,7 @@ def test_box_to_pixels(box, system, size, input_size, expected):
 
 
 def grounding(target="the dog", image=None, **extra):
-    return dict({"task": "grounding", "image_b64": image or b64(640, 480), "target": target}, **extra)
+    return dict({"task": "grounding", "image_b64": image or b64(png((640, 480))), "target": target}, **extra)
 
 
 def test_qwen2_vl_grounding_returns_a_box_in_image_pixels(monkeypatch, hub):
@@ -1105,7 +1087,7 @@ def test_qwen25_vl_grounding_reads_json_boxes(monkeypatch, hub):
     # 560x420 is a multiple of 28 inside Qwen's pixel bounds: its model input is the image itself.
     hub.reply = '```json\n[{"bbox_2d": [56, 42, 280, 210], "label": "dog"}]\n```'
     serve(monkeypatch, QWEN25)
-    out = call(grounding(image=b64(560, 420)))
+    out = call(grounding(image=b64(png((560, 420)))))
     assert out["supports_grounding"] is True and out["bbox"] == [56, 42, 280, 210]
     assert "the dog" in user_text(hub.templates[0])
 
@@ -1113,7 +1095,7 @@ def test_qwen25_vl_grounding_reads_json_boxes(monkeypatch, hub):
 def test_grounding_box_is_scaled_to_the_first_image(monkeypatch, hub):
     hub.reply = "<|box_start|>(0,0),(500,500)<|box_end|>"
     serve(monkeypatch, QWEN)
-    out = call({"task": "grounding", "images": [b64(200, 100), b64(640, 480)], "target": "x"})
+    out = call({"task": "grounding", "images": [b64(png((200, 100))), b64(png((640, 480)))], "target": "x"})
     assert out["bbox"] == [0, 0, 100, 50]
 
 
@@ -1163,7 +1145,7 @@ def batch(*items, job_id="job-7", **extra) -> dict:
 def test_batch_envelope_and_order(monkeypatch, hub):
     hub.reply = echo
     serve(monkeypatch, QWEN)
-    out = batch(chat("first"), {"task": "vqa", "image_b64": b64(), "question": "second"}, chat("third"))
+    out = batch(chat("first"), {"task": "vqa", "image_b64": b64(png()), "question": "second"}, chat("third"))
     assert set(out) == {"model", "count", "id", "results"}
     assert out["model"] == QWEN and out["count"] == 3 and out["id"] == "job-7"
     assert [r["response"] for r in out["results"]] == ["echo:first", "echo:second", "echo:third"]
@@ -1173,7 +1155,7 @@ def test_batch_envelope_and_order(monkeypatch, hub):
 def test_native_items_with_the_same_sampling_share_one_padded_batch(monkeypatch, hub):
     hub.reply = echo
     serve(monkeypatch, QWEN)
-    out = batch(caption(b64(16, 16)), chat("short"), {"task": "vqa", "images": [b64(20, 10), b64(30, 10)],
+    out = batch(caption(b64(png((16, 16)))), chat("short"), {"task": "vqa", "images": [b64(png((20, 10))), b64(png((30, 10)))],
                                                        "question": "a much longer question here"})
     assert [r["response"] for r in out["results"]] == [
         "echo:" + handler.TASK_PROMPTS["caption"], "echo:short", "echo:a much longer question here"]
@@ -1181,7 +1163,7 @@ def test_native_items_with_the_same_sampling_share_one_padded_batch(monkeypatch,
     assert len(processor_call["text"]) == 3
     assert [[im.size for im in images] for images in processor_call["images"]] == [[(16, 16)], [], [(20, 10), (30, 10)]]
     prompts = processor_call["text"]
-    assert [r["usage"]["prompt_tokens"] for r in out["results"]] == [len(encode(p)) for p in prompts]
+    assert [r["usage"]["prompt_tokens"] for r in out["results"]] == [len(encode_text(p)) for p in prompts]
 
 
 def test_a_bad_item_becomes_an_error_at_its_index(monkeypatch, hub):
@@ -1422,7 +1404,7 @@ def test_batch_without_a_job_id(monkeypatch):
 
 def test_compiled_path_answers_like_the_eager_one(monkeypatch, hub):
     hub.reply = echo
-    items = [chat("one"), caption(b64(16, 16)), chat("three", max_new_tokens=2)]
+    items = [chat("one"), caption(b64(png((16, 16)))), chat("three", max_new_tokens=2)]
     serve(monkeypatch, QWEN, VLM_COMPILE="false")
     eager = batch(*items)["results"]
     handler.reset_engine()

@@ -992,7 +992,7 @@ VOCAB = CHAR_BASE + 128
 FILLER = CHAR_BASE + ord("~")  # the fake model's second choice, picked when its first is forbidden
 
 
-def encode(text: str) -> list:
+def encode_text(text: str) -> list:
     ids, i = [], 0
     while i < len(text):
         for special in SPECIALS:
@@ -1103,7 +1103,7 @@ class Hub:
         return self.reply(prompt) if callable(self.reply) else self.reply
 
     def script(self, prompt: str) -> list:
-        return encode(self.respond(prompt)) + [EOS]
+        return encode_text(self.respond(prompt)) + [EOS]
 
 
 HUB = Hub()
@@ -1166,8 +1166,8 @@ class FakeTokenizer:
     def __call__(self, text, add_special_tokens=True, **kwargs):
         _use("transformers.PreTrainedTokenizerBase.__call__")
         if isinstance(text, list):
-            return {"input_ids": [encode(t) for t in text]}
-        return {"input_ids": encode(text)}
+            return {"input_ids": [encode_text(t) for t in text]}
+        return {"input_ids": encode_text(text)}
 
     def decode(self, ids, skip_special_tokens=False, **kwargs):
         _use("transformers.PreTrainedTokenizerBase.decode")
@@ -1226,7 +1226,7 @@ class FakeProcessor:
             texts = [text] if isinstance(text, str) else list(text)
             HUB.processor_calls.append(dict(text=texts, images=images, padding=padding,
                                             return_tensors=return_tensors, **kwargs))
-            rows = [encode(t) for t in texts]
+            rows = [encode_text(t) for t in texts]
             width = max(len(r) for r in rows)
             if len({len(r) for r in rows}) > 1 and not padding:
                 raise ValueError("prompts of different lengths need padding=True")

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import handler
-from sample_images import data_uri, plain, striped
+from sample_images import b64, data_uri, plain, striped
 
 FAMILIES = ["qwen2-vl", "qwen2.5-vl", "llava", "llava-next"]
 GROUNDING_FAMILIES = {"qwen2-vl", "qwen2.5-vl"}
@@ -104,8 +104,8 @@ def test_each_image_task_answers(engine, family, task):
 
 
 def test_caption_tasks_use_different_prompts(engine):
-    short = ask({"task": "caption", "image_b64": data_uri(plain("red")).split(",")[1], "max_new_tokens": 1})
-    long = ask({"task": "caption_long", "image_b64": data_uri(plain("red")).split(",")[1], "max_new_tokens": 1})
+    short = ask({"task": "caption", "image_b64": b64(plain("red")), "max_new_tokens": 1})
+    long = ask({"task": "caption_long", "image_b64": b64(plain("red")), "max_new_tokens": 1})
     assert long["usage"]["prompt_tokens"] > short["usage"]["prompt_tokens"]
 
 
