@@ -397,14 +397,20 @@ def test_max_new_tokens_at_the_cap_is_accepted(monkeypatch, hub):
     assert out["response"] == "ok"
 
 
-def test_greedy_decoding_by_default(monkeypatch, hub):
-    hub.reply = "a red square"
-    serve(monkeypatch, VLM_DEFAULT_MAX_NEW_TOKENS=40)
+@pytest.mark.parametrize("model_id", [QWEN, PHI3])  # the decode loop, and generate()
+def test_greedy_decoding_by_default(monkeypatch, hub, model_id):
+    # The filler is nearly as likely as the answer at every step: only greedy decoding keeps to it.
+    hub.reply, hub.runner_up_logit = "a red square, a blue circle", 9.9
+    serve(monkeypatch, model_id, VLM_DEFAULT_MAX_NEW_TOKENS=40)
     out = call(caption())
-    assert out["response"] == "a red square" and out["finish_reason"] == "stop"
-    for generate in hub.generate_calls:  # greedy may use generate() or a hand-written loop
+    assert out["response"] == "a red square, a blue circle" and out["finish_reason"] == "stop"
+    if model_id == PHI3:  # generate() is told not to sample (the fake's generate() never samples)
+        (generate,) = hub.generate_calls
         assert generate["do_sample"] is False
         assert generate.get("temperature") is None and generate.get("top_p") is None
+    else:  # the same near tie, sampled, strays: the answer above really was decoded greedily
+        sampled = call(caption(do_sample=True, temperature=1.0))
+        assert sampled["response"] != out["response"]
 
 
 def test_sampling_parameters_reach_the_decoder(monkeypatch, hub):
@@ -702,15 +708,16 @@ def test_loose_images_in_a_chat_go_before_the_first_user_message(monkeypatch, hu
     assert messages[3] == {"role": "user", "content": [{"type": "text", "text": "Which colour?"}]}
 
 
-def test_plain_http_is_fetched_or_refused_naming_the_field(monkeypatch, hub):
+def test_plain_http_is_refused_by_default_and_fetched_when_internal_urls_are_allowed(monkeypatch, hub, web):
     serve(monkeypatch)
     WEB["http://images.example.com/cat.png"] = png((16, 16))
     out = call({"task": "caption", "image_url": "http://images.example.com/cat.png"})
-    if "error" in out:  # the URL policy may refuse plain http by default
-        assert_error(out, "image_url")
-        assert not hub.models
-    else:
-        assert [im.size for im in sent_images()] == [(16, 16)]
+    assert_error(out, "image_url", "blocked_url")
+    assert not web and not hub.models  # refused before anything was fetched or loaded
+    serve(monkeypatch, VLM_ALLOW_INTERNAL_URLS="true")
+    out = call({"task": "caption", "image_url": "http://images.example.com/cat.png"})
+    assert out["response"] == "ok" and web == ["http://images.example.com/cat.png"]
+    assert [im.size for im in sent_images()] == [(16, 16)]
 
 
 def test_an_unreachable_url_is_a_clean_error_naming_the_field(monkeypatch, hub):

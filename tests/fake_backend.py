@@ -1090,6 +1090,7 @@ class Hub:
         self.context = 32768  # the text model's max_position_embeddings
         self.extra_eos = []  # more end tokens in the generation config (ids may lie past the vocabulary)
         self.rng = random.Random(1234)  # the fake GPU's sampling noise: seeded, so runs repeat
+        self.runner_up_logit = 5.0  # the filler's logit (the answer's is 10): near 10, sampling strays
         self.compiles = []  # torch.compile calls
         self.graphs = []  # every torch.cuda.CUDAGraph made
         self.capture_attempts = 0
@@ -1426,7 +1427,7 @@ class FakeModel(FakeModelBase):
             for script in self._scripts:
                 token = script[self._step] if self._step < len(script) else EOS
                 row = [0.0] * VOCAB
-                row[FILLER] = 5.0
+                row[FILLER] = HUB.runner_up_logit
                 row[token] = 10.0
                 logits.append([row])
             return FakeOutput(FakeTensor(logits, F32, HUB.device))

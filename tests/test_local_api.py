@@ -118,7 +118,8 @@ def test_grounding(api):
     out = runsync(api, {"task": "grounding", "image_url": data_uri(striped((84, 56))),
                         "target": "the left stripe", "max_new_tokens": 4})
     assert out["task"] == "grounding" and out["supports_grounding"] is True
-    assert "bbox" in out  # a random model rarely writes a box: None with a warning is fine
+    # A random model rarely writes a box: then the box is None and a warning says why.
+    assert out["bbox"] is not None or out["bbox_warning"]
 
 
 def test_batch(api):
