@@ -413,17 +413,25 @@ def test_greedy_decoding_by_default(monkeypatch, hub, model_id):
         assert sampled["response"] != out["response"]
 
 
-def test_sampling_parameters_reach_the_decoder(monkeypatch, hub):
-    hub.reply = "sampled"
+def test_sampling_parameters_take_effect(monkeypatch, hub):
+    # A near tie between the answer and a filler at every step: sampled hot, the answer strays;
+    # sampled cold (or with a tiny top_p), it holds. So temperature and top_p reach the sampler.
+    hub.reply, hub.runner_up_logit = "sampled answer", 9.9
     serve(monkeypatch, VLM_DEFAULT_MAX_NEW_TOKENS=40)
-    out = call(caption(do_sample=True, temperature=0.7, top_p=0.9))
-    assert out["response"] == "sampled"
-    (decoded,) = hub.decode_calls
-    assert decoded["do_sample"] == [True]
-    assert decoded["temperature"] == [0.7] and decoded["top_p"] == [0.9]
-    assert decoded["max_new_tokens"] == [40]  # VLM_DEFAULT_MAX_NEW_TOKENS when the request sets none
-    (prefill,) = hub.prefills  # the prompt reached the model whole, its padding hidden by the mask
-    assert prefill["prompts"] == hub.processor_calls[-1]["text"]
+    hot = call(caption(do_sample=True, temperature=0.7, top_p=0.9))
+    assert hot["response"] != "sampled answer"
+    assert call(caption(do_sample=True, temperature=0.01))["response"] == "sampled answer"
+    assert call(caption(do_sample=True, temperature=2.0, top_p=0.01))["response"] == "sampled answer"
+    # The prompt reached the model whole, its padding hidden by the mask.
+    assert [p["prompts"] for p in hub.prefills] == [c["text"] for c in hub.processor_calls]
+
+
+def test_the_default_max_new_tokens_applies_when_a_request_sets_none(monkeypatch, hub):
+    hub.reply = "x" * 60
+    serve(monkeypatch, VLM_DEFAULT_MAX_NEW_TOKENS=40)
+    out = call(caption(do_sample=True, temperature=0.5))
+    assert out["response"] == "x" * 40 and out["finish_reason"] == "length"
+    assert out["usage"]["completion_tokens"] == 40
 
 
 @pytest.mark.parametrize("sampling", [False, True])
@@ -1224,31 +1232,29 @@ def test_batch_envelope_errors(monkeypatch, hub, payload, param, code):
 
 
 def test_greedy_and_sampled_items_share_one_batch_each_row_keeping_its_settings(monkeypatch, hub):
-    hub.reply = echo
+    # A near tie at every step: greedy and cold rows keep to the answer, hot rows stray from it.
+    hub.reply, hub.runner_up_logit = echo, 9.9
     serve(monkeypatch)
-    out = batch(chat("A"), chat("B", do_sample=True, temperature=0.7), chat("C"),
-                chat("D", do_sample=True, temperature=0.9, top_p=0.5), chat("E", do_sample=True, temperature=0.7))
-    assert [r["response"] for r in out["results"]] == ["echo:A", "echo:B", "echo:C", "echo:D", "echo:E"]
+    out = batch(chat("A"), chat("B", do_sample=True, temperature=1.5), chat("C"),
+                chat("D", do_sample=True, temperature=0.01, top_p=0.5), chat("E", do_sample=True, temperature=1.5))
+    a, b, c, d, e = (r["response"] for r in out["results"])
+    assert (a, c, d) == ("echo:A", "echo:C", "echo:D")
+    assert b != "echo:B" and e != "echo:E"
     (processor_call,) = hub.processor_calls  # one batch for all five
     assert [last_user_text(p) for p in processor_call["text"]] == ["A", "B", "C", "D", "E"]
-    (decoded,) = hub.decode_calls
-    assert decoded["rows"] == 5
-    assert decoded["do_sample"] == [False, True, False, True, True]
-    assert decoded["temperature"] == [0.0, 0.7, 0.0, 0.9, 0.7]
-    assert decoded["top_p"] == [1.0, 1.0, 1.0, 0.5, 1.0]
     assert not hub.generate_calls
 
 
-def test_items_are_batched_by_max_new_tokens_and_answer_in_input_order(monkeypatch, hub):
+def test_items_answer_in_input_order_within_their_budgets_and_the_rows_per_model_call(monkeypatch, hub):
     hub.reply = echo
     serve(monkeypatch, VLM_MAX_BATCH_SIZE=2)
     budgets = [50, 5, 40, 10, 30]
     out = batch(*[chat(f"q{i}", max_new_tokens=n) for i, n in enumerate(budgets)])
     expected = [("echo:" + f"q{i}")[:n] for i, n in enumerate(budgets)]
     assert [r["response"] for r in out["results"]] == expected
-    groups = [[last_user_text(p) for p in c["text"]] for c in hub.processor_calls]
-    assert groups == [["q1", "q3"], ["q4", "q2"], ["q0"]]  # shortest budgets first
-    assert [d["max_new_tokens"] for d in hub.decode_calls] == [[5, 10], [30, 40], [50]]
+    assert [r["finish_reason"] for r in out["results"]] == ["stop", "length", "stop", "stop", "stop"]
+    assert max(hub.forward_rows) == 2  # VLM_MAX_BATCH_SIZE rows per model call at most
+    assert sorted(last_user_text(p) for c in hub.processor_calls for p in c["text"]) == [f"q{i}" for i in range(5)]
 
 
 def test_a_tiny_top_p_samples_like_greedy_and_a_wide_one_really_samples(monkeypatch, hub):
@@ -1271,8 +1277,7 @@ def test_min_new_tokens_is_per_row_in_a_mixed_batch(monkeypatch, hub):
     out = batch(chat("a", min_new_tokens=10), chat("b", do_sample=True, temperature=0.5, top_p=0.5),
                 chat("c"), chat("d", do_sample=True, temperature=0.5, top_p=0.5, min_new_tokens=9))
     a, b, c, d = out["results"]
-    assert len(hub.processor_calls) == 1
-    assert hub.decode_calls[0]["min_new_tokens"] == [10, 0, 0, 9]
+    assert len(hub.processor_calls) == 1  # one shared batch
     assert b["response"] == "echo:b" and b["usage"]["completion_tokens"] == 6
     assert c["response"] == "echo:c" and c["usage"]["completion_tokens"] == 6
     assert a["response"].startswith("echo:a") and a["usage"]["completion_tokens"] == 10
@@ -1301,17 +1306,16 @@ def test_decoding_stops_early_once_every_row_has_ended(monkeypatch, hub):
     serve(monkeypatch)
     out = batch(chat("a", max_new_tokens=200), chat("b", max_new_tokens=200))
     assert [r["response"] for r in out["results"]] == ["echo:a", "echo:b"]
-    assert hub.decode_steps <= 16  # ended after 7 tokens: the end is looked for every 16 steps
-    hub.decode_steps = 0
-    handler.reset_engine()
+    assert len(hub.forward_rows) < 50  # both ended after 7 tokens: far from their budget of 200
+    hub.forward_rows.clear()
     out = batch(chat("a", max_new_tokens=200), chat("b" * 40, max_new_tokens=200))
     assert [r["response"] for r in out["results"]] == ["echo:a", "echo:" + "b" * 40]
-    assert 45 <= hub.decode_steps <= 64  # one row still talking keeps the batch going
-    hub.decode_steps = 0
+    assert 45 <= len(hub.forward_rows) < 100  # one row still talking keeps the batch going
+    hub.forward_rows.clear()
     hub.reply = "never ends " * 10
-    handler.reset_engine()
     out = call(chat("x", max_new_tokens=30))
-    assert out["finish_reason"] == "length" and hub.decode_steps == 29  # the budget, not the check
+    assert out["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 30
+    assert len(hub.forward_rows) <= 30  # one model call per token at most, none past the budget
 
 
 def test_a_row_at_its_own_budget_counts_as_ended(monkeypatch, hub):
@@ -1320,32 +1324,26 @@ def test_a_row_at_its_own_budget_counts_as_ended(monkeypatch, hub):
     # "x" talks on past 4 tokens but may say only 4; "b" ends after 7 of its 200: nothing is left.
     out = batch(chat("x" * 40, max_new_tokens=4), chat("b", max_new_tokens=200))
     assert out["results"][0]["finish_reason"] == "length" and out["results"][1]["response"] == "echo:b"
-    assert hub.decode_steps <= 16
+    assert len(hub.forward_rows) < 50
 
 
-def test_filler_rows_of_the_compiled_path_never_hold_a_batch_open(monkeypatch, hub):
+def compiled_engine(monkeypatch, hub, **env):
+    """The compiled (CUDA) path: a fake GPU, VLM_COMPILE on, the fake model echoing its question."""
     hub.reply, hub.cuda_available, hub.device = echo, True, "cuda:0"
-    serve(monkeypatch, QWEN, VLM_COMPILE="true")
-    out = batch(chat("a", max_new_tokens=200), chat("b", max_new_tokens=200))  # 2 rows padded to 4
+    serve(monkeypatch, QWEN, **dict({"VLM_COMPILE": "true"}, **env))
+
+
+def test_padding_rows_of_the_compiled_path_never_hold_a_batch_open(monkeypatch, hub):
+    compiled_engine(monkeypatch, hub)
+    out = batch(chat("a", max_new_tokens=200), chat("b", max_new_tokens=200))
     assert [r["response"] for r in out["results"]] == ["echo:a", "echo:b"]
-    assert hub.decode_calls[-1]["rows"] == 4 and hub.decode_steps <= 16
-    (processed,) = hub.processor_calls
-    assert len(processed["text"]) == 4
+    assert len(hub.forward_rows) < 50  # both ended after 7 tokens: far from their budget of 200
 
 
 def test_end_tokens_past_the_vocabulary_are_ignored(monkeypatch, hub):
     hub.reply, hub.extra_eos = "fine", [VOCAB + 7]
     serve(monkeypatch)
     assert call(chat("x"))["response"] == "fine"
-
-
-def test_max_batch_size_limits_rows_per_model_call(monkeypatch, hub):
-    hub.reply = echo
-    serve(monkeypatch, VLM_MAX_BATCH_SIZE=2)
-    out = batch(*[chat(f"q{i}") for i in range(5)])
-    assert [r["response"] for r in out["results"]] == [f"echo:q{i}" for i in range(5)]
-    sizes = [len(c["text"]) for c in hub.processor_calls]
-    assert max(sizes) <= 2 and sum(sizes) == 5
 
 
 def test_each_item_keeps_its_own_max_new_tokens_in_a_shared_batch(monkeypatch, hub):
@@ -1416,99 +1414,76 @@ def test_compiled_path_answers_like_the_eager_one(monkeypatch, hub):
     eager = batch(*items)["results"]
     handler.reset_engine()
     hub.reset()
-    hub.reply, hub.cuda_available, hub.device = echo, True, "cuda:0"
-    serve(monkeypatch, QWEN, VLM_COMPILE="true")
+    compiled_engine(monkeypatch, hub)
     compiled = batch(*items)["results"]
-    assert [r["response"] for r in compiled] == [r["response"] for r in eager]
-    assert [r["finish_reason"] for r in compiled] == [r["finish_reason"] for r in eager]
-    assert [r["usage"]["completion_tokens"] for r in compiled] == [r["usage"]["completion_tokens"] for r in eager]
-    assert hub.models[0].compiled_calls > 0  # the compiled forward really ran
+    assert compiled == eager
+    # Internal, on purpose: which forward ran shows in no output; the fake torch.compile counts it.
+    assert hub.models[0].compiled_calls > 0
 
 
 def test_compiled_path_is_never_used_with_bitsandbytes(monkeypatch, hub):
-    hub.reply, hub.cuda_available, hub.device = echo, True, "cuda:0"
-    serve(monkeypatch, QWEN, VLM_QUANTIZE="4bit", VLM_COMPILE="true")
+    compiled_engine(monkeypatch, hub, VLM_QUANTIZE="4bit")
     out = batch(chat("a"), chat("b"))
     assert [r["response"] for r in out["results"]] == ["echo:a", "echo:b"]
-    assert hub.models[0].compiled_calls == 0
+    assert not hub.compiles and not hub.graphs  # torch.compile and CUDA graphs never called
 
 
 def test_sampling_on_the_compiled_path(monkeypatch, hub):
-    hub.reply, hub.cuda_available, hub.device = echo, True, "cuda:0"
-    serve(monkeypatch, QWEN)
-    out = batch(chat("x", do_sample=True, temperature=0.5), chat("y", do_sample=True, temperature=0.5))
-    assert [r["response"] for r in out["results"]] == ["echo:x", "echo:y"]
-    (decoded,) = hub.decode_calls
-    # Padded to the bucket with short greedy filler rows, which never hold the batch open.
-    assert decoded["rows"] == 4
-    assert decoded["do_sample"] == [True, True, False, False] and decoded["max_new_tokens"][2:] == [1, 1]
-    assert [g.captured for g in hub.graphs] == [True]  # the sampling variant of the step
+    compiled_engine(monkeypatch, hub)
+    hub.runner_up_logit = 9.9  # a near tie: cold rows keep to the answer, hot ones stray
+    out = batch(chat("x", do_sample=True, temperature=0.01), chat("y", do_sample=True, temperature=0.01),
+                chat("z", do_sample=True, temperature=1.5))
+    cold_x, cold_y, hot = (r["response"] for r in out["results"])
+    assert (cold_x, cold_y) == ("echo:x", "echo:y") and hot != "echo:z"
+    assert hub.models[0].compiled_calls > 0  # internal, as above: the compiled forward sampled
 
 
-def compiled_engine(monkeypatch, hub, **env):
-    hub.reply, hub.cuda_available, hub.device = echo, True, "cuda:0"
-    serve(monkeypatch, QWEN, **dict({"VLM_COMPILE": "true"}, **env))
+def graph_captures() -> int:
+    return HUB.capture_attempts
 
 
-def captured() -> int:
-    return sum(g.captured for g in HUB.graphs)
-
-
-def replays() -> int:
-    return sum(g.replays for g in HUB.graphs)
-
-
-def test_compiled_path_captures_one_graph_per_bucket_and_variant_then_replays(monkeypatch, hub):
+def test_repeated_batch_shapes_reuse_their_compiled_step(monkeypatch, hub):
+    # Internal, on purpose: recompiling or re-capturing a CUDA graph per request costs seconds of
+    # GPU time and shows in no output; the fake torch.compile and torch.cuda.graph count them.
     compiled_engine(monkeypatch, hub, VLM_MAX_BATCH_SIZE=4)
-    assert call(chat("a"))["response"] == "echo:a"
-    assert (hub.capture_attempts, captured(), replays()) == (1, 1, 0)  # recorded after the first batch
-    steps = hub.decode_steps
-    assert call(chat("again"))["response"] == "echo:again"
-    assert hub.capture_attempts == 1
-    assert replays() == hub.decode_steps - steps > 0  # every step of the second batch is a replay
-    assert call(chat("s", do_sample=True, temperature=0.5, top_p=0.5))["response"] == "echo:s"
-    assert (hub.capture_attempts, captured()) == (2, 2)  # the sampling variant
-    assert call(chat("t", do_sample=True, temperature=0.5, top_p=0.5))["response"] == "echo:t"
-    assert hub.capture_attempts == 2
-    out = batch(chat("p"), chat("q"), chat("r"))  # 3 rows: the 4-row bucket
-    assert [r["response"] for r in out["results"]] == ["echo:p", "echo:q", "echo:r"]
-    assert (hub.capture_attempts, captured()) == (3, 3)
-    before = replays()
-    out = batch(chat("u"), chat("v"))  # 2 rows: the same 4-row bucket, replayed
-    assert [r["response"] for r in out["results"]] == ["echo:u", "echo:v"]
-    assert hub.capture_attempts == 3 and replays() > before
+    first = [call(chat("a")), call(chat("s", do_sample=True, temperature=0.5, top_p=0.5)),
+             batch(chat("p"), chat("q"), chat("r"))]
+    captures = graph_captures()
+    assert captures > 0
+    again = [call(chat("a")), call(chat("s", do_sample=True, temperature=0.5, top_p=0.5)),
+             batch(chat("p"), chat("q"), chat("r")), batch(chat("u"), chat("v"))]
+    assert again[:3] == first
+    assert [r["response"] for r in again[3]["results"]] == ["echo:u", "echo:v"]
+    assert graph_captures() == captures  # nothing new to record for shapes already seen
     assert len(hub.compiles) == 1 and hub.compiles[0]["dynamic"] is False  # one compiled forward
 
 
 def test_a_failed_graph_capture_falls_back_to_plain_steps(monkeypatch, hub, caplog):
     compiled_engine(monkeypatch, hub)
-    hub.capture_failures = 1
+    hub.capture_failures = 100  # every capture fails
     assert call(chat("a"))["response"] == "echo:a"
-    assert hub.capture_attempts == 1 and captured() == 0
-    assert "CUDA graph capture failed" in caplog.text
-    calls = hub.models[0].compiled_calls
     out = call(chat("b" * 20))
     assert out["response"] == "echo:" + "b" * 20 and out["finish_reason"] == "stop"
-    assert hub.capture_attempts == 1 and replays() == 0  # not retried for that bucket
-    assert hub.models[0].compiled_calls - calls >= 20  # the steps ran through the compiled forward
+    # Logged once: a capture that failed is not tried again on every request of that shape.
+    assert caplog.text.count("CUDA graph capture failed") == 1
 
 
-def test_warm_up_records_every_bucket_and_variant(monkeypatch, hub):
+def test_after_warm_up_requests_record_nothing_new(monkeypatch, hub):
     compiled_engine(monkeypatch, hub, VLM_MAX_BATCH_SIZE=4)
-    engine = handler.get_engine()
-    assert engine.warm_up() >= 0.0
-    assert [d["rows"] for d in hub.decode_calls] == [1, 1, 1, 1, 4, 4, 4, 4]
-    assert [d["do_sample"][0] for d in hub.decode_calls] == [False, False, True, True] * 2
-    assert (hub.capture_attempts, captured()) == (4, 4)
+    handler.get_engine().warm_up()
+    captures, compiles = graph_captures(), len(hub.compiles)
+    assert captures > 0
     out = batch(chat("a"), chat("b", do_sample=True, temperature=0.5, top_p=0.5))
     assert [r["response"] for r in out["results"]] == ["echo:a", "echo:b"]
-    assert hub.capture_attempts == 4 and replays() > 0  # nothing left to record for a request
+    assert call(chat("c"))["response"] == "echo:c"
+    # Internal, on purpose: the point of warming up is that no request pays for a capture.
+    assert (graph_captures(), len(hub.compiles)) == (captures, compiles)
 
 
 def test_warm_up_does_nothing_off_the_gpu(monkeypatch, hub):
     serve(monkeypatch, QWEN)
     assert handler.get_engine().warm_up() == 0.0
-    assert not hub.decode_calls and not hub.graphs and not hub.compiles
+    assert not hub.forward_rows and not hub.graphs and not hub.compiles  # the model never ran
 
 
 def test_compiled_replays_answer_like_the_eager_path(monkeypatch, hub):
@@ -1523,9 +1498,9 @@ def test_compiled_replays_answer_like_the_eager_path(monkeypatch, hub):
     hub.repetition_penalty = 1.1
     batch(*items)  # captures the graph
     compiled = batch(*items)["results"]  # replays it
-    assert replays() > 0
-    for key in ("response", "finish_reason", "usage"):
-        assert [r[key] for r in compiled] == [r[key] for r in eager]
+    assert compiled == eager
+    # Internal, on purpose: that the second batch really replayed a graph shows in no output.
+    assert sum(g.replays for g in hub.graphs) > 0
 
 
 # =================================================================================================

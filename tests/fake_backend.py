@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
 import io
 import itertools
@@ -1096,9 +1095,7 @@ class Hub:
         self.capture_attempts = 0
         self.capture_failures = 0  # the next N captures fail
         self.stream = FakeStream()  # the current CUDA stream
-        self.decode_steps = 0  # forward calls that decoded a real token (after a prefill)
-        self.scratch_steps = 0  # forward calls on scratch state (warm-up and capture of a graph)
-        self.decode_calls = []  # what each Decoder.run received: rows and per-row params
+        self.forward_rows = []  # the rows of every forward call of the model (prefills, steps, warm-up)
 
     def respond(self, prompt: str) -> str:
         return self.reply(prompt) if callable(self.reply) else self.reply
@@ -1372,6 +1369,7 @@ class FakeModel(FakeModelBase):
                 if isinstance(value, FakeTensor) and _device_name(value._device) != device:
                     HUB.protocol_errors.append(f"forward: {name} on {value._device}, the model on {device}")
             rows, width = input_ids.dims
+            HUB.forward_rows.append(rows)
             if width > 1 or cache_position is None:  # a prefill: a new batch
                 if isinstance(cache, FakeStaticCache) and cache.dirty:
                     HUB.protocol_errors.append("a static cache was reused for a new batch without reset()")
@@ -1388,7 +1386,6 @@ class FakeModel(FakeModelBase):
                 last = width - 1 if cache_position is None else cache_position._data[-1]
             elif self._scripts is None or cache_position._data[0] < self._prompt_length:
                 # Any in-range state will do to warm up or capture a step: answer, remember nothing.
-                HUB.scratch_steps += 1
                 if isinstance(cache, FakeStaticCache):
                     cache.dirty = True
                 row = [0.0] * VOCAB
@@ -1397,7 +1394,6 @@ class FakeModel(FakeModelBase):
             else:
                 self._step += 1
                 step = self._step
-                HUB.decode_steps += 1
                 if rows != len(self._scripts):
                     HUB.protocol_errors.append(f"decode step {step}: {rows} rows after a prefill of {len(self._scripts)}")
                 if cache is not HUB.prefills[-1]["cache"]:
@@ -1625,19 +1621,6 @@ def hub(monkeypatch):
     HUB.reset()
     MISSING.clear()
     handler.reset_engine()
-    decoder = getattr(handler, "Decoder", None)
-    if decoder is not None:  # record what each batch's decoding was asked for, row by row
-        run = decoder.run
-
-        def spy(self, inputs, params):
-            HUB.decode_calls.append(dict(
-                rows=self.rows, length=self.length, params=[dataclasses.replace(p) for p in params],
-                **{field: [getattr(p, field) for p in params]
-                   for field in ("max_new_tokens", "min_new_tokens", "do_sample", "temperature", "top_p")},
-            ))
-            return run(self, inputs, params)
-
-        monkeypatch.setattr(decoder, "run", spy)
     yield HUB
     handler.reset_engine()
     assert not MISSING, f"the handler used torch/transformers API the stubs lack: {sorted(MISSING)}"
