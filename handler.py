@@ -12,14 +12,14 @@ import binascii
 import dataclasses
 import functools
 import io
-import json
 import logging
 import os
 import re
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
@@ -113,7 +113,7 @@ class Settings:
     compile_cache_dir: str = ""  # compiled kernels kept here are reused by a restarted worker
 
     @classmethod
-    def from_env(cls, env: Optional[dict] = None) -> "Settings":
+    def from_env(cls, env: Optional[dict] = None) -> Settings:
         env = dict(os.environ if env is None else env)
         return cls(
             model=(env.get("VLM_MODEL") or DEFAULT_MODEL).strip(),
@@ -200,7 +200,7 @@ class MediaPolicy:
     media_dir: Optional[str] = None  # VLM_MEDIA_DIR: local files only from inside this folder
 
     @classmethod
-    def from_env(cls, env: Optional[dict] = None) -> "MediaPolicy":
+    def from_env(cls, env: Optional[dict] = None) -> MediaPolicy:
         env = dict(os.environ if env is None else env)
         allow_internal = _env_bool(env, "VLM_ALLOW_INTERNAL_URLS", False)
         domains = tuple(
@@ -281,7 +281,9 @@ def _data_uri_bytes(spec: str, policy: MediaPolicy, param: str) -> bytes:
     if fields[0] == "image/svg+xml":
         raise RequestError("unsupported_image_format", _SVG_MESSAGE, param)
     if "base64" not in fields[1:]:
-        raise RequestError("invalid_image_url", "only base64 data URIs are supported (data:image/png;base64,...)", param)
+        raise RequestError(
+            "invalid_image_url", "only base64 data URIs are supported (data:image/png;base64,...)", param
+        )
     return _base64_bytes(spec[5 + len(header) + 1:], policy, param)
 
 
@@ -680,7 +682,8 @@ def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: s
     if via_proxy:
         conn, request_target, headers = via_proxy
     else:
-        conn, request_target, headers = _pinned_connection(target, addresses, policy, deadline, param), target.target, {}
+        conn = _pinned_connection(target, addresses, policy, deadline, param)
+        request_target, headers = target.target, {}
     headers.update({"User-Agent": "runpod-vlm image fetch", "Accept": "image/*", "Accept-Encoding": "identity"})
     expired = threading.Event()
 
@@ -731,11 +734,15 @@ def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: s
         return b"".join(chunks)
     except RequestError:
         raise
-    except (TimeoutError, socket.timeout):
-        raise RequestError("fetch_timeout", f"the image URL took over {policy.fetch_timeout:g}s" + after, param) from None
+    except TimeoutError:
+        raise RequestError(
+            "fetch_timeout", f"the image URL took over {policy.fetch_timeout:g}s" + after, param
+        ) from None
     except (OSError, http.client.HTTPException, ValueError):
         if expired.is_set():
-            raise RequestError("fetch_timeout", f"the image URL took over {policy.fetch_timeout:g}s" + after, param) from None
+            raise RequestError(
+                "fetch_timeout", f"the image URL took over {policy.fetch_timeout:g}s" + after, param
+            ) from None
         log.info("image fetch from %s failed", target.host, exc_info=log.isEnabledFor(logging.DEBUG))
         raise RequestError("fetch_failed", "the image URL could not be fetched" + after, param) from None
     finally:
@@ -801,7 +808,9 @@ def _decode_image(data: bytes, policy: MediaPolicy, param: str):
                 oriented = image
             return _to_rgb(oriented)
         except Image.DecompressionBombError:
-            raise RequestError("image_too_large", f"the image is over {policy.max_image_pixels} pixels", param) from None
+            raise RequestError(
+                "image_too_large", f"the image is over {policy.max_image_pixels} pixels", param
+            ) from None
         except MemoryError:
             raise RequestError("image_too_large", "the image is too large to decode", param) from None
         except Exception:
@@ -898,7 +907,7 @@ class FamilyAdapter:
     def grounding_prompt(self, target: str) -> str:
         return f"Locate {target} in the image and give its bounding box as [x1, y1, x2, y2]."
 
-    def request_turns(self, item: "GenerationRequest") -> list[Turn]:
+    def request_turns(self, item: GenerationRequest) -> list[Turn]:
         """The turns the model is prompted with: a grounding request's last turn gets the family's
         grounding prompt after its images."""
         if item.task != "grounding":
@@ -924,7 +933,7 @@ class FamilyAdapter:
             self.chat_messages(turns), add_generation_prompt=True, tokenize=False
         )
 
-    def batch_inputs(self, processor, items: list["GenerationRequest"], device, dtype):
+    def batch_inputs(self, processor, items: list[GenerationRequest], device, dtype):
         """Chat-templated prompts and pixels for a batch, left-padded, on `device`; and for each item
         the size its first image was resized to (the frame of boxes in input pixels), or None."""
         prompts = [self.prompt(processor, self.request_turns(item)) for item in items]
@@ -1201,7 +1210,7 @@ class Decoder:
     sampled rows, one without) and replayed, so a token costs one launch rather than generate()'s
     hundreds of Python-issued kernels. Greedy rows give the tokens of `model.generate(do_sample=False)`."""
 
-    def __init__(self, engine: "Engine", rows: int, length: int):
+    def __init__(self, engine: Engine, rows: int, length: int):
         import torch
         from transformers import StaticCache
 
@@ -1754,7 +1763,7 @@ def _required_text(value: Optional[str], param: str, what: str) -> str:
     return value.strip()
 
 
-def _loose_images(request: RequestModel, param: Optional[str]) -> list["ImageSpec"]:
+def _loose_images(request: RequestModel, param: Optional[str]) -> list[ImageSpec]:
     """Images given beside the prompt: image_url, image_b64 and images[...], in that order."""
     specs: list[ImageSpec] = []
     if request.image_url is not None:
@@ -1800,7 +1809,9 @@ def parse_messages(messages: Any, settings: Settings, param: str) -> list[Turn]:
             raise RequestError("invalid_request", "images are allowed in user messages only", f"{where}.content")
         turns.append(Turn(role, parts))
     if turns[-1].role != "user":
-        raise RequestError("invalid_request", "the last message must come from the user", f"{param}[{len(turns) - 1}].role")
+        raise RequestError(
+            "invalid_request", "the last message must come from the user", f"{param}[{len(turns) - 1}].role"
+        )
     return turns
 
 
@@ -2038,7 +2049,9 @@ def served_model() -> tuple[Settings, str]:
     return settings, settings.model
 
 
-def read_request(raw: Any, settings: Settings, model_id: str, param: Optional[str]) -> tuple[RequestModel, GenerationRequest]:
+def read_request(
+    raw: Any, settings: Settings, model_id: str, param: Optional[str]
+) -> tuple[RequestModel, GenerationRequest]:
     request, item = parse_request(raw, settings, param)
     _check_model(request, model_id, param)
     return request, item

@@ -18,9 +18,33 @@ from PIL import Image
 import fake_backend
 import handler
 from fake_backend import (
-    BF16, END, EOS, F16, F32, GENERIC, HUB, INTERNVL, LLAVA, LLAVA_NEXT, MINICPM, MODEL_TYPES,
-    NATIVE_FAMILY_MODELS, PHI3, QWEN, QWEN25, STUBBED_API, USED, VOCAB, WEB, FakeBitsAndBytesConfig,
-    StubModule, encode_text, last_user_text, model_load, render, sent_images,
+    BF16,
+    END,
+    EOS,
+    F16,
+    F32,
+    GENERIC,
+    HUB,
+    INTERNVL,
+    LLAVA,
+    LLAVA_NEXT,
+    MINICPM,
+    MODEL_TYPES,
+    NATIVE_FAMILY_MODELS,
+    PHI3,
+    QWEN,
+    QWEN25,
+    STUBBED_API,
+    USED,
+    VOCAB,
+    WEB,
+    FakeBitsAndBytesConfig,
+    StubModule,
+    encode_text,
+    last_user_text,
+    model_load,
+    render,
+    sent_images,
 )
 from sample_images import b64, data_uri, encode, plain, png
 
@@ -169,7 +193,8 @@ def test_allow_any_serves_an_uncurated_native_model_with_the_generic_adapter(mon
     assert out["response"] == "ok" and out["model"] == GENERIC
     api, path, _ = model_load()
     assert (api, path) == ("AutoModelForImageTextToText", GENERIC)
-    assert hub.templates[-1] == [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+    assert hub.templates[-1] == [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
 
 
 EXPECTED_LOADERS = {
@@ -1170,8 +1195,9 @@ def test_batch_envelope_and_order(monkeypatch, hub):
 def test_native_items_with_the_same_sampling_share_one_padded_batch(monkeypatch, hub):
     hub.reply = echo
     serve(monkeypatch, QWEN)
-    out = batch(caption(b64(png((16, 16)))), chat("short"), {"task": "vqa", "images": [b64(png((20, 10))), b64(png((30, 10)))],
-                                                       "question": "a much longer question here"})
+    out = batch(caption(b64(png((16, 16)))), chat("short"),
+                {"task": "vqa", "images": [b64(png((20, 10))), b64(png((30, 10)))],
+                 "question": "a much longer question here"})
     assert [r["response"] for r in out["results"]] == [
         "echo:" + handler.TASK_PROMPTS["caption"], "echo:short", "echo:a much longer question here"]
     (processor_call,) = hub.processor_calls
@@ -1582,7 +1608,8 @@ def test_stubbed_api_is_exactly_what_the_handler_uses(monkeypatch, hub):
         serve(monkeypatch, model_id)
         assert call(caption())["response"] == "ok"
     assert USED == STUBBED_API, (
-        f"listed but not exercised: {sorted(STUBBED_API - USED)}; exercised but not listed: {sorted(USED - STUBBED_API)}"
+        f"listed but not exercised: {sorted(STUBBED_API - USED)}; "
+        f"exercised but not listed: {sorted(USED - STUBBED_API)}"
     )
 
 

@@ -35,6 +35,7 @@ def photo_uri(width: int, height: int, seed: int) -> str:
     """A photo-like JPEG (smooth gradients and noise) as a data URI."""
     import numpy as np
     from PIL import Image
+
     from sample_images import data_uri, encode
 
     rng = np.random.default_rng(seed)
@@ -104,6 +105,7 @@ def check(answer: dict) -> dict:
 def naive_loop(engine, images: list[str]) -> float:
     """The model card's recipe, one request at a time: chat template + processor + plain generate."""
     import torch
+
     import handler
 
     model, processor = engine.model, engine.processor
@@ -136,7 +138,7 @@ def measure_handler(handler, images: dict, label: str, batches=BATCHES, repeat: 
     out["throughput"] = {}
     for rows in batches:
         job = {"id": f"bench-{rows}", "input": {"requests": [request(u) for u in images[label][:rows]]}}
-        seconds, answer = timed(lambda: check(handler.handler(job)), repeat=repeat if rows <= 16 else 1)
+        seconds, answer = timed(lambda job=job: check(handler.handler(job)), repeat=repeat if rows <= 16 else 1)
         tokens = sum(r["usage"]["completion_tokens"] for r in answer["results"])
         out["throughput"][str(rows)] = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
     return out
@@ -144,6 +146,7 @@ def measure_handler(handler, images: dict, label: str, batches=BATCHES, repeat: 
 
 def bench_shape(shape: str, args, results: dict, save) -> None:
     import torch
+
     import tiny_models
 
     folder = Path(args.models) / shape

@@ -34,7 +34,6 @@ import pytest
 
 import handler
 
-
 # =================================================================================================
 # The stubbed API surface
 # =================================================================================================
@@ -389,12 +388,12 @@ class FakeTensor:
         return n
 
     @staticmethod
-    def of(value, like=None) -> "FakeTensor":
+    def of(value, like=None) -> FakeTensor:
         if isinstance(value, FakeTensor):
             return value
         return FakeTensor(value, _infer_dtype(value), getattr(like, "_device", "cpu"))
 
-    def _binary(self, other, fn, dtype=None) -> "FakeTensor":
+    def _binary(self, other, fn, dtype=None) -> FakeTensor:
         other = FakeTensor.of(other, self)
         _same_device(self, other)
         target = _broadcast_shape(self.dims, other.dims)
@@ -538,7 +537,7 @@ class FakeTensor:
             raise TypeError("len() of a 0-d tensor")
         return self.dims[0]
 
-    def _in_place(self, other, fn, dtype) -> "FakeTensor":
+    def _in_place(self, other, fn, dtype) -> FakeTensor:
         result = self._binary(other, fn, dtype)
         if result.dims != self.dims:
             raise RuntimeError("an in-place operation may not change the shape")
@@ -671,7 +670,6 @@ class FakeTensor:
     def sort(self, dim=-1, descending=False):
         _use("torch.Tensor.sort")
         _last_dim(self.dims, dim, "sort")
-        values, indices = [], []
 
         def go(row):
             order = sorted(range(len(row)), key=lambda i: (-row[i], i) if descending else (row[i], i))
@@ -1395,7 +1393,8 @@ class FakeModel(FakeModelBase):
                 self._step += 1
                 step = self._step
                 if rows != len(self._scripts):
-                    HUB.protocol_errors.append(f"decode step {step}: {rows} rows after a prefill of {len(self._scripts)}")
+                    HUB.protocol_errors.append(
+                        f"decode step {step}: {rows} rows after a prefill of {len(self._scripts)}")
                 if cache is not HUB.prefills[-1]["cache"]:
                     HUB.protocol_errors.append(f"decode step {step}: not the prefill's KV cache")
                 last = self._prompt_length + step - 1
@@ -1545,7 +1544,8 @@ class StubModule(types.ModuleType):
     def __getattr__(self, attr):
         if not attr.startswith("__"):
             MISSING.add(f"{self.__name__}.{attr}")
-        raise AttributeError(f"stub module {self.__name__!r} has no attribute {attr!r}: add a stub and list it in STUBBED_API")
+        raise AttributeError(
+            f"stub module {self.__name__!r} has no attribute {attr!r}: add a stub and list it in STUBBED_API")
 
 
 def build_stub_modules() -> dict:

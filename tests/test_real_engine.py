@@ -48,7 +48,7 @@ def forward_calls(engine, monkeypatch):
     return calls
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_model(folder: str):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
