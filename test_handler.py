@@ -917,6 +917,15 @@ def conversation():
     ]
 
 
+def answer_conversation(monkeypatch, hub, model_id, **extra) -> dict:
+    """The conversation above, served by `model_id`; the answer and image count checked."""
+    hub.reply = "A blue box."
+    serve(monkeypatch, model_id)
+    out = call(dict({"messages": conversation()}, **extra))
+    assert out["response"] == "A blue box." and out["image_count"] == 2
+    return out
+
+
 NATIVE_CONVERSATION = [
     {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
     {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]},
@@ -927,10 +936,7 @@ NATIVE_CONVERSATION = [
 
 @pytest.mark.parametrize("model_id", NATIVE_FAMILY_MODELS)
 def test_native_families_template_the_whole_conversation(monkeypatch, hub, model_id):
-    hub.reply = "A blue box."
-    serve(monkeypatch, model_id)
-    out = call({"messages": conversation()})
-    assert out["response"] == "A blue box." and out["image_count"] == 2
+    answer_conversation(monkeypatch, hub, model_id)
     assert hub.templates == [NATIVE_CONVERSATION]
     kwargs = hub.template_kwargs[0]
     assert kwargs["add_generation_prompt"] is True and kwargs["tokenize"] is False
@@ -948,10 +954,7 @@ def test_native_text_only_chat_sends_no_images(monkeypatch, hub):
 
 
 def test_minicpm_chat_gets_msgs_system_prompt_and_sampling(monkeypatch, hub):
-    hub.reply = "A blue box."
-    serve(monkeypatch, MINICPM)
-    out = call({"messages": conversation(), "max_new_tokens": 50})
-    assert out["response"] == "A blue box." and out["image_count"] == 2
+    answer_conversation(monkeypatch, hub, MINICPM, max_new_tokens=50)
     (chat_call,) = hub.chat_calls
     assert chat_call["image"] is None
     assert chat_call["tokenizer"] is hub.processors[0]  # the AutoTokenizer it loaded
@@ -986,10 +989,7 @@ def test_remote_code_finish_reason_counts_tokens(monkeypatch, hub, model_id, max
 
 
 def test_phi3_numbers_image_placeholders_across_turns(monkeypatch, hub):
-    hub.reply = "A blue box."
-    serve(monkeypatch, PHI3)
-    out = call({"messages": conversation(), "max_new_tokens": 40})
-    assert out["response"] == "A blue box." and out["image_count"] == 2
+    out = answer_conversation(monkeypatch, hub, PHI3, max_new_tokens=40)
     expected = [
         {"role": "system", "content": "Be brief."},
         {"role": "user", "content": "<|image_1|>\nWhat is this?"},
@@ -1040,10 +1040,7 @@ def test_internvl_tiles_each_image_as_its_card_does(monkeypatch, hub, size, tile
 
 
 def test_internvl_history_question_and_patches(monkeypatch, hub):
-    hub.reply = "A blue box."
-    serve(monkeypatch, INTERNVL)
-    out = call({"messages": conversation(), "max_new_tokens": 33})
-    assert out["response"] == "A blue box." and out["image_count"] == 2
+    answer_conversation(monkeypatch, hub, INTERNVL, max_new_tokens=33)
     (chat_call,) = hub.chat_calls
     assert chat_call["history"] == [("Be brief.\n<image>\nWhat is this?", "A red box.")]
     assert chat_call["question"] == "And this?\n<image>"

@@ -368,6 +368,20 @@ def _rows(data, fn):
     return fn(data)
 
 
+def _elementwise(name: str, fn, dtype=None, in_place=False):
+    """A recorded torch.Tensor operator, elementwise over broadcast operands (in place: into self,
+    keeping its dtype unless one is given)."""
+
+    def operator(self, other):
+        _use(f"torch.Tensor.{name}")
+        if in_place:
+            return self._in_place(other, fn, dtype or self._dtype)
+        return self._binary(other, fn, dtype)
+
+    operator.__name__ = operator.__qualname__ = name
+    return _op(operator)
+
+
 class FakeTensor:
     """Just enough of torch.Tensor for the engine: nested lists with broadcasting."""
 
@@ -427,6 +441,8 @@ class FakeTensor:
         return f"FakeTensor({self._data!r}, dtype={self._dtype!r})"
 
     # -- the recorded torch.Tensor API --
+    # Every stubbed member, here and in the fake transformers classes below, first records its
+    # STUBBED_API name with _use() and then does its work: that two-line shape repeats by design.
     @property
     def shape(self) -> tuple:
         _use("torch.Tensor.shape")
@@ -544,55 +560,16 @@ class FakeTensor:
         self._data = result._data
         return self
 
-    @_op
-    def __iadd__(self, other):
-        _use("torch.Tensor.__iadd__")
-        return self._in_place(other, lambda a, b: a + b, self._dtype)
-
-    @_op
-    def __ior__(self, other):
-        _use("torch.Tensor.__ior__")
-        return self._in_place(other, lambda a, b: bool(a) or bool(b), BOOL)
-
-    @_op
-    def __and__(self, other):
-        _use("torch.Tensor.__and__")
-        return self._binary(other, lambda a, b: bool(a) and bool(b), BOOL)
-
-    @_op
-    def __or__(self, other):
-        _use("torch.Tensor.__or__")
-        return self._binary(other, lambda a, b: bool(a) or bool(b), BOOL)
-
-    @_op
-    def __gt__(self, other):
-        _use("torch.Tensor.__gt__")
-        return self._binary(other, lambda a, b: a > b, BOOL)
-
-    @_op
-    def __ge__(self, other):
-        _use("torch.Tensor.__ge__")
-        return self._binary(other, lambda a, b: a >= b, BOOL)
-
-    @_op
-    def __lt__(self, other):
-        _use("torch.Tensor.__lt__")
-        return self._binary(other, lambda a, b: a < b, BOOL)
-
-    @_op
-    def __add__(self, other):
-        _use("torch.Tensor.__add__")
-        return self._binary(other, lambda a, b: a + b)
-
-    @_op
-    def __sub__(self, other):
-        _use("torch.Tensor.__sub__")
-        return self._binary(other, lambda a, b: a - b)
-
-    @_op
-    def __mul__(self, other):
-        _use("torch.Tensor.__mul__")
-        return self._binary(other, lambda a, b: a * b)
+    __iadd__ = _elementwise("__iadd__", lambda a, b: a + b, in_place=True)
+    __ior__ = _elementwise("__ior__", lambda a, b: bool(a) or bool(b), BOOL, in_place=True)
+    __and__ = _elementwise("__and__", lambda a, b: bool(a) and bool(b), BOOL)
+    __or__ = _elementwise("__or__", lambda a, b: bool(a) or bool(b), BOOL)
+    __gt__ = _elementwise("__gt__", lambda a, b: a > b, BOOL)
+    __ge__ = _elementwise("__ge__", lambda a, b: a >= b, BOOL)
+    __lt__ = _elementwise("__lt__", lambda a, b: a < b, BOOL)
+    __add__ = _elementwise("__add__", lambda a, b: a + b)
+    __sub__ = _elementwise("__sub__", lambda a, b: a - b)
+    __mul__ = _elementwise("__mul__", lambda a, b: a * b)
 
     @_op
     def __truediv__(self, other):
@@ -756,18 +733,21 @@ def torch_zeros(*size, dtype=None, device=None):
     return FakeTensor(_filled(_sizes(size), _cast(0, dtype)), dtype, str(device or "cpu"))
 
 
+def _zeros_like(tensor, dtype, device) -> FakeTensor:
+    dtype = dtype or tensor._dtype
+    return FakeTensor(_filled(list(tensor.dims), _cast(0, dtype)), dtype, str(device or tensor._device))
+
+
 @_op
 def torch_zeros_like(tensor, dtype=None, device=None):
     _use("torch.zeros_like")
-    dtype = dtype or tensor._dtype
-    return FakeTensor(_filled(list(tensor.dims), _cast(0, dtype)), dtype, str(device or tensor._device))
+    return _zeros_like(tensor, dtype, device)
 
 
 @_op
 def torch_empty_like(tensor, dtype=None, device=None):
     _use("torch.empty_like")
-    dtype = dtype or tensor._dtype
-    return FakeTensor(_filled(list(tensor.dims), _cast(0, dtype)), dtype, str(device or tensor._device))
+    return _zeros_like(tensor, dtype, device)  # any contents will do: zeros
 
 
 @_op
