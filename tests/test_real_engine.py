@@ -217,13 +217,20 @@ def test_prompt_plus_max_new_tokens_beyond_the_context_is_refused_alone(family, 
     alone = ask(too_long)
     assert alone["code"] == "context_too_long" and alone["param"] == "max_new_tokens"
     assert str(context) in alone["error"]
-    batches = []
-    real_generate = engine.generate
-    monkeypatch.setattr(engine, "generate", lambda items: batches.append(len(items)) or real_generate(items))
+    prefills = []  # the prompt rows of each forward pass that reads a prompt
+    real_forward = engine.model.forward
+
+    def recording_forward(*args, **kwargs):
+        input_ids = kwargs.get("input_ids")
+        if input_ids is not None and input_ids.shape[1] > 1:
+            prefills.append(input_ids.shape[0])
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", recording_forward)
     first, second = ask({"requests": [good, too_long]})["results"]
     assert first["usage"]["completion_tokens"] == 3
     assert second["code"] == "context_too_long" and second["param"] == "requests[1].max_new_tokens"
-    assert batches == [2]  # refused inside the batch: the good item is not re-run alone
+    assert sum(prefills) == 1  # only the good item's prompt reached the model, and only once
 
 
 def test_a_grounding_target_counts_toward_the_text_limit(engine):
