@@ -57,11 +57,16 @@ stub_modules, hub, web = fake_backend.stub_modules, fake_backend.hub, fake_backe
 # =================================================================================================
 
 
-def call(payload, job_id="job-1") -> dict:
-    out = handler.handler({"id": job_id, "input": payload})
+def run_job(job) -> dict:
+    """The worker's answer to one RunPod job: every test reaches the handler through here."""
+    out = handler.handler(job)
     assert isinstance(out, dict)
     json.dumps(out)  # always JSON-serialisable
     return out
+
+
+def call(payload, job_id="job-1") -> dict:
+    return run_job({"id": job_id, "input": payload})
 
 
 def assert_error(out: dict, param, code=None) -> None:
@@ -1174,9 +1179,7 @@ def echo(prompt: str) -> str:
 
 
 def batch(*items, job_id="job-7", **extra) -> dict:
-    out = handler.handler({"id": job_id, "input": dict({"requests": list(items)}, **extra)})
-    json.dumps(out)
-    return out
+    return run_job({"id": job_id, "input": dict({"requests": list(items)}, **extra)})
 
 
 def test_batch_envelope_and_order(monkeypatch, hub):
@@ -1248,7 +1251,7 @@ def test_a_batch_of_only_bad_items_loads_nothing(monkeypatch, hub):
 ])
 def test_batch_envelope_errors(monkeypatch, hub, payload, param, code):
     serve(monkeypatch, VLM_MAX_BATCH_REQUESTS=2)
-    out = handler.handler({"id": "j", "input": payload})
+    out = run_job({"id": "j", "input": payload})
     assert_error(out, param, code)
     assert "results" not in out
     assert not hub.models
@@ -1421,7 +1424,7 @@ def test_batch_images_echo_is_per_item(monkeypatch):
 
 def test_batch_without_a_job_id(monkeypatch):
     serve(monkeypatch)
-    out = handler.handler({"input": {"requests": [chat("a")]}})
+    out = run_job({"input": {"requests": [chat("a")]}})
     assert out["id"] is None and out["count"] == 1
 
 
@@ -1535,7 +1538,7 @@ def test_compiled_replays_answer_like_the_eager_path(monkeypatch, hub):
                                  {"input": 3}])
 def test_malformed_jobs_get_an_error_naming_input(monkeypatch, hub, job):
     serve(monkeypatch)
-    out = handler.handler(job)
+    out = run_job(job)
     assert_error(out, "input", "invalid_request")
     assert not hub.models
 
