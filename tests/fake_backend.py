@@ -1595,6 +1595,8 @@ def stub_modules():
 
 @pytest.fixture(autouse=True)
 def hub(monkeypatch):
+    """A fresh scripted hub and no VLM_ setting per test; afterwards the handler must have used only
+    stubbed, listed API and kept to the protocol the fakes check (devices, padding, KV cache)."""
     for key in list(os.environ):
         if key.startswith("VLM_"):
             monkeypatch.delenv(key)
