@@ -15,8 +15,6 @@ and bitsandbytes 4-bit/8-bit at batch 1 and 16.
 from __future__ import annotations
 
 import argparse
-import base64
-import io
 import json
 import os
 import statistics
@@ -26,26 +24,25 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
+sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "tests")]
 
 NEW_TOKENS = 128
 BATCHES = (1, 4, 16, 64)
 PROMPT = "Describe this image in one sentence."
 
 
-def data_uri(width: int, height: int, seed: int) -> str:
+def photo_uri(width: int, height: int, seed: int) -> str:
     """A photo-like JPEG (smooth gradients and noise) as a data URI."""
     import numpy as np
     from PIL import Image
+
+    from sample_images import data_uri, encode
 
     rng = np.random.default_rng(seed)
     y, x = np.mgrid[0:height, 0:width]
     base = np.stack([(x * 255 // width), (y * 255 // height), ((x + y) * 127 // (width + height))], -1)
     pixels = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype("uint8")
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, "JPEG", quality=90)
-    return "data:image/jpeg;base64," + base64.b64encode(buffer.getvalue()).decode()
+    return data_uri(encode(Image.fromarray(pixels), "JPEG", quality=90), "image/jpeg")
 
 
 def request(image: str, new_tokens: int = NEW_TOKENS) -> dict:
@@ -108,6 +105,7 @@ def check(answer: dict) -> dict:
 def naive_loop(engine, images: list[str]) -> float:
     """The model card's recipe, one request at a time: chat template + processor + plain generate."""
     import torch
+
     import handler
 
     model, processor = engine.model, engine.processor
@@ -140,7 +138,7 @@ def measure_handler(handler, images: dict, label: str, batches=BATCHES, repeat: 
     out["throughput"] = {}
     for rows in batches:
         job = {"id": f"bench-{rows}", "input": {"requests": [request(u) for u in images[label][:rows]]}}
-        seconds, answer = timed(lambda: check(handler.handler(job)), repeat=repeat if rows <= 16 else 1)
+        seconds, answer = timed(lambda job=job: check(handler.handler(job)), repeat=repeat if rows <= 16 else 1)
         tokens = sum(r["usage"]["completion_tokens"] for r in answer["results"])
         out["throughput"][str(rows)] = {"seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
     return out
@@ -148,6 +146,7 @@ def measure_handler(handler, images: dict, label: str, batches=BATCHES, repeat: 
 
 def bench_shape(shape: str, args, results: dict, save) -> None:
     import torch
+
     import tiny_models
 
     folder = Path(args.models) / shape
@@ -165,8 +164,8 @@ def bench_shape(shape: str, args, results: dict, save) -> None:
     handler.reset_engine()
     torch.cuda.reset_peak_memory_stats()
     images = {
-        "448x448": [data_uri(448, 448, seed) for seed in range(max(BATCHES))],
-        "1024x768": [data_uri(1024, 768, seed) for seed in range(16)],
+        "448x448": [photo_uri(448, 448, seed) for seed in range(max(BATCHES))],
+        "1024x768": [photo_uri(1024, 768, seed) for seed in range(16)],
     }
     started = time.perf_counter()
     engine = handler.get_engine()
@@ -258,7 +257,7 @@ def child_restart() -> None:
     engine = handler.get_engine()
     load_s = time.perf_counter() - started
     warm_up_s = engine.warm_up()
-    first_s, _ = timed(lambda: check(handler.handler({"input": request(data_uri(448, 448, 0))})))
+    first_s, _ = timed(lambda: check(handler.handler({"input": request(photo_uri(448, 448, 0))})))
     print(json.dumps({"load_s": load_s, "warm_up_s": warm_up_s, "first_request_s": first_s}))
 
 

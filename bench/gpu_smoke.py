@@ -25,9 +25,10 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
 
+    from torch._dynamo.utils import counters
+
     import tiny_models
     from sample_images import data_uri, plain, striped
-    from torch._dynamo.utils import counters
 
     folder = tiny_models.build("qwen2-vl", Path(tempfile.mkdtemp()) / "qwen2-vl")
     os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", VLM_DTYPE="fp32", VLM_MAX_BATCH_SIZE="4")

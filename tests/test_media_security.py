@@ -30,6 +30,7 @@ import pytest
 
 import handler
 from handler import MediaPolicy, RequestError, resolve_image
+from sample_images import b64, data_uri, encode, png
 
 FAKE_PUBLIC = "93.184.215.14"  # "the internet": the guard routes it to 127.0.0.1, same port
 FAKE_PUBLIC_2 = "198.41.0.4"
@@ -41,26 +42,6 @@ _real_getaddrinfo = socket.getaddrinfo
 
 
 # ---- images -------------------------------------------------------------------------------------
-
-
-def encode(image, fmt="PNG", **kwargs) -> bytes:
-    buffer = io.BytesIO()
-    image.save(buffer, fmt, **kwargs)
-    return buffer.getvalue()
-
-
-def png(size=(32, 24), color=(200, 30, 40), mode="RGB") -> bytes:
-    from PIL import Image
-
-    return encode(Image.new(mode, size, color))
-
-
-def b64(data: bytes) -> str:
-    return base64.b64encode(data).decode()
-
-
-def data_uri(data: bytes, media="image/png") -> str:
-    return f"data:{media};base64,{b64(data)}"
 
 
 def png_bomb(width: int, height: int) -> bytes:
@@ -76,7 +57,7 @@ def png_bomb(width: int, height: int) -> bytes:
     return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", body) + chunk(b"IEND", b"")
 
 
-GOOD_PNG = png()
+GOOD_PNG = png((32, 24))
 
 
 def assert_good(image, size=(32, 24), color=(200, 30, 40)):
@@ -285,7 +266,7 @@ def public(servers, net, pki, monkeypatch):
 def internal(servers):
     """A loopback service that a stranger must never reach; it answers with a (secret) image."""
     server = servers()
-    server.routes["/secret.png"] = send(png(color=(0, 0, 0)))
+    server.routes["/secret.png"] = send(png((32, 24), (0, 0, 0)))
     server.routes["/latest/meta-data/"] = send(b"iam-credentials")
     return server
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import handler
-from sample_images import data_uri, plain, striped
+from sample_images import b64, data_uri, plain, striped
 
 FAMILIES = ["qwen2-vl", "qwen2.5-vl", "llava", "llava-next"]
 GROUNDING_FAMILIES = {"qwen2-vl", "qwen2.5-vl"}
@@ -50,7 +50,7 @@ def forward_calls(engine, monkeypatch):
     return calls
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_model(folder: str):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -106,8 +106,8 @@ def test_each_image_task_answers(engine, family, task):
 
 
 def test_caption_tasks_use_different_prompts(engine):
-    short = ask({"task": "caption", "image_b64": data_uri(plain("red")).split(",")[1], "max_new_tokens": 1})
-    long = ask({"task": "caption_long", "image_b64": data_uri(plain("red")).split(",")[1], "max_new_tokens": 1})
+    short = ask({"task": "caption", "image_b64": b64(plain("red")), "max_new_tokens": 1})
+    long = ask({"task": "caption_long", "image_b64": b64(plain("red")), "max_new_tokens": 1})
     assert long["usage"]["prompt_tokens"] > short["usage"]["prompt_tokens"]
 
 
@@ -211,7 +211,7 @@ def test_batch_answers_in_order_and_isolates_a_bad_item(engine):
     assert [r.get("image_count") for r in results] == [1, None, 2, 1, 1]
 
 
-def test_prompt_plus_max_new_tokens_beyond_the_context_is_refused_alone(family, tiny_model, serve):
+def test_prompt_plus_max_new_tokens_beyond_the_context_is_refused_alone(family, tiny_model, serve, monkeypatch):
     engine = serve(tiny_model(family), VLM_MAX_NEW_TOKENS="1000000")
     context = engine.model.config.get_text_config(decoder=True).max_position_embeddings
     good = {"task": "caption", "image_url": data_uri(striped()), "max_new_tokens": 3}
@@ -219,9 +219,20 @@ def test_prompt_plus_max_new_tokens_beyond_the_context_is_refused_alone(family, 
     alone = ask(too_long)
     assert alone["code"] == "context_too_long" and alone["param"] == "max_new_tokens"
     assert str(context) in alone["error"]
+    prefills = []  # the prompt rows of each forward pass that reads a prompt
+    real_forward = engine.model.forward
+
+    def recording_forward(*args, **kwargs):
+        input_ids = kwargs.get("input_ids")
+        if input_ids is not None and input_ids.shape[1] > 1:
+            prefills.append(input_ids.shape[0])
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", recording_forward)
     first, second = ask({"requests": [good, too_long]})["results"]
-    assert first == ask(good)  # its neighbour's refusal changes nothing in its answer
     assert second["code"] == "context_too_long" and second["param"] == "requests[1].max_new_tokens"
+    assert sum(prefills) == 1  # only the good item's prompt reached the model, and only once
+    assert first == ask(good)  # its neighbour's refusal changes nothing in its answer
 
 
 def test_a_grounding_target_counts_toward_the_text_limit(engine):
