@@ -1207,6 +1207,9 @@ def _use_grouped_query_decode_attention(model) -> None:
     """Decode steps attend with SDPA's own grouped-query attention. transformers' SDPA path copies
     K/V for every query head (repeat_kv) whenever a mask is passed, which every decode step of a
     batch with rows of different lengths does: at 64 rows that copy was most of the step."""
+    text_config = model.config.get_text_config(decoder=True)
+    if getattr(text_config, "_attn_implementation", None) != "sdpa":
+        return
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
@@ -1221,9 +1224,6 @@ def _use_grouped_query_decode_attention(model) -> None:
         )
         return output.transpose(1, 2).contiguous(), None
 
-    text_config = model.config.get_text_config(decoder=True)
-    if getattr(text_config, "_attn_implementation", None) != "sdpa":
-        return
     AttentionInterface.register("sdpa_gqa_decode", attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa_gqa_decode", sdpa_mask)
     try:
@@ -1634,7 +1634,7 @@ class Engine:
         kinds = getattr(text_config, "layer_types", None) or (["sliding_attention"] if window else [])
         self.max_slots = window if window and any(k != "full_attention" for k in kinds) else None
         self.continuous = self.adapter.native and (self.max_slots is None or self.max_slots >= self.settings.cache_len)
-        if self.continuous:
+        if self.continuous and self.use_graphs:  # a GPU speed-up; CPU runs keep transformers' SDPA
             _use_grouped_query_decode_attention(self.model)
         log.info("loaded %s (%s) in %.1fs", self.model_id, self.adapter.name, time.perf_counter() - started)
 
@@ -1689,12 +1689,16 @@ class Engine:
     def submit(self, item: GenerationRequest, listener: Callable[[Any], None], stream: bool = False) -> "Ticket":
         """Queue an item. `listener` is called from the engine thread with StreamDelta events (when
         `stream`) and then exactly once with the final Generation or RequestError."""
-        ticket = Ticket(item, listener, stream)
+        return self.submit_all([item], [listener], stream)[0]
+
+    def submit_all(self, items: list[GenerationRequest], listeners: list, stream: bool = False) -> list["Ticket"]:
+        """Queue items together (a batch call's): they are admitted together when rows allow."""
+        tickets = [Ticket(item, listener, stream) for item, listener in zip(items, listeners)]
         with self._wake:
-            self._queue.append(ticket)
+            self._queue.extend(tickets)
             self._wake.notify()
             self._start_thread()
-        return ticket
+        return tickets
 
     def _start_thread(self) -> None:
         """Start the engine thread once (call with `_wake` held)."""
@@ -2391,8 +2395,7 @@ def generate_all(engine: Engine, items: list[GenerationRequest]) -> list[Outcome
 
         return on_event
 
-    for index, item in enumerate(items):
-        engine.submit(item, listener(index))
+    engine.submit_all(items, [listener(index) for index in range(len(items))])
     for _ in items:
         finished.acquire()
     return results  # type: ignore[return-value]

@@ -9,8 +9,10 @@ fake model received, so the engine's internals may change freely.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import sys
+import threading
 
 import pytest
 from PIL import Image
@@ -25,6 +27,7 @@ from fake_backend import (
     F32,
     GENERIC,
     HUB,
+    FakeSlotDecoder,
     INTERNVL,
     LLAVA,
     LLAVA_NEXT,
@@ -59,7 +62,7 @@ stub_modules, hub, web = fake_backend.stub_modules, fake_backend.hub, fake_backe
 
 def run_job(job) -> dict:
     """The worker's answer to one RunPod job: every test reaches the handler through here."""
-    out = handler.handler(job)
+    out = asyncio.run(handler.answer(job))
     assert isinstance(out, dict)
     json.dumps(out)  # always JSON-serialisable
     return out
@@ -1429,104 +1432,108 @@ def test_batch_without_a_job_id(monkeypatch):
 
 
 # =================================================================================================
-# The compiled (CUDA) path, faked: same answers, padded rows dropped
+# The compiled (CUDA) path, faked: served at once, compiled in the background, same answers
 # =================================================================================================
 
 
+def compiled_and_ready(monkeypatch, hub, **env):
+    compiled_engine(monkeypatch, hub, **env)
+    engine = handler.get_engine()
+    engine.warm_up()
+    assert engine.wait_until_compiled(timeout=30)
+    return engine
+
+
 def test_compiled_path_answers_like_the_eager_one(monkeypatch, hub):
-    hub.reply = echo
-    items = [chat("one"), caption(b64(png((16, 16)))), chat("three", max_new_tokens=2)]
+    hub.reply, hub.repetition_penalty = echo, 1.1
+    items = [chat("one", min_new_tokens=8), caption(b64(png((16, 16)))), chat("three", max_new_tokens=2),
+             chat("four", do_sample=True, temperature=0.6, top_p=0.3)]
     serve(monkeypatch, QWEN, VLM_COMPILE="false")
     eager = batch(*items)["results"]
     handler.reset_engine()
     hub.reset()
-    compiled_engine(monkeypatch, hub)
-    compiled = batch(*items)["results"]
-    assert compiled == eager
-    # Internal, on purpose: which forward ran shows in no output; the fake torch.compile counts it.
-    assert hub.models[0].compiled_calls > 0
+    hub.repetition_penalty = 1.1
+    compiled_and_ready(monkeypatch, hub)
+    hub.steps.clear()
+    assert batch(*items)["results"] == eager
+    # Internal, on purpose: which forward ran shows in no output; the fake decoder records it.
+    assert hub.steps and all(compiled for _, _, compiled in hub.steps)
 
 
 def test_compiled_path_is_never_used_with_bitsandbytes(monkeypatch, hub):
     compiled_engine(monkeypatch, hub, VLM_QUANTIZE="4bit")
+    handler.get_engine().warm_up()
     out = batch(chat("a"), chat("b"))
     assert [r["response"] for r in out["results"]] == ["echo:a", "echo:b"]
-    assert not hub.compiles and not hub.graphs  # torch.compile and CUDA graphs never called
+    assert not hub.compiles and not hub.compiled_steps  # torch.compile never called
 
 
 def test_sampling_on_the_compiled_path(monkeypatch, hub):
-    compiled_engine(monkeypatch, hub)
+    compiled_and_ready(monkeypatch, hub)
     hub.runner_up_logit = 9.9  # a near tie: cold rows keep to the answer, hot ones stray
     out = batch(chat("x", do_sample=True, temperature=0.01), chat("y", do_sample=True, temperature=0.01),
                 chat("z", do_sample=True, temperature=1.5))
     cold_x, cold_y, hot = (r["response"] for r in out["results"])
     assert (cold_x, cold_y) == ("echo:x", "echo:y") and hot != "echo:z"
-    assert hub.models[0].compiled_calls > 0  # internal, as above: the compiled forward sampled
 
 
-def graph_captures() -> int:
-    return HUB.capture_attempts
-
-
-def test_repeated_batch_shapes_reuse_their_compiled_step(monkeypatch, hub):
-    # Internal, on purpose: recompiling or re-capturing a CUDA graph per request costs seconds of
-    # GPU time and shows in no output; the fake torch.compile and torch.cuda.graph count them.
-    compiled_engine(monkeypatch, hub, VLM_MAX_BATCH_SIZE=4)
-    first = [call(chat("a")), call(chat("s", do_sample=True, temperature=0.5, top_p=0.5)),
-             batch(chat("p"), chat("q"), chat("r"))]
-    captures = graph_captures()
-    assert captures > 0
-    again = [call(chat("a")), call(chat("s", do_sample=True, temperature=0.5, top_p=0.5)),
-             batch(chat("p"), chat("q"), chat("r")), batch(chat("u"), chat("v"))]
-    assert again[:3] == first
-    assert [r["response"] for r in again[3]["results"]] == ["echo:u", "echo:v"]
-    assert graph_captures() == captures  # nothing new to record for shapes already seen
+def test_the_forward_is_compiled_once_per_decode_shape_in_the_background(monkeypatch, hub):
+    # Internal, on purpose: a compilation during requests costs seconds of GPU time and shows in no
+    # output; the fake torch.compile counts compiles, the fake decoder the shapes compiled.
+    engine = compiled_and_ready(monkeypatch, hub, VLM_MAX_BATCH_SIZE="16")
     assert len(hub.compiles) == 1 and hub.compiles[0]["dynamic"] is False  # one compiled forward
+    shapes = sorted(hub.compiled_steps)
+    assert set(shapes) == {8, 16}  # each row bucket traced once, on a shadow decoder
+    out = [call(chat("a")), batch(*[chat(str(n)) for n in range(12)])]
+    assert out[0]["response"] == "echo:a" and len(out[1]["results"]) == 12
+    assert len(hub.compiles) == 1 and len([d for d in hub.decoders if d is not engine.decoder]) == 2
 
 
-def test_a_failed_graph_capture_falls_back_to_plain_steps(monkeypatch, hub, caplog):
+def test_a_failed_background_compile_leaves_decoding_uncompiled_and_right(monkeypatch, hub, caplog):
     compiled_engine(monkeypatch, hub)
-    hub.capture_failures = 100  # every capture fails
+    monkeypatch.setattr(FakeSlotDecoder, "_advance", lambda self, bucket: (_ for _ in ()).throw(
+        RuntimeError("inductor failed")) if self.forwards[bucket] is not self.model else None)
+    engine = handler.get_engine()
+    engine.warm_up()
+    assert not engine.wait_until_compiled(timeout=2)
     assert call(chat("a"))["response"] == "echo:a"
-    out = call(chat("b" * 20))
-    assert out["response"] == "echo:" + "b" * 20 and out["finish_reason"] == "stop"
-    # Logged once: a capture that failed is not tried again on every request of that shape.
-    assert caplog.text.count("CUDA graph capture failed") == 1
+    assert "compiling the 8-row decode step failed" in caplog.text
 
 
-def test_after_warm_up_requests_record_nothing_new(monkeypatch, hub):
-    compiled_engine(monkeypatch, hub, VLM_MAX_BATCH_SIZE=4)
-    handler.get_engine().warm_up()
-    captures, compiles = graph_captures(), len(hub.compiles)
-    assert captures > 0
-    out = batch(chat("a"), chat("b", do_sample=True, temperature=0.5, top_p=0.5))
-    assert [r["response"] for r in out["results"]] == ["echo:a", "echo:b"]
-    assert call(chat("c"))["response"] == "echo:c"
-    # Internal, on purpose: the point of warming up is that no request pays for a capture.
-    assert (graph_captures(), len(hub.compiles)) == (captures, compiles)
-
-
-def test_warm_up_does_nothing_off_the_gpu(monkeypatch, hub):
-    serve(monkeypatch, QWEN)
-    assert handler.get_engine().warm_up() == 0.0
-    assert not hub.forward_rows and not hub.graphs and not hub.compiles  # the model never ran
-
-
-def test_compiled_replays_answer_like_the_eager_path(monkeypatch, hub):
-    hub.reply, hub.repetition_penalty = echo, 1.1
-    items = [chat("one", min_new_tokens=8), chat("two", do_sample=True, temperature=0.6, top_p=0.3),
-             chat("three", max_new_tokens=4)]
-    serve(monkeypatch, QWEN, VLM_COMPILE="false")
-    eager = batch(*items)["results"]
+def test_requests_in_flight_keep_their_tokens_across_the_switch(monkeypatch, hub):
+    # The switch happens between two decode intervals of a running request: its answer is the one
+    # it gets wholly uncompiled, and its intervals ran on both forwards.
+    hub.reply = lambda prompt: "x" * 60
+    serve(monkeypatch, QWEN, VLM_COMPILE="false", VLM_SYNC_INTERVAL="2")
+    eager = call(chat("long", max_new_tokens=60))
     handler.reset_engine()
     hub.reset()
-    compiled_engine(monkeypatch, hub)
-    hub.repetition_penalty = 1.1
-    batch(*items)  # captures the graph
-    compiled = batch(*items)["results"]  # replays it
-    assert compiled == eager
-    # Internal, on purpose: that the second batch really replayed a graph shows in no output.
-    assert sum(g.replays for g in hub.graphs) > 0
+    compiled_engine(monkeypatch, hub, VLM_SYNC_INTERVAL="2")
+    hub.reply = lambda prompt: "x" * 60
+    engine = handler.get_engine()
+    release = threading.Event()
+    original = FakeSlotDecoder.step
+
+    def step(self, steps):
+        if len(HUB.steps) == 5:
+            release.set()  # the background compile may finish now, mid-request
+            assert engine.wait_until_compiled(timeout=30) or True
+        return original(self, steps)
+
+    compile_shape = engine._compile_shape
+    monkeypatch.setattr(engine, "_compile_shape", lambda *a: release.wait(30) and compile_shape(*a))
+    monkeypatch.setattr(FakeSlotDecoder, "step", step)
+    engine.warm_up()
+    out = call(chat("long", max_new_tokens=60))
+    assert out == eager
+    used = [compiled for _, _, compiled in hub.steps]
+    assert False in used and True in used and used == sorted(used)  # eager first, then compiled
+
+
+def test_warm_up_compiles_nothing_off_the_gpu(monkeypatch, hub):
+    serve(monkeypatch, QWEN)
+    handler.get_engine().warm_up()
+    assert not hub.forward_rows and not hub.compiles  # the model never ran
 
 
 # =================================================================================================

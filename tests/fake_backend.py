@@ -45,63 +45,18 @@ STUBBED_API = frozenset({
     "torch.float32",
     "torch.float16",
     "torch.bfloat16",
-    "torch.bool",
-    "torch.long",
-    "torch.float",
     "torch.inference_mode",
-    "torch.no_grad",
     "torch.stack",
     "torch.cat",
-    "torch.zeros",
-    "torch.zeros_like",
-    "torch.empty_like",
-    "torch.tensor",
-    "torch.arange",
-    "torch.where",
-    "torch.softmax",
     "torch.Tensor.shape",
     "torch.Tensor.__getitem__",
-    "torch.Tensor.__setitem__",
     "torch.Tensor.tolist",
     "torch.Tensor.to",
     "torch.Tensor.sum",
-    "torch.Tensor.float",
-    "torch.Tensor.argmax",
-    "torch.Tensor.masked_fill",
-    "torch.Tensor.all",
-    "torch.Tensor.__bool__",
     "torch.Tensor.__len__",
-    "torch.Tensor.__iadd__",
-    "torch.Tensor.__ior__",
-    "torch.Tensor.__and__",
-    "torch.Tensor.__or__",
-    "torch.Tensor.__gt__",
-    "torch.Tensor.__ge__",
-    "torch.Tensor.__lt__",
-    "torch.Tensor.__add__",
-    "torch.Tensor.__sub__",
-    "torch.Tensor.__mul__",
-    "torch.Tensor.__truediv__",
-    "torch.Tensor.fill_",
-    "torch.Tensor.zero_",
-    "torch.Tensor.copy_",
-    "torch.Tensor.index_copy_",
-    "torch.Tensor.scatter_",
-    "torch.Tensor.scatter",
-    "torch.Tensor.sort",
-    "torch.Tensor.cumsum",
-    "torch.Tensor.exponential_",
-    "torch.Tensor.clamp",
-    "torch.nn.Linear.weight",
     # torch: the compiled path (torch.compile, CUDA graphs on a side stream)
     "torch.compile",
-    "torch.cuda.Stream",
-    "torch.cuda.Stream.wait_stream",
-    "torch.cuda.current_stream",
-    "torch.cuda.stream",
-    "torch.cuda.CUDAGraph",
-    "torch.cuda.CUDAGraph.replay",
-    "torch.cuda.graph",
+    "torch.cuda.synchronize",
     # torchvision (InternVL2's tiling)
     "torchvision.transforms.functional.to_tensor",
     "torchvision.transforms.functional.normalize",
@@ -117,21 +72,14 @@ STUBBED_API = frozenset({
     "transformers.AutoTokenizer.from_pretrained",
     "transformers.AutoModelForCausalLM.from_pretrained",
     "transformers.BitsAndBytesConfig",
-    "transformers.StaticCache",
-    "transformers.StaticCache.reset",
     # transformers: models
     "transformers.PreTrainedModel.eval",
     "transformers.PreTrainedModel.generate",
-    "transformers.PreTrainedModel.__call__",
-    "transformers.PreTrainedModel.get_output_embeddings",
-    "transformers.PreTrainedModel._prepare_position_ids_for_generation",
     "transformers.PreTrainedModel.device",
     "transformers.PreTrainedModel.dtype",
     "transformers.PreTrainedModel.config",
     "transformers.PreTrainedModel.generation_config",
     "transformers.GenerationConfig.eos_token_id",
-    "transformers.GenerationConfig.repetition_penalty",
-    "transformers.ModelOutput.logits",
     # transformers: processors and tokenizers
     "transformers.ProcessorMixin.__call__",
     "transformers.ProcessorMixin.apply_chat_template",
@@ -931,6 +879,10 @@ def torch_no_grad():
     return _inference_mode_cm()
 
 
+def cuda_synchronize(device=None):
+    _use("torch.cuda.synchronize")
+
+
 def cuda_is_available():
     _use("torch.cuda.is_available")
     return HUB.cuda_available
@@ -1074,6 +1026,9 @@ class Hub:
         self.capture_failures = 0  # the next N captures fail
         self.stream = FakeStream()  # the current CUDA stream
         self.forward_rows = []  # the rows of every forward call of the model (prefills, steps, warm-up)
+        self.decoders = []  # every FakeSlotDecoder made
+        self.steps = []  # (bucket, steps, compiled forward?) of every decode interval
+        self.compiled_steps = []  # the bucket of every step run with the compiled forward
 
     def respond(self, prompt: str) -> str:
         return self.reply(prompt) if callable(self.reply) else self.reply
@@ -1532,7 +1487,7 @@ def build_stub_modules() -> dict:
     cuda = StubModule("torch.cuda", {
         "is_available": cuda_is_available, "is_bf16_supported": cuda_is_bf16_supported,
         "Stream": FakeStream, "current_stream": cuda_current_stream, "stream": cuda_stream,
-        "CUDAGraph": FakeCUDAGraph, "graph": cuda_graph,
+        "CUDAGraph": FakeCUDAGraph, "graph": cuda_graph, "synchronize": cuda_synchronize,
     })
     torch = StubModule(
         "torch",
@@ -1603,6 +1558,7 @@ def hub(monkeypatch):
     HUB.reset()
     MISSING.clear()
     handler.reset_engine()
+    monkeypatch.setattr(handler, "SlotDecoder", FakeSlotDecoder)
     yield HUB
     handler.reset_engine()
     assert not MISSING, f"the handler used torch/transformers API the stubs lack: {sorted(MISSING)}"
@@ -1685,3 +1641,96 @@ def model_load():
     loads = [entry for entry in HUB.loads if entry[0].startswith("AutoModel")]
     assert len(loads) == 1, HUB.loads
     return loads[0]
+
+
+# =================================================================================================
+# The decoder, faked: handler.SlotDecoder's protocol in plain Python
+# =================================================================================================
+
+
+class FakeSlotDecoder(handler.SlotDecoder):
+    """The real decoder's slot bookkeeping (plan, buckets, forwards) with rows that answer HUB's
+    script for their prompt: the fake logits are 10 for the script's token, HUB.runner_up_logit for
+    FILLER and 0 elsewhere; end tokens are blocked before min_new_tokens, the generation config's
+    repetition penalty applies, and sampled rows draw at their temperature and top_p from HUB.rng.
+    The tensor side of the real decoder is tested on real tiny models (tests/)."""
+
+    def __init__(self, model, eos_ids, rows, length, use_graph, interval):
+        self.model, self.eos_ids, self.rows, self.length = model, set(eos_ids), rows, length
+        self.use_graph, self.interval = use_graph, interval
+        self.buckets = sorted({b for b in (8,) if b < rows} | {rows})
+        self.forwards = {bucket: model for bucket in self.buckets}
+        self.graphs, self.pointer, self.spans, self.any_sample = {}, 0, {}, False
+        self.answers: dict = {}  # row -> its script, tokens so far, params and seen tokens
+        HUB.decoders.append(self)
+
+    def shift(self, delta):
+        self.pointer += delta
+        self.spans = {row: (s + delta, e + delta) for row, (s, e) in self.spans.items()}
+
+    def prefill(self, inputs, rows, params):
+        HUB.forward_rows.append(len(rows))
+        prompts, _ = self.model._prompts(inputs["input_ids"], inputs.get("attention_mask"))
+        pixels = inputs.get("pixel_values") if hasattr(inputs, "get") else None
+        HUB.prefills.append(dict(prompts=prompts, pixel_dtype=getattr(pixels, "_dtype", None), keys=sorted(inputs)))
+        width = len(inputs["input_ids"]._data[0])
+        first = []
+        for row, prompt, p, ids in zip(rows, prompts, params, inputs["input_ids"]._data):
+            self.answers[row] = dict(script=HUB.script(prompt), tokens=[], params=p, seen=set(ids))
+            self.spans[row] = (self.pointer - width, self.pointer + p.max_new_tokens + self.interval)
+            first.append(self._next(row))
+        self.any_sample = any(a["params"].do_sample for a in self.answers.values())
+        return first
+
+    def _next(self, row):
+        answer = self.answers[row]
+        p, k = answer["params"], len(answer["tokens"])
+        logits = [0.0] * VOCAB
+        logits[FILLER] = HUB.runner_up_logit
+        logits[answer["script"][k] if k < len(answer["script"]) else EOS] = 10.0
+        if HUB.repetition_penalty:
+            for token in answer["seen"]:
+                if token < VOCAB:
+                    logits[token] = logits[token] / HUB.repetition_penalty if logits[token] > 0 else (
+                        logits[token] * HUB.repetition_penalty)
+        if k < p.min_new_tokens:
+            for token in self.eos_ids:
+                if token < VOCAB:
+                    logits[token] = float("-inf")
+        if p.do_sample:
+            scaled = [x / max(p.temperature, 1e-5) for x in logits]
+            top = max(scaled)
+            weights = [math.exp(x - top) for x in scaled]
+            total = sum(weights)
+            order = sorted(range(VOCAB), key=lambda i: -weights[i])
+            kept, mass = [], 0.0
+            for i in order:
+                if mass > p.top_p * total:
+                    break
+                kept.append(i)
+                mass += weights[i]
+            token = HUB.rng.choices(kept, [weights[i] for i in kept])[0]
+        else:
+            token = max(range(VOCAB), key=lambda i: logits[i])
+        answer["tokens"].append(token)
+        answer["seen"].add(token)
+        return token
+
+    def release(self, row):
+        self.spans.pop(row, None)
+        self.answers.pop(row, None)
+        self.any_sample = any(a["params"].do_sample for a in self.answers.values())
+
+    def _advance(self, bucket):
+        HUB.forward_rows.append(bucket)
+        if self.forwards[bucket] is not self.model:
+            HUB.compiled_steps.append(bucket)
+
+    def step(self, steps):
+        bucket = self.bucket()
+        HUB.steps.append((bucket, steps, self.forwards[bucket] is not self.model))
+        for _ in range(steps):
+            self._advance(bucket)
+        self.pointer += steps
+        return [[self._next(row) for _ in range(steps)] if row in self.answers else [PAD] * steps
+                for row in range(bucket)]
