@@ -1531,7 +1531,8 @@ def load_compile_artifacts(settings: Settings, key: str, env: Optional[dict] = N
             continue
         if info is None:  # torch logged why
             continue
-        counts = ", ".join(f"{kind} {len(entries)}" for kind, entries in sorted(info.artifacts.items()))
+        kinds = sorted(getattr(info, "artifacts", {}).items())  # e.g. inductor, triton, autotune
+        counts = ", ".join(f"{kind} {len(entries)}" for kind, entries in kinds)
         log.info(
             "compile cache: loaded %s (%.1f MB; %s) in %.2fs",
             path, len(payload) / 1e6, counts or "empty", time.perf_counter() - started,
