@@ -1411,15 +1411,17 @@ def write_compile_artifacts(folder: str, key: str, payload: bytes, runtime: dict
     over the old one). Returns the path; raises OSError when the folder cannot be written."""
     os.makedirs(folder, exist_ok=True)
     path = compile_artifacts_path(folder, key)
-    digest = hashlib.sha256(payload).hexdigest()
-    if _artifact_header(path).get("sha256") == digest:
-        return path  # the same artifacts are there already
+    try:
+        if read_compile_artifacts(path, key, runtime.get("torch")) == payload:
+            return path  # the same artifacts are there already, whole
+    except (CompileCacheError, OSError):
+        pass
     _remove_stale_temporaries(folder)
     header = {
         "format": _ARTIFACTS_FORMAT,
         "key": key,
         "payload_bytes": len(payload),
-        "sha256": digest,
+        "sha256": hashlib.sha256(payload).hexdigest(),
         "runtime": runtime,
         "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }
@@ -1447,18 +1449,6 @@ def write_compile_artifacts(folder: str, key: str, payload: bytes, runtime: dict
     except OSError:
         pass
     return path
-
-
-def _artifact_header(path: str) -> dict:
-    """The header of an artifact file, or {} when there is none to read."""
-    try:
-        with open(path, "rb") as f:
-            if f.read(len(_ARTIFACTS_MAGIC)) != _ARTIFACTS_MAGIC:
-                return {}
-            header = json.loads(f.readline(_MAX_HEADER_BYTES))
-    except (OSError, ValueError):
-        return {}
-    return header if isinstance(header, dict) else {}
 
 
 def _remove_stale_temporaries(folder: str) -> None:

@@ -287,6 +287,14 @@ def test_save_writes_the_volume_and_skips_an_identical_rewrite(folders, torch_sa
     assert torch_loads == torch_saves
 
 
+def test_a_damaged_copy_of_the_same_artifacts_is_written_again(folders, torch_saves):
+    key = key_of()
+    path = Path(handler.save_compile_artifacts(folders["settings"], key, folders["env"]))
+    _corrupt(path, "truncated payload")  # header intact, payload short
+    assert handler.save_compile_artifacts(folders["settings"], key, folders["env"]) == str(path)
+    assert handler.read_compile_artifacts(str(path), key, torch.__version__) == torch_saves[0]
+
+
 def test_save_with_nothing_compiled_writes_nothing(folders, monkeypatch):
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)
     assert handler.save_compile_artifacts(folders["settings"], key_of(), folders["env"]) is None
