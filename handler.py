@@ -1237,12 +1237,16 @@ def _cached_snapshot(model_id: str, hub_cache: str) -> Optional[str]:
     except IncompleteSnapshotError:
         return None
     except LocalEntryNotFoundError:
-        # The hub cache layout: "Org/Name" lives in models--Org--Name/snapshots/<commit>/.
-        snapshots = os.path.join(hub_cache, "models--" + model_id.replace("/", "--"), "snapshots")
-        found = [entry.path for entry in os.scandir(snapshots) if entry.is_dir()] if os.path.isdir(snapshots) else []
-        return found[0] if len(found) == 1 else None
+        pass  # no refs/main naming a snapshot that is there: take the only snapshot, if one is
     except (ValueError, OSError):  # not a valid repo id, or an unreadable tree
         return None
+    # The hub cache layout: "Org/Name" lives in models--Org--Name/snapshots/<commit>/.
+    snapshots = os.path.join(hub_cache, "models--" + model_id.replace("/", "--"), "snapshots")
+    try:
+        found = [entry.path for entry in os.scandir(snapshots) if entry.is_dir()]
+    except OSError:
+        return None
+    return found[0] if len(found) == 1 else None
 
 
 def _missing_model_files(folder: str) -> list[str]:

@@ -47,6 +47,14 @@ def key_of(model_id: str = "Qwen/Qwen2-VL-2B-Instruct", **changes) -> str:
     return handler.compile_cache_key(model_id, **{**KEY_INPUTS, **changes})
 
 
+@pytest.fixture(autouse=True)
+def torch_cache_variables(monkeypatch):
+    """Loading sets TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR: start without them, and restore
+    them afterwards, so no test leaves this process's compilations pointed into its tmp_path."""
+    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
+        monkeypatch.delenv(name, raising=False)
+
+
 @pytest.fixture
 def folders(tmp_path, monkeypatch):
     """A fake network volume and container; `env` as the worker would see it on RunPod."""
@@ -139,8 +147,6 @@ def test_folders_prefer_the_network_volume_then_the_container(folders, tmp_path,
 
 
 def test_torch_caches_follow_the_setting_and_leave_an_unwritable_one(folders, tmp_path, monkeypatch, caplog):
-    for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
-        monkeypatch.delenv(name, raising=False)
     handler.set_torch_cache_dirs(folders["settings"], folders["env"])
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folders["container"] / "inductor")
     assert os.environ["TRITON_CACHE_DIR"] == str(folders["container"] / "triton")
