@@ -5,11 +5,18 @@
 #
 # The base image provides CUDA, Python and torch + torchvision (transformers 5.17 needs torch >= 2.5
 # and torchvision for the Qwen2-VL processors); requirements.txt deliberately leaves them out.
-ARG BASE_IMAGE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime
+# torch 2.11 (torchvision 0.26, Triton 3.6) is the release the GPU benchmark measures (README
+# "Performance", "Cold start"); its CUDA 12.8 build runs on hosts whose driver has CUDA 12.8 or
+# newer (hub.json's allowedCudaVersions). The benchmark machine has the CUDA 13.0 build of the same
+# release: --build-arg BASE_IMAGE=pytorch/pytorch:2.11.0-cuda13.0-cudnn9-runtime gives exactly that
+# (CUDA 13.0 drivers only). Compiled artifacts are keyed by the full torch version string.
+ARG BASE_IMAGE=pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
 # HF_HOME: the Hugging Face cache lives in the image, at a path a RunPod network volume (mounted
-# at /runpod-volume) can never shadow.
+# at /runpod-volume) can never shadow. Compile caches need no setting here: the worker keeps
+# inductor's and Triton's under $HF_HOME/compile-cache and the compile-artifact file on the network
+# volume when one is mounted (VLM_COMPILE_CACHE_DIR overrides; README "Cold start").
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
