@@ -925,26 +925,37 @@ class FamilyAdapter:
         )
 
     def batch_inputs(self, processor, items: list["GenerationRequest"], device, dtype):
-        """Chat-templated prompts and pixels for a batch, left-padded, on `device`; and for each item
-        the size its first image was resized to (the frame of boxes in input pixels), or None."""
+        """Prompts and pixels for a batch, left-padded, on `device`; and for each item the size its
+        first image was resized to (the frame of boxes in input pixels), or None.
+
+        What the model cards' one call `processor.apply_chat_template(..., tokenize=True)` does:
+        each item's images are one sample (a request with two images stays one sample, alone or
+        batched), and a template that already writes BOS gets no second one from the tokenizer."""
         prompts = [self.prompt(processor, self.request_turns(item)) for item in items]
         images = [item.images for item in items]
         kwargs: dict = {"text": prompts, "padding": True, "return_tensors": "pt"}
         if any(images):
-            kwargs["images"] = images if len(items) > 1 else images[0]
+            kwargs["images"] = images
+        bos = getattr(processor.tokenizer, "bos_token", None)
+        if isinstance(bos, str) and prompts[0].startswith(bos):
+            kwargs["add_special_tokens"] = False
         inputs = processor(**kwargs).to(device)
         if "pixel_values" in inputs:
             inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+        return inputs, self.input_sizes(processor, inputs, items)
+
+    def input_sizes(self, processor, inputs, items: list["GenerationRequest"]) -> list:
+        """Per item, (width, height) of its first image as the model saw it, where boxes need it."""
         input_sizes: list = [None] * len(items)
         if "image_grid_thw" in inputs:  # Qwen2.5-VL boxes are in pixels of this resized input
             patch = processor.image_processor.patch_size
             grids = iter(inputs["image_grid_thw"].tolist())
-            for row, group in enumerate(images):
-                sizes = [next(grids) for _ in group]
+            for row, item in enumerate(items):
+                sizes = [next(grids) for _ in item.images]
                 if sizes:
                     _, rows, cols = sizes[0]
                     input_sizes[row] = (cols * patch, rows * patch)
-        return inputs, input_sizes
+        return input_sizes
 
     def processor_kwargs(self, settings: Settings) -> dict:
         return {}
