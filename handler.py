@@ -870,6 +870,7 @@ class GenerationRequest:
     turns: list[Turn]
     params: GenerationParams
     grounding_target: Optional[str] = None
+    annotate: bool = False  # grounding: return the image with its boxes drawn
     param: Optional[str] = None  # where the request sits in the job, e.g. "requests[3]"
 
     @property
@@ -1661,6 +1662,7 @@ class RequestModel(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     do_sample: bool = False
     batch_images: Optional[bool] = None
+    annotate: bool = False  # grounding: also return the image with the boxes drawn
 
     @field_validator("task")
     @classmethod
@@ -1719,6 +1721,8 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
         do_sample=request.do_sample,
         min_new_tokens=min(request.min_new_tokens, max_new_tokens),
     )
+    if request.annotate and task != "grounding":
+        raise RequestError("invalid_request", "only used by the grounding task", _join(param, "annotate"))
     loose_images = _loose_images(request, param)
     if task == "chat":
         if request.messages is None:
@@ -1752,7 +1756,8 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
         # A grounding prompt is the family's own: its adapter adds it (FamilyAdapter.request_turns).
         turn = Turn("user", loose_images if task == "grounding" else [*loose_images, text])
         prepared = GenerationRequest(
-            task, [turn], params, grounding_target=target if task == "grounding" else None, param=param
+            task, [turn], params, grounding_target=target if task == "grounding" else None,
+            annotate=request.annotate, param=param,
         )
     _check_text_length(prepared, settings, param)
     _resolve_images(prepared.turns, settings, param)
@@ -1886,27 +1891,82 @@ def _resolve_images(turns: list[Turn], settings: Settings, param: Optional[str])
 
 # ---- parsing boxes ------------------------------------------------------------------------------
 
+# Each family answers boxes in its own words and its own coordinates (`FamilyAdapter.grounding`):
+#   qwen-1000        Qwen2-VL: <|object_ref_start|>dog<|object_ref_end|><|box_start|>(x1,y1),(x2,y2)<|box_end|>;
+#                    Qwen3-VL: [{"bbox_2d": [x1, y1, x2, y2], "label": "dog"}]; both relative, 0-1000
+#   qwen-abs-pixels  Qwen2.5-VL: the same JSON, in pixels of the resized model input
+#   paligemma-1024   PaliGemma: <loc{y1}><loc{x1}><loc{y2}><loc{x2}> dog ; ...  (bins of 1024)
+
 _NUMBER = r"-?\d+(?:\.\d+)?"
-_BOX_PATTERNS = (
-    # {"bbox": [...]} / {"bbox_2d": [...]}
-    re.compile(rf'"bbox(?:_2d)?"\s*:\s*\[\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\]'),
-    # (x1,y1),(x2,y2), with or without Qwen's <|box_start|> tokens
+_QUARTET = rf"({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})"
+_QWEN_BOX = re.compile(
+    r"(?:<\|object_ref_start\|>(.*?)<\|object_ref_end\|>\s*)?<\|box_start\|>(.*?)(?:<\|box_end\|>|$)", re.S
+)
+_LOC_BOX = re.compile(r"<loc(\d{4})><loc(\d{4})><loc(\d{4})><loc(\d{4})>\s*([^;<]*)")
+_JSON_OBJECT = re.compile(r"\{[^{}]*\}")  # flat objects: found one by one, even in a cut-off answer
+_JSON_BOX = re.compile(rf'"(?:bbox_2d|bbox|box_2d)"\s*:\s*\[\s*{_QUARTET}\s*\]')
+_JSON_LABEL = re.compile(r'"label"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_LOOSE_BOX_PATTERNS = (
+    # (x1,y1),(x2,y2)
     re.compile(rf"\(\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\)\s*,?\s*\(\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\)"),
     # [x1, y1, x2, y2]
-    re.compile(rf"\[\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\]"),
-    # a plain quartet of numbers
-    re.compile(rf"({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})"),
+    re.compile(rf"\[\s*{_QUARTET}\s*\]"),
 )
+_PLAIN_QUARTET = re.compile(_QUARTET)
 
 
-def parse_bbox(text: str) -> Optional[list[float]]:
+def _ordered(values) -> list[float]:
+    x1, y1, x2, y2 = (float(v) for v in values)
+    return [min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)]
+
+
+def _json_string(body: str) -> str:
+    try:
+        return json.loads(f'"{body}"')
+    except ValueError:  # an escape JSON does not know: keep the label as written
+        return body
+
+
+def parse_boxes(text: Optional[str]) -> list[tuple[list[float], Optional[str]]]:
+    """Every box in a model's answer with its label (or None), as [x1, y1, x2, y2] in the model's
+    own coordinates, in answer order. The first format found wins: Qwen2-VL's box tokens,
+    PaliGemma's <loc> tokens, JSON objects with a bbox, (x1,y1),(x2,y2) pairs, [x1, y1, x2, y2]
+    lists, then a single plain quartet of numbers."""
+    text = text or ""
+    boxes: list[tuple[list[float], Optional[str]]] = []
+    label = None
+    for match in _QWEN_BOX.finditer(text):  # a label holds for the boxes after it
+        label = match.group(1).strip() if match.group(1) is not None else label
+        numbers = re.findall(_NUMBER, match.group(2))
+        if len(numbers) == 4:
+            boxes.append((_ordered(numbers), label or None))
+    if boxes:
+        return boxes
+    for match in _LOC_BOX.finditer(text):
+        y1, x1, y2, x2 = match.groups()[:4]
+        boxes.append((_ordered([x1, y1, x2, y2]), match.group(5).strip() or None))
+    if boxes:
+        return boxes
+    for match in _JSON_OBJECT.finditer(text):
+        box = _JSON_BOX.search(match.group(0))
+        if box:
+            named = _JSON_LABEL.search(match.group(0))
+            label = _json_string(named.group(1)) if named else None
+            boxes.append((_ordered(box.groups()), label or None))
+    if boxes:
+        return boxes
+    for pattern in _LOOSE_BOX_PATTERNS:
+        boxes = [(_ordered(m.groups()), None) for m in pattern.finditer(text)]
+        if boxes:
+            return boxes
+    match = _PLAIN_QUARTET.search(text)
+    return [(_ordered(match.groups()), None)] if match else []
+
+
+def parse_bbox(text: Optional[str]) -> Optional[list[float]]:
     """The first box in a model's answer, as [x1, y1, x2, y2] in the model's own coordinates."""
-    for pattern in _BOX_PATTERNS:
-        match = pattern.search(text or "")
-        if match:
-            x1, y1, x2, y2 = (float(v) for v in match.groups())
-            return [min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)]
-    return None
+    boxes = parse_boxes(text)
+    return boxes[0][0] if boxes else None
 
 
 def box_to_pixels(box: list[float], system: Optional[str], size: tuple[int, int],
@@ -1915,6 +1975,8 @@ def box_to_pixels(box: list[float], system: Optional[str], size: tuple[int, int]
     width, height = size
     if system == "qwen-1000":
         sx, sy = width / 1000, height / 1000
+    elif system == "paligemma-1024":
+        sx, sy = width / 1024, height / 1024
     elif system == "qwen-abs-pixels" and input_size:
         sx, sy = width / input_size[0], height / input_size[1]
     elif max(box) <= 1.0:
@@ -1929,17 +1991,45 @@ def box_to_pixels(box: list[float], system: Optional[str], size: tuple[int, int]
 
 
 def grounding_fields(item: GenerationRequest, generation: Generation, adapter: FamilyAdapter) -> dict:
+    """`boxes` (every box, in the first image's pixels, with its label), `bbox` (the first box),
+    the model's coordinate system and the image size; an annotated copy of the image on request."""
     fields: dict = {"bbox": None, "supports_grounding": adapter.grounding is not None}
     if adapter.grounding is None:
         fields["bbox_warning"] = f"the {adapter.name} family has no grounding output; see response"
         return fields
-    box = parse_bbox(generation.raw_text or generation.text)
-    if box is None:
-        fields["bbox_warning"] = "no bounding box found in the model's answer"
-        return fields
     image = item.images[0]
-    fields["bbox"] = box_to_pixels(box, adapter.grounding, image.size, generation.image_input_size)
+    fields.update(box_format=adapter.grounding, image_size=list(image.size), boxes=[])
+    for box, label in parse_boxes(generation.raw_text or generation.text):
+        pixels = box_to_pixels(box, adapter.grounding, image.size, generation.image_input_size)
+        fields["boxes"].append({"bbox": pixels, "label": label})
+    if not fields["boxes"]:
+        fields["bbox_warning"] = "no bounding box found in the model's answer"
+    else:
+        fields["bbox"] = fields["boxes"][0]["bbox"]
+    if item.annotate:
+        fields["annotated_image"] = annotated_image(image, fields["boxes"])
     return fields
+
+
+def annotated_image(image, boxes: list[dict]) -> str:
+    """The image with each box outlined and labelled, as a PNG data URI."""
+    from PIL import ImageDraw
+
+    canvas = image.convert("RGB")  # a copy: the request's image stays as it was
+    draw = ImageDraw.Draw(canvas)
+    line = max(2, round(min(canvas.size) / 200))
+    colours = ("#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#42d4f4", "#f032e6", "#bfef45")
+    for k, box in enumerate(boxes):
+        colour = colours[k % len(colours)]
+        draw.rectangle(box["bbox"], outline=colour, width=line)
+        if box["label"]:
+            corner = (box["bbox"][0] + line, box["bbox"][1] + line)
+            left, top, right, bottom = draw.textbbox(corner, box["label"])
+            draw.rectangle((left - line, top - line, right + line, bottom + line), fill=colour)
+            draw.text(corner, box["label"], fill="white")
+    buffer = io.BytesIO()
+    canvas.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 # =================================================================================================
