@@ -13,7 +13,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-FAMILIES = ("qwen2-vl", "qwen2.5-vl", "llava", "llava-next")
+FAMILIES = (
+    "qwen2-vl", "qwen2.5-vl", "llava", "llava-next",
+    "qwen3-vl", "gemma3", "llava-onevision", "paligemma",
+)
 SHAPES = ("tiny", "qwen2-vl-2b", "qwen2-vl-7b")
 
 QWEN_SPECIAL = [
@@ -82,8 +85,9 @@ QWEN2_VL_VISION = {
 
 
 def byte_level_tokenizer(special_tokens: list[str], bos=None, eos=None, pad=None, unk=None,
-                         add_bos=False):
-    """256 byte tokens + `special_tokens`, wrapped as a transformers fast tokenizer."""
+                         add_bos=False, **named_tokens):
+    """256 byte tokens + `special_tokens`, wrapped as a transformers fast tokenizer; `named_tokens`
+    (e.g. image_token="<image>") become attributes, as the real tokenizers' configs declare them."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from tokenizers.pre_tokenizers import ByteLevel
     from transformers import PreTrainedTokenizerFast
@@ -95,6 +99,7 @@ def byte_level_tokenizer(special_tokens: list[str], bos=None, eos=None, pad=None
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=backend, bos_token=bos, eos_token=eos, pad_token=pad, unk_token=unk,
         additional_special_tokens=[t for t in special_tokens if t not in (bos, eos, pad, unk)],
+        **named_tokens,
     )
     if add_bos:  # LLaMA/Mistral tokenizers start every text with <s>
         bos_id = tokenizer.convert_tokens_to_ids(bos)
@@ -187,6 +192,161 @@ def _llava_parts(family: str, shape: str):
                                                 bos_token_id=ids["<s>"])
 
 
+# Qwen3-VL-*-Instruct: Qwen2-VL's template; patches of 16 merged 2x2 (boxes relative to 1000).
+def _qwen3_parts(family: str, shape: str):
+    import transformers as tf
+
+    tokenizer = byte_level_tokenizer(QWEN_SPECIAL, eos="<|im_end|>", pad="<|endoftext|>")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=32768,
+                rope_parameters={"rope_type": "default", "rope_theta": 5e6, "mrope_section": [2, 3, 3],
+                                 "mrope_interleaved": True},
+                bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                pad_token_id=ids["<|endoftext|>"])
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
+                  patch_size=16, spatial_merge_size=2, temporal_patch_size=2, num_position_embeddings=64,
+                  deepstack_visual_indexes=[0])
+    config = tf.Qwen3VLConfig(text_config=text, vision_config=vision, image_token_id=ids["<|image_pad|>"],
+                              video_token_id=ids["<|video_pad|>"],
+                              vision_start_token_id=ids["<|vision_start|>"],
+                              vision_end_token_id=ids["<|vision_end|>"])
+    pixels = dict(size={"shortest_edge": 32 * 32, "longest_edge": 128 * 128})
+    processor = tf.Qwen3VLProcessor(
+        image_processor=tf.Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, **pixels),
+        video_processor=tf.Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, **pixels),
+        tokenizer=tokenizer, chat_template=QWEN_TEMPLATE,
+    )
+    eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
+    return config, tf.Qwen3VLForConditionalGeneration, processor, dict(
+        eos_token_id=eos, pad_token_id=ids["<|endoftext|>"], bos_token_id=ids["<|endoftext|>"])
+
+
+GEMMA_SPECIAL = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>",
+                 "<start_of_image>", "<end_of_image>", "<image_soft_token>"]
+# google/gemma-3-*-it: BOS in the template, a system turn folded into the first user turn, the
+# assistant called "model", <start_of_image> where each image goes.
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set first_user_prefix = messages[0]['content'][0]['text'] + '\n\n' %}"
+    "{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{% for item in message['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<start_of_image>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] | trim }}{% endif %}"
+    "{% endfor %}{{ '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+def _gemma3_parts(family: str, shape: str):
+    import transformers as tf
+
+    tokenizer = byte_level_tokenizer(
+        GEMMA_SPECIAL, bos="<bos>", eos="<eos>", pad="<pad>", unk="<unk>", add_bos=True,
+        boi_token="<start_of_image>", eoi_token="<end_of_image>", image_token="<image_soft_token>",
+    )
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GEMMA_SPECIAL}
+    text = tf.Gemma3TextConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, query_pre_attn_scalar=16,
+        sliding_window=64, layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=4096, bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"],
+        pad_token_id=ids["<pad>"],
+    )
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, image_size=32, patch_size=8)
+    config = tf.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                             boi_token_index=ids["<start_of_image>"], eoi_token_index=ids["<end_of_image>"],
+                             image_token_index=ids["<image_soft_token>"])
+    processor = tf.Gemma3Processor(
+        image_processor=tf.Gemma3ImageProcessor(size={"height": 32, "width": 32}),
+        tokenizer=tokenizer, chat_template=GEMMA3_TEMPLATE, image_seq_length=4,
+    )
+    return config, tf.Gemma3ForConditionalGeneration, processor, dict(
+        eos_token_id=[ids["<eos>"], ids["<end_of_turn>"]], pad_token_id=ids["<pad>"], bos_token_id=ids["<bos>"])
+
+
+ONEVISION_SPECIAL = QWEN_SPECIAL + ["<image>", "<video>"]
+# llava-hf/llava-onevision-qwen2-*-ov-hf: ChatML, every image of a turn first, then its text.
+ONEVISION_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
+    "{{ '\n' + content['text'] }}{% endfor %}"
+    "{{ '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _llava_onevision_parts(family: str, shape: str):
+    import transformers as tf
+
+    tokenizer = byte_level_tokenizer(ONEVISION_SPECIAL, eos="<|im_end|>", pad="<|endoftext|>",
+                                     image_token="<image>", video_token="<video>")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ONEVISION_SPECIAL}
+    pinpoints = [[32, 32], [32, 64], [64, 32], [64, 64]]
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, image_size=32, patch_size=8)
+    text = tf.Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                          pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=False)
+    config = tf.LlavaOnevisionConfig(
+        vision_config=vision, text_config=text, image_token_index=ids["<image>"],
+        video_token_index=ids["<video>"], image_grid_pinpoints=pinpoints,
+        vision_feature_select_strategy="full", vision_feature_layer=-1, tie_word_embeddings=False,
+    )
+    image_kwargs = dict(size={"height": 32, "width": 32}, image_grid_pinpoints=pinpoints)
+    processor = tf.LlavaOnevisionProcessor(
+        image_processor=tf.LlavaOnevisionImageProcessor(**image_kwargs),
+        video_processor=tf.LlavaOnevisionVideoProcessor(size={"height": 32, "width": 32}),
+        tokenizer=tokenizer, chat_template=ONEVISION_TEMPLATE, num_image_tokens=16,
+        vision_feature_select_strategy="full",
+    )
+    return config, tf.LlavaOnevisionForConditionalGeneration, processor, dict(
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=ids["<|endoftext|>"])
+
+
+def _paligemma_parts(family: str, shape: str):
+    """google/paligemma2-*-mix: no chat template; the processor writes `<image>`s, BOS, the task
+    prefix and a newline, and adds the 1024 <loc> and 128 <seg> tokens to the tokenizer."""
+    import transformers as tf
+
+    specials = ["<pad>", "<eos>", "<bos>", "<unk>", "<image>"]
+    tokenizer = byte_level_tokenizer(specials, bos="<bos>", eos="<eos>", pad="<pad>", unk="<unk>",
+                                     add_bos=True, image_token="<image>")
+    processor = tf.PaliGemmaProcessor(
+        image_processor=tf.SiglipImageProcessor(size={"height": 32, "width": 32}, image_seq_length=16),
+        tokenizer=tokenizer,
+    )
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in specials}
+    vision = tf.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, image_size=32, patch_size=8, projection_dim=64)
+    text = tf.GemmaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                          bos_token_id=ids["<bos>"], eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"])
+    config = tf.PaliGemmaConfig(vision_config=vision, text_config=text, image_token_index=ids["<image>"],
+                                projection_dim=64, hidden_size=64, vocab_size=len(tokenizer))
+    return config, tf.PaliGemmaForConditionalGeneration, processor, dict(
+        eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"], bos_token_id=ids["<bos>"])
+
+
+PARTS = {
+    "qwen2-vl": "_qwen_parts", "qwen2.5-vl": "_qwen_parts", "llava": "_llava_parts",
+    "llava-next": "_llava_parts", "qwen3-vl": "_qwen3_parts", "gemma3": "_gemma3_parts",
+    "llava-onevision": "_llava_onevision_parts", "paligemma": "_paligemma_parts",
+}
+
+
 def _make_sensitive(model) -> None:
     """Widen the random weights so that the next token depends on every input: with the usual
     0.02 init a tiny model answers the same token whatever it is shown, and a test comparing two
@@ -224,8 +384,7 @@ def build(family: str, out_dir, shape: str = "tiny", *, eos_bias: bool = False,
         raise ValueError(f"unknown shape {shape!r}; use one of {', '.join(SHAPES)}")
     if shape != "tiny" and family != "qwen2-vl":
         raise ValueError(f"shape {shape!r} is for the qwen2-vl family")
-    parts = _qwen_parts if family.startswith("qwen") else _llava_parts
-    config, model_class, processor, token_ids = parts(family, shape)
+    config, model_class, processor, token_ids = globals()[PARTS[family]](family, shape)
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     torch.manual_seed(seed)
     with torch.device(device):
