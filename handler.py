@@ -893,8 +893,18 @@ class FamilyAdapter:
 
     name = "generic"
     native = True  # loads with AutoProcessor + AutoModelForImageTextToText, no remote code
-    grounding: Optional[str] = None  # coordinate system of boxes: "qwen-1000", "qwen-abs-pixels", None
-    quantization_skip_modules: tuple[str, ...] = ()
+    grounding: Optional[str] = None  # coordinate system of boxes (see "parsing boxes"), or None
+
+    def __init__(self, model_type: Optional[str] = None):
+        self.model_type = model_type
+
+    @property
+    def quantization_skip_modules(self) -> tuple[str, ...]:
+        """Modules bitsandbytes leaves in full precision: the vision tower and projector, found in
+        the model type's own module tree, and lm_head. Families below name theirs."""
+        if not self.native or self.model_type is None:
+            return ()
+        return (*vision_module_names(self.model_type), "lm_head")
 
     def grounding_prompt(self, target: str) -> str:
         return f"Locate {target} in the image and give its bounding box as [x1, y1, x2, y2]."
@@ -985,6 +995,65 @@ class Qwen25VLAdapter(QwenVLAdapter):
 
     def grounding_prompt(self, target: str) -> str:
         return f"Locate {target} in the image, and output its bbox coordinates in JSON format."
+
+
+class Qwen3VLAdapter(QwenVLAdapter):
+    """Qwen3-VL: Qwen2.5-VL's JSON answers, in Qwen2-VL's 0-1000 relative coordinates."""
+
+    name = "qwen3-vl"
+    grounding = "qwen-1000"
+
+    def grounding_prompt(self, target: str) -> str:
+        return f"Locate {target} in the image, and output its bbox coordinates in JSON format."
+
+
+class PaliGemmaAdapter(FamilyAdapter):
+    """PaliGemma (2, mix): no chat template; one image and a task prefix per prompt, which the
+    processor turns into `<image>`s + BOS + prefix + newline. Detection answers <loc> tokens."""
+
+    name = "paligemma"
+    grounding = "paligemma-1024"
+    quantization_skip_modules = ("model.vision_tower", "model.multi_modal_projector", "lm_head")
+    caption_prefixes = {"caption": "caption en", "caption_long": "describe en"}
+
+    def grounding_prompt(self, target: str) -> str:
+        return f"detect {target}"
+
+    def task_prefix(self, item: "GenerationRequest") -> str:
+        """The card's prompt for the item; a chat is one user turn whose text is the prefix."""
+        if len(item.images) != 1:
+            raise RequestError("invalid_request", "the paligemma family takes exactly one image",
+                               _join(item.param, "messages" if item.task == "chat" else "images"))
+        if item.task == "grounding":
+            return self.grounding_prompt(item.grounding_target)
+        if item.task in self.caption_prefixes:
+            return self.caption_prefixes[item.task]
+        text = " ".join(p for p in item.turns[-1].parts if isinstance(p, str)).strip()
+        if item.task == "vqa":
+            return f"answer en {text}"
+        if len(item.turns) != 1 or item.turns[0].role != "user":
+            raise RequestError(
+                "invalid_request", "the paligemma family takes one user message (a task prefix such "
+                "as 'caption en', 'answer en <question>' or 'detect <object>'), no system or "
+                "assistant turns", _join(item.param, "messages"),
+            )
+        return text
+
+    def batch_inputs(self, processor, items, device, dtype):
+        inputs = processor(
+            text=[self.task_prefix(item) for item in items], images=[item.images for item in items],
+            padding=True, return_tensors="pt",
+        ).to(device)
+        inputs.pop("labels", None)  # the processor's training labels: not a generation input
+        inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+        return inputs, [None] * len(items)
+
+
+class Idefics3Adapter(FamilyAdapter):
+    """SmolVLM and Idefics3 (their processors need num2words)."""
+
+    name = "smolvlm"
+    quantization_skip_modules = ("model.vision_model", "model.connector", "lm_head")
 
 
 class LlavaAdapter(FamilyAdapter):
@@ -1164,28 +1233,82 @@ def _remote_generation(tokenizer, text: str, max_new_tokens: int) -> Generation:
     )
 
 
+class NamedFamilyAdapter(FamilyAdapter):
+    """A native family the generic recipe already serves as its card does (the parity tests of
+    tests/test_families.py prove it), named for logs and the curated list."""
+
+    def __init__(self, model_type: Optional[str] = None, name: str = "generic"):
+        super().__init__(model_type)
+        self.name = name
+
+
 ADAPTERS: dict[str, FamilyAdapter] = {
     a.name: a
     for a in (
-        QwenVLAdapter(), Qwen25VLAdapter(), LlavaAdapter(), LlavaNextAdapter(),
-        MiniCPMVAdapter(), Phi3VisionAdapter(), InternVL2Adapter(),
+        QwenVLAdapter(), Qwen25VLAdapter(), Qwen3VLAdapter(), LlavaAdapter(), LlavaNextAdapter(),
+        PaliGemmaAdapter(), Idefics3Adapter(), MiniCPMVAdapter(), Phi3VisionAdapter(), InternVL2Adapter(),
     )
 }
 FAMILY_BY_MODEL_TYPE = {
     "qwen2_vl": "qwen2-vl",
     "qwen2_5_vl": "qwen2.5-vl",
+    "qwen3_vl": "qwen3-vl",
     "llava": "llava",
     "llava_next": "llava-next",
+    "paligemma": "paligemma",
+    "idefics3": "smolvlm",
+    "smolvlm": "smolvlm",
     "minicpmv": "minicpm-v",
     "phi3_v": "phi3-vision",
     "internvl_chat": "internvl",
 }
+NAMED_FAMILIES = {  # model_type -> family name, served by the generic recipe
+    "gemma3": "gemma3",
+    "llava_onevision": "llava-onevision",
+    "internvl": "internvl-hf",
+    "mistral3": "mistral3",
+}
+VISION_MODULE_WORDS = ("vision", "visual", "projector", "connector", "resampler")
 
 
 def adapter_for(model_type: str) -> FamilyAdapter:
     """The adapter of a config's model_type; other native model types get the generic adapter."""
     family = FAMILY_BY_MODEL_TYPE.get(model_type)
-    return ADAPTERS[family] if family else FamilyAdapter()
+    if family:
+        return type(ADAPTERS[family])(model_type)
+    return NamedFamilyAdapter(model_type, NAMED_FAMILIES.get(model_type, "generic"))
+
+
+def outermost_vision_modules(model) -> tuple[str, ...]:
+    """Names of the outermost modules whose own name says vision, visual, projector, connector or
+    resampler: e.g. ("model.vision_tower", "model.multi_modal_projector")."""
+    found: list[str] = []
+    for name, _ in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if any(word in leaf for word in VISION_MODULE_WORDS) and not any(name.startswith(f"{f}.") for f in found):
+            found.append(name)
+    return tuple(found)
+
+
+@functools.lru_cache(maxsize=None)
+def vision_module_names(model_type: str) -> tuple[str, ...]:
+    """The vision modules of a model type, read from its module tree built on the meta device
+    (no memory, no weights) from the type's default config: module names do not depend on sizes."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(model_type))
+    except Exception as error:
+        raise SettingsError(
+            f"cannot find the vision modules of model type {model_type!r} to keep them out of "
+            f"quantization ({error}); set VLM_QUANTIZE=none"
+        ) from error
+    names = outermost_vision_modules(model)
+    if not names:
+        raise SettingsError(f"no vision module found in model type {model_type!r}; set VLM_QUANTIZE=none")
+    return names
 
 
 # =================================================================================================

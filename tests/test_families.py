@@ -9,9 +9,9 @@ import functools
 
 import pytest
 import torch
+from sample_images import data_uri, plain, striped
 
 import handler
-from sample_images import data_uri, plain, striped
 
 # Families whose processor has a chat template (PaliGemma, prompted by task prefixes, is below).
 CHAT_FAMILIES = ["qwen3-vl", "gemma3", "llava-onevision"]
@@ -33,19 +33,8 @@ def engine(family, tiny_model, serve):
 
 
 @pytest.fixture
-def forward_calls(engine, monkeypatch):
-    """Every forward pass of the worker's model: input ids, attention mask and the greedy choice."""
-    calls = []
-    real_forward = engine.model.forward
-
-    def recording_forward(*args, **kwargs):
-        output = real_forward(*args, **kwargs)
-        calls.append({"input_ids": kwargs.get("input_ids"), "attention_mask": kwargs.get("attention_mask"),
-                      "choice": output.logits[:, -1].argmax(-1)})
-        return output
-
-    monkeypatch.setattr(engine.model, "forward", recording_forward)
-    return calls
+def forward_calls(engine, forward_calls_of):
+    return forward_calls_of(engine)
 
 
 def worker_rows(calls: list[dict], rows: int) -> list[tuple[list[int], list[int]]]:
@@ -59,7 +48,7 @@ def worker_rows(calls: list[dict], rows: int) -> list[tuple[list[int], list[int]
     return result
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference_model(folder: str):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -123,3 +112,155 @@ def test_two_different_requests_batched_match_the_card(engine, tiny_model, famil
     rows = worker_rows(forward_calls, 2)
     for (prompt, generated), (_, messages) in zip(rows, [TWO_IMAGES, ONE_IMAGE]):
         assert (prompt, generated) == card_recipe(tiny_model(family), messages)
+
+
+# ---- PaliGemma: task prefixes instead of a chat template ----------------------------------------
+
+
+@pytest.fixture
+def paligemma(tiny_model, serve):
+    return serve(tiny_model("paligemma"))
+
+
+def paligemma_card(folder, prefix: str, image) -> tuple[list[int], list[int]]:
+    """google/paligemma2-*-mix's card: processor(text=prefix, images=image) then greedy."""
+    model, processor = reference_model(str(folder))
+    inputs = processor(text=prefix, images=image, return_tensors="pt")
+    with torch.inference_mode():
+        output = model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS)
+    prompt = inputs["input_ids"][0]
+    return prompt.tolist(), output[0, len(prompt):].tolist()
+
+
+PALIGEMMA_REQUESTS = [
+    ({"task": "caption", "image_url": data_uri(FIRST)}, "caption en", FIRST),
+    ({"task": "vqa", "image_url": data_uri(THIRD), "question": "What is shown?"}, "answer en What is shown?", THIRD),
+    ({"task": "grounding", "image_url": data_uri(SECOND), "target": "the square"}, "detect the square", SECOND),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": data_uri(THIRD)},
+                                                text("ocr")]}]}, "ocr", THIRD),
+]
+
+
+def test_paligemma_prompts_are_the_cards_task_prefixes_alone_and_batched(paligemma, tiny_model, forward_calls_of):
+    for request, prefix, image in PALIGEMMA_REQUESTS[:2]:
+        calls = forward_calls_of(paligemma)
+        out = ask({**request, "max_new_tokens": NEW_TOKENS})
+        assert "error" not in out, out
+        assert worker_rows(calls, 1) == [paligemma_card(tiny_model("paligemma"), prefix, image)]
+    calls = forward_calls_of(paligemma)
+    out = ask({"requests": [{**request, "max_new_tokens": NEW_TOKENS} for request, _, _ in PALIGEMMA_REQUESTS]})
+    assert all("error" not in result for result in out["results"]), out
+    expected = [paligemma_card(tiny_model("paligemma"), prefix, image) for _, prefix, image in PALIGEMMA_REQUESTS]
+    assert worker_rows(calls, len(PALIGEMMA_REQUESTS)) == expected
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [text("caption en")]}],
+    [{"role": "user", "content": [text("caption en")]}, {"role": "assistant", "content": "A cat."},
+     {"role": "user", "content": [text("answer en why?")]}],
+])
+def test_paligemma_refuses_what_its_card_cannot_express(paligemma, messages):
+    messages[-1]["content"].insert(0, {"type": "image_url", "image_url": data_uri(FIRST)})
+    out = ask({"requests": [{"messages": messages}, {"task": "caption", "image_url": data_uri(FIRST),
+                                                     "max_new_tokens": 2}]})
+    refused, answered = out["results"]
+    assert refused["code"] == "invalid_request" and refused["param"] == "requests[0].messages", refused
+    assert "error" not in answered  # its neighbour still answers
+
+
+@pytest.fixture
+def forward_calls_of(monkeypatch):
+    """`forward_calls_of(engine)`: a fresh list recording that engine's forward passes from now on."""
+
+    def record(engine):
+        calls = []
+        real_forward = getattr(engine.model.forward, "__wrapped_forward__", engine.model.forward)
+
+        def recording_forward(*args, **kwargs):
+            output = real_forward(*args, **kwargs)
+            calls.append({"input_ids": kwargs.get("input_ids"), "attention_mask": kwargs.get("attention_mask"),
+                          "choice": output.logits[:, -1].argmax(-1)})
+            return output
+
+        recording_forward.__wrapped_forward__ = real_forward
+        monkeypatch.setattr(engine.model, "forward", recording_forward)
+        return calls
+
+    return record
+
+
+# ---- grounding on the new families --------------------------------------------------------------
+
+
+def script_answer(engine, monkeypatch, answer_text: str) -> None:
+    """Make the model answer `answer_text` then its end token; decoding and parsing stay the worker's."""
+    answer = engine.tokenizer(answer_text, add_special_tokens=False)["input_ids"] + [min(engine.eos_ids)]
+    real_forward = engine.model.forward
+    step = iter(range(10**6))
+
+    def scripted_forward(*args, **kwargs):
+        output = real_forward(*args, **kwargs)
+        logits = torch.full_like(output.logits, -1e4)
+        logits[..., answer[min(next(step), len(answer) - 1)]] = 1e4
+        output.logits = logits
+        return output
+
+    monkeypatch.setattr(engine.model, "forward", scripted_forward)
+
+
+@pytest.mark.parametrize("family, answer, box_format", [
+    ("qwen3-vl", '```json\n[{"bbox_2d": [100, 200, 500, 800], "label": "stripe"},\n'
+                 ' {"bbox_2d": [0, 0, 1000, 1000], "label": "all"}]\n```', "qwen-1000"),
+    ("paligemma", "<loc0205><loc0102><loc0819><loc0512> stripe ; <loc0000><loc0000><loc1024><loc1024> all",
+     "paligemma-1024"),
+])
+def test_grounding_returns_every_box_in_image_pixels(family, answer, box_format, tiny_model, serve, monkeypatch):
+    engine = serve(tiny_model(family))
+    script_answer(engine, monkeypatch, answer)
+    out = ask({"task": "grounding", "image_url": data_uri(striped((100, 50))), "target": "a stripe",
+               "annotate": True})
+    assert "error" not in out, out
+    assert out["boxes"] == [{"bbox": [10, 10, 50, 40], "label": "stripe"}, {"bbox": [0, 0, 100, 50], "label": "all"}]
+    assert out["bbox"] == [10, 10, 50, 40] and out["box_format"] == box_format and out["image_size"] == [100, 50]
+    assert out["annotated_image"].startswith("data:image/png;base64,")
+
+
+def test_qwen3_vl_takes_the_pixel_limits(tiny_model, serve):
+    engine = serve(tiny_model("qwen3-vl"), VLM_MAX_PIXELS=str(64 * 64))
+    inputs, sizes = engine.adapter.batch_inputs(
+        engine.processor, [handler.parse_request(ONE_IMAGE[0], engine.settings)[1]], "cpu", torch.float32
+    )
+    assert inputs["image_grid_thw"].tolist() == [[1, 4, 4]]  # 64x64 at most: 4x4 patches of 16
+    assert sizes == [(64, 64)]
+
+
+# ---- quantization keeps the vision side in full precision --------------------------------------
+
+VISION_WORDS = ("vision", "visual", "projector", "connector", "resampler", "merger", "patch_embed")
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "llava", "llava-next", "qwen3-vl", "gemma3",
+                                    "llava-onevision", "paligemma"])
+def test_quantization_skips_cover_the_vision_side_of_real_module_trees(family, tiny_model):
+    model, _ = reference_model(str(tiny_model(family)))
+    adapter = handler.adapter_for(model.config.model_type)
+    skips = adapter.quantization_skip_modules
+    modules = dict(model.named_modules())
+    assert "lm_head" in skips and all(name in modules for name in skips), skips
+
+    def skipped(name: str) -> bool:
+        return any(name == s or name.startswith(f"{s}.") for s in skips)
+
+    parameters = [name for name, _ in model.named_parameters()]
+    vision = [name for name in parameters if any(word in name for word in VISION_WORDS)]
+    language = [name for name in parameters if "language_model" in name]
+    assert vision and all(skipped(name) for name in vision)
+    assert language and not any(skipped(name) for name in language)
+
+
+def test_the_generic_adapter_finds_vision_modules_of_any_native_type():
+    assert handler.adapter_for("mistral3").quantization_skip_modules == (
+        "model.vision_tower", "model.multi_modal_projector", "lm_head")
+    assert handler.adapter_for("glm4v").quantization_skip_modules == ("model.visual", "lm_head")
+    assert handler.adapter_for("llama4").quantization_skip_modules == (
+        "vision_model", "multi_modal_projector", "lm_head")
