@@ -14,7 +14,7 @@ from sample_images import data_uri, plain, striped
 import handler
 
 # Families whose processor has a chat template (PaliGemma, prompted by task prefixes, is below).
-CHAT_FAMILIES = ["qwen3-vl", "gemma3", "llava-onevision"]
+CHAT_FAMILIES = ["qwen3-vl", "gemma3", "llava-onevision", "smolvlm", "internvl-hf", "mistral3"]
 NEW_TOKENS = 5
 
 
@@ -240,7 +240,7 @@ VISION_WORDS = ("vision", "visual", "projector", "connector", "resampler", "merg
 
 
 @pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "llava", "llava-next", "qwen3-vl", "gemma3",
-                                    "llava-onevision", "paligemma"])
+                                    "llava-onevision", "paligemma", "smolvlm", "internvl-hf", "mistral3"])
 def test_quantization_skips_cover_the_vision_side_of_real_module_trees(family, tiny_model):
     model, _ = reference_model(str(tiny_model(family)))
     adapter = handler.adapter_for(model.config.model_type)
@@ -253,7 +253,7 @@ def test_quantization_skips_cover_the_vision_side_of_real_module_trees(family, t
 
     parameters = [name for name, _ in model.named_parameters()]
     vision = [name for name in parameters if any(word in name for word in VISION_WORDS)]
-    language = [name for name in parameters if "language_model" in name]
+    language = [name for name in parameters if "language_model" in name or "text_model" in name]
     assert vision and all(skipped(name) for name in vision)
     assert language and not any(skipped(name) for name in language)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 FAMILIES = (
     "qwen2-vl", "qwen2.5-vl", "llava", "llava-next",
-    "qwen3-vl", "gemma3", "llava-onevision", "paligemma",
+    "qwen3-vl", "gemma3", "llava-onevision", "paligemma", "smolvlm", "internvl-hf", "mistral3",
 )
 SHAPES = ("tiny", "qwen2-vl-2b", "qwen2-vl-7b")
 
@@ -340,10 +340,131 @@ def _paligemma_parts(family: str, shape: str):
         eos_token_id=ids["<eos>"], pad_token_id=ids["<pad>"], bos_token_id=ids["<bos>"])
 
 
+SMOLVLM_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<end_of_utterance>", "<fake_token_around_image>",
+                   "<image>", "<global-img>", "<video>"]
+# HuggingFaceTB/SmolVLM-*-Instruct: starts with <|im_start|>, which is also the tokenizer's BOS.
+SMOLVLM_TEMPLATE = (
+    "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
+    "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
+    "{% for line in message['content'] %}"
+    "{% if line['type'] == 'text' %}{{ line['text'] }}{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}"
+    "{% endfor %}<end_of_utterance>\n{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
+)
+
+
+def _smolvlm_parts(family: str, shape: str):
+    import transformers as tf
+
+    tokenizer = byte_level_tokenizer(
+        SMOLVLM_SPECIAL, bos="<|im_start|>", eos="<end_of_utterance>", pad="<|endoftext|>", add_bos=True,
+        image_token="<image>", fake_image_token="<fake_token_around_image>", global_image_token="<global-img>",
+        end_of_utterance_token="<end_of_utterance>",
+    )
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SMOLVLM_SPECIAL}
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=32, patch_size=8)
+    text = tf.LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          bos_token_id=ids["<|im_start|>"], eos_token_id=ids["<end_of_utterance>"],
+                          pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=False)
+    config = tf.SmolVLMConfig(vision_config=vision, text_config=text, scale_factor=2,
+                              image_token_id=ids["<image>"], pad_token_id=ids["<|endoftext|>"])
+    sizes = dict(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
+    processor = tf.SmolVLMProcessor(
+        image_processor=tf.SmolVLMImageProcessor(**sizes),
+        video_processor=tf.SmolVLMVideoProcessor(**sizes),
+        tokenizer=tokenizer, chat_template=SMOLVLM_TEMPLATE, image_seq_len=4,
+    )
+    return config, tf.SmolVLMForConditionalGeneration, processor, dict(
+        eos_token_id=ids["<end_of_utterance>"], pad_token_id=ids["<|endoftext|>"], bos_token_id=ids["<|im_start|>"])
+
+
+INTERNVL_SPECIAL = QWEN_SPECIAL + ["<img>", "</img>", "<IMG_CONTEXT>", "<video>"]
+# OpenGVLab/InternVL3-*-hf: ChatML; each image is <IMG_CONTEXT> on its own line.
+INTERNVL_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' }}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for content in message['content'] %}"
+    "{% if content['type'] == 'image' %}{{ '<IMG_CONTEXT>\n' }}"
+    "{% elif content['type'] == 'text' %}{{ content['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _internvl_parts(family: str, shape: str):
+    import transformers as tf
+
+    tokenizer = byte_level_tokenizer(
+        INTERNVL_SPECIAL, eos="<|im_end|>", pad="<|endoftext|>", start_image_token="<img>",
+        end_image_token="</img>", context_image_token="<IMG_CONTEXT>", video_token="<video>",
+    )
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in INTERNVL_SPECIAL}
+    vision = tf.InternVLVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, image_size=[32, 32], patch_size=[8, 8])
+    text = tf.Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|im_end|>"],
+                          pad_token_id=ids["<|endoftext|>"], tie_word_embeddings=False)
+    config = tf.InternVLConfig(vision_config=vision, text_config=text, image_token_id=ids["<IMG_CONTEXT>"],
+                               image_seq_length=4, downsample_ratio=0.5, tie_word_embeddings=False)
+    patches = dict(size={"height": 32, "width": 32}, crop_to_patches=True, min_patches=1, max_patches=4)
+    processor = tf.InternVLProcessor(
+        image_processor=tf.GotOcr2ImageProcessor(**patches),
+        video_processor=tf.InternVLVideoProcessor(size={"height": 32, "width": 32}),
+        tokenizer=tokenizer, chat_template=INTERNVL_TEMPLATE, image_seq_length=4,
+    )
+    return config, tf.InternVLForConditionalGeneration, processor, dict(
+        eos_token_id=[ids["<|im_end|>"], ids["<|endoftext|>"]], pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=ids["<|endoftext|>"])
+
+
+MISTRAL3_SPECIAL = ["<unk>", "<s>", "</s>", "<pad>", "[INST]", "[/INST]", "[SYSTEM_PROMPT]",
+                    "[/SYSTEM_PROMPT]", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+# mistralai/Mistral-Small-3.1-24B-Instruct-2503: BOS in the template, [SYSTEM_PROMPT] and [INST] turns.
+MISTRAL3_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{{ '[SYSTEM_PROMPT]' + messages[0]['content'][0]['text'] + '[/SYSTEM_PROMPT]' }}"
+    "{% set loop_messages = messages[1:] %}{% else %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if message['role'] == 'user' %}{{ '[INST]' }}"
+    "{% for block in message['content'] %}"
+    "{% if block['type'] == 'text' %}{{ block['text'] }}{% elif block['type'] == 'image' %}{{ '[IMG]' }}{% endif %}"
+    "{% endfor %}{{ '[/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'][0]['text'] + eos_token }}{% endif %}"
+    "{% endfor %}"
+)
+
+
+def _mistral3_parts(family: str, shape: str):
+    import transformers as tf
+
+    tokenizer = byte_level_tokenizer(MISTRAL3_SPECIAL, bos="<s>", eos="</s>", pad="<pad>", unk="<unk>",
+                                     add_bos=True)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in MISTRAL3_SPECIAL}
+    vision = tf.PixtralVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, head_dim=8, image_size=64, patch_size=8)
+    text = tf.MistralConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            bos_token_id=ids["<s>"], eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"],
+                            tie_word_embeddings=False)
+    config = tf.Mistral3Config(vision_config=vision, text_config=text, image_token_index=ids["[IMG]"],
+                               spatial_merge_size=2, tie_word_embeddings=False)
+    processor = tf.PixtralProcessor(
+        image_processor=tf.PixtralImageProcessor(size={"longest_edge": 64}, patch_size=8),
+        tokenizer=tokenizer, chat_template=MISTRAL3_TEMPLATE, patch_size=8, spatial_merge_size=2,
+    )
+    return config, tf.Mistral3ForConditionalGeneration, processor, dict(
+        eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"], bos_token_id=ids["<s>"])
+
+
 PARTS = {
     "qwen2-vl": "_qwen_parts", "qwen2.5-vl": "_qwen_parts", "llava": "_llava_parts",
     "llava-next": "_llava_parts", "qwen3-vl": "_qwen3_parts", "gemma3": "_gemma3_parts",
     "llava-onevision": "_llava_onevision_parts", "paligemma": "_paligemma_parts",
+    "smolvlm": "_smolvlm_parts", "internvl-hf": "_internvl_parts", "mistral3": "_mistral3_parts",
 }
 
 
