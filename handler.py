@@ -904,7 +904,7 @@ class FamilyAdapter:
         the model type's own module tree, and lm_head. Families below name theirs."""
         if not self.native or self.model_type is None:
             return ()
-        return (*vision_module_names(self.model_type), "lm_head")
+        return unquantized_module_names(self.model_type)
 
     def grounding_prompt(self, target: str) -> str:
         return f"Locate {target} in the image and give its bounding box as [x1, y1, x2, y2]."
@@ -1267,6 +1267,7 @@ NAMED_FAMILIES = {  # model_type -> family name, served by the generic recipe
     "llava_onevision": "llava-onevision",
     "internvl": "internvl-hf",
     "mistral3": "mistral3",
+    "llama4": "llama4",
 }
 VISION_MODULE_WORDS = ("vision", "visual", "projector", "connector", "resampler")
 
@@ -1291,9 +1292,10 @@ def outermost_vision_modules(model) -> tuple[str, ...]:
 
 
 @functools.lru_cache(maxsize=None)
-def vision_module_names(model_type: str) -> tuple[str, ...]:
-    """The vision modules of a model type, read from its module tree built on the meta device
-    (no memory, no weights) from the type's default config: module names do not depend on sizes."""
+def unquantized_module_names(model_type: str) -> tuple[str, ...]:
+    """The vision modules and the output head of a model type, read from its module tree built on
+    the meta device (no memory, no weights) from the type's default config: names do not depend
+    on sizes."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -1308,7 +1310,8 @@ def vision_module_names(model_type: str) -> tuple[str, ...]:
     names = outermost_vision_modules(model)
     if not names:
         raise SettingsError(f"no vision module found in model type {model_type!r}; set VLM_QUANTIZE=none")
-    return names
+    head = model.get_output_embeddings()
+    return (*names, *(name for name, module in model.named_modules() if module is head))
 
 
 # =================================================================================================

@@ -14,7 +14,7 @@ from sample_images import data_uri, plain, striped
 import handler
 
 # Families whose processor has a chat template (PaliGemma, prompted by task prefixes, is below).
-CHAT_FAMILIES = ["qwen3-vl", "gemma3", "llava-onevision", "smolvlm", "internvl-hf", "mistral3"]
+CHAT_FAMILIES = ["qwen3-vl", "gemma3", "llava-onevision", "smolvlm", "internvl-hf", "mistral3", "llama4"]
 NEW_TOKENS = 5
 
 
@@ -62,6 +62,7 @@ def card_recipe(folder, messages: list[dict]) -> tuple[list[int], list[int]]:
     inputs = processor.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
     )
+    inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)  # the cards' .to(model.dtype)
     with torch.inference_mode():
         output = model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS)
     prompt = inputs["input_ids"][0]
@@ -240,20 +241,22 @@ VISION_WORDS = ("vision", "visual", "projector", "connector", "resampler", "merg
 
 
 @pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "llava", "llava-next", "qwen3-vl", "gemma3",
-                                    "llava-onevision", "paligemma", "smolvlm", "internvl-hf", "mistral3"])
+                                    "llava-onevision", "paligemma", "smolvlm", "internvl-hf", "mistral3", "llama4"])
 def test_quantization_skips_cover_the_vision_side_of_real_module_trees(family, tiny_model):
     model, _ = reference_model(str(tiny_model(family)))
     adapter = handler.adapter_for(model.config.model_type)
     skips = adapter.quantization_skip_modules
     modules = dict(model.named_modules())
-    assert "lm_head" in skips and all(name in modules for name in skips), skips
+    assert all(name in modules for name in skips), skips
+    assert modules[skips[-1]] is model.get_output_embeddings()  # the head stays in full precision
 
     def skipped(name: str) -> bool:
         return any(name == s or name.startswith(f"{s}.") for s in skips)
 
     parameters = [name for name, _ in model.named_parameters()]
     vision = [name for name in parameters if any(word in name for word in VISION_WORDS)]
-    language = [name for name in parameters if "language_model" in name or "text_model" in name]
+    language = [name for name in parameters if ("language_model" in name or "text_model" in name)
+                and not name.startswith(f"{skips[-1]}.")]
     assert vision and all(skipped(name) for name in vision)
     assert language and not any(skipped(name) for name in language)
 
@@ -263,4 +266,4 @@ def test_the_generic_adapter_finds_vision_modules_of_any_native_type():
         "model.vision_tower", "model.multi_modal_projector", "lm_head")
     assert handler.adapter_for("glm4v").quantization_skip_modules == ("model.visual", "lm_head")
     assert handler.adapter_for("llama4").quantization_skip_modules == (
-        "vision_model", "multi_modal_projector", "lm_head")
+        "vision_model", "multi_modal_projector", "language_model.lm_head")

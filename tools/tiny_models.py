@@ -16,6 +16,7 @@ from pathlib import Path
 FAMILIES = (
     "qwen2-vl", "qwen2.5-vl", "llava", "llava-next",
     "qwen3-vl", "gemma3", "llava-onevision", "paligemma", "smolvlm", "internvl-hf", "mistral3",
+    "llama4",
 )
 SHAPES = ("tiny", "qwen2-vl-2b", "qwen2-vl-7b")
 
@@ -460,11 +461,44 @@ def _mistral3_parts(family: str, shape: str):
         eos_token_id=ids["</s>"], pad_token_id=ids["<pad>"], bos_token_id=ids["<s>"])
 
 
+LLAMA4_SPECIAL = ["<|begin_of_text|>", "<|end_of_text|>", "<|finetune_right_pad|>", "<|header_start|>",
+                  "<|header_end|>", "<|eot|>", "<|image_start|>", "<|image_end|>", "<|image|>", "<|patch|>",
+                  "<|tile_x_separator|>", "<|tile_y_separator|>", "<|python_start|>", "<|python_end|>"]
+
+
+def _llama4_parts(family: str, shape: str):
+    """meta-llama/Llama-4-Scout-17B-16E-Instruct: a mixture-of-experts text model; the processor's
+    own chat template (the card's); 32px tiles of 8px patches, pixel-shuffled to 4 tokens."""
+    import transformers as tf
+
+    tokenizer = byte_level_tokenizer(LLAMA4_SPECIAL, bos="<|begin_of_text|>", eos="<|eot|>",
+                                     pad="<|finetune_right_pad|>", add_bos=True)
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in LLAMA4_SPECIAL}
+    vision = tf.Llama4VisionConfig(hidden_size=32, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, image_size=32, patch_size=8, vision_output_dim=64,
+                                   projector_input_dim=64, projector_output_dim=64, pixel_shuffle_ratio=0.5)
+    text = tf.Llama4TextConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128,
+                               intermediate_size_mlp=128, num_hidden_layers=2, num_attention_heads=4,
+                               num_key_value_heads=2, head_dim=16, num_local_experts=2, num_experts_per_tok=1,
+                               attention_chunk_size=64, bos_token_id=ids["<|begin_of_text|>"],
+                               eos_token_id=ids["<|eot|>"], pad_token_id=ids["<|finetune_right_pad|>"])
+    config = tf.Llama4Config(vision_config=vision, text_config=text, boi_token_index=ids["<|image_start|>"],
+                             eoi_token_index=ids["<|image_end|>"], image_token_index=ids["<|patch|>"])
+    processor = tf.Llama4Processor(
+        image_processor=tf.Llama4ImageProcessor(size={"height": 32, "width": 32}, max_patches=4),
+        tokenizer=tokenizer, patch_size=8, pixel_shuffle_ratio=0.5,
+    )
+    return config, tf.Llama4ForConditionalGeneration, processor, dict(
+        eos_token_id=[ids["<|eot|>"], ids["<|end_of_text|>"]], pad_token_id=ids["<|finetune_right_pad|>"],
+        bos_token_id=ids["<|begin_of_text|>"])
+
+
 PARTS = {
     "qwen2-vl": "_qwen_parts", "qwen2.5-vl": "_qwen_parts", "llava": "_llava_parts",
     "llava-next": "_llava_parts", "qwen3-vl": "_qwen3_parts", "gemma3": "_gemma3_parts",
     "llava-onevision": "_llava_onevision_parts", "paligemma": "_paligemma_parts",
     "smolvlm": "_smolvlm_parts", "internvl-hf": "_internvl_parts", "mistral3": "_mistral3_parts",
+    "llama4": "_llama4_parts",
 }
 
 
