@@ -1268,6 +1268,7 @@ NAMED_FAMILIES = {  # model_type -> family name, served by the generic recipe
     "internvl": "internvl-hf",
     "mistral3": "mistral3",
     "llama4": "llama4",
+    "glm4v": "glm-4.1v",
 }
 VISION_MODULE_WORDS = ("vision", "visual", "projector", "connector", "resampler")
 

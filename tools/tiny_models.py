@@ -16,7 +16,7 @@ from pathlib import Path
 FAMILIES = (
     "qwen2-vl", "qwen2.5-vl", "llava", "llava-next",
     "qwen3-vl", "gemma3", "llava-onevision", "paligemma", "smolvlm", "internvl-hf", "mistral3",
-    "llama4",
+    "llama4", "glm4v",
 )
 SHAPES = ("tiny", "qwen2-vl-2b", "qwen2-vl-7b")
 
@@ -493,12 +493,56 @@ def _llama4_parts(family: str, shape: str):
         bos_token_id=ids["<|begin_of_text|>"])
 
 
+GLM4V_SPECIAL = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
+                 "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>",
+                 "<|end_of_video|>", "<|video|>"]
+# zai-org/GLM-4.1V-9B-Thinking: [gMASK]<sop> opens the prompt; each image between its markers.
+GLM4V_TEMPLATE = (
+    "[gMASK]<sop>"
+    "{% for msg in messages %}{{ '<|' + msg['role'] + '|>\n' }}"
+    "{% if msg['content'] is string %}{{ msg['content'] }}{% else %}"
+    "{% for item in msg['content'] %}"
+    "{% if item['type'] == 'image' %}{{ '<|begin_of_image|><|image|><|end_of_image|>' }}"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}"
+    "{% endfor %}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
+)
+
+
+def _glm4v_parts(family: str, shape: str):
+    import transformers as tf
+
+    tokenizer = byte_level_tokenizer(GLM4V_SPECIAL, eos="<|endoftext|>", pad="<|endoftext|>",
+                                     image_token="<|image|>", video_token="<|video|>")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GLM4V_SPECIAL}
+    text = dict(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 1, 1],
+                                 "partial_rotary_factor": 0.5},
+                pad_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|endoftext|>"])
+    vision = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=4, out_hidden_size=64,
+                  image_size=28, patch_size=14, spatial_merge_size=2, temporal_patch_size=2)
+    config = tf.Glm4vConfig(
+        text_config=text, vision_config=vision, image_token_id=ids["<|image|>"], video_token_id=ids["<|video|>"],
+        image_start_token_id=ids["<|begin_of_image|>"], image_end_token_id=ids["<|end_of_image|>"],
+        video_start_token_id=ids["<|begin_of_video|>"], video_end_token_id=ids["<|end_of_video|>"],
+    )
+    pixels = dict(size={"shortest_edge": 28 * 28, "longest_edge": 112 * 112}, patch_size=14, merge_size=2,
+                  temporal_patch_size=2)
+    processor = tf.Glm4vProcessor(
+        image_processor=tf.Glm4vImageProcessor(**pixels), video_processor=tf.Glm4vVideoProcessor(**pixels),
+        tokenizer=tokenizer, chat_template=GLM4V_TEMPLATE,
+    )
+    return config, tf.Glm4vForConditionalGeneration, processor, dict(
+        eos_token_id=[ids["<|endoftext|>"], ids["<|user|>"]], pad_token_id=ids["<|endoftext|>"])
+
+
 PARTS = {
     "qwen2-vl": "_qwen_parts", "qwen2.5-vl": "_qwen_parts", "llava": "_llava_parts",
     "llava-next": "_llava_parts", "qwen3-vl": "_qwen3_parts", "gemma3": "_gemma3_parts",
     "llava-onevision": "_llava_onevision_parts", "paligemma": "_paligemma_parts",
     "smolvlm": "_smolvlm_parts", "internvl-hf": "_internvl_parts", "mistral3": "_mistral3_parts",
-    "llama4": "_llama4_parts",
+    "llama4": "_llama4_parts", "glm4v": "_glm4v_parts",
 }
 
 
