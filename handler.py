@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import dataclasses
 import functools
 import io
@@ -1070,6 +1071,7 @@ class RemoteCodeAdapter(FamilyAdapter):
 
     native = False
     model_class, processor_class = "AutoModel", "AutoTokenizer"  # names in transformers
+    inner_language_model: Optional[str] = None  # the attribute whose generate() the card's chat() calls
 
     def load(self, path: str, load_kwargs: dict):
         import transformers
@@ -1081,25 +1083,109 @@ class RemoteCodeAdapter(FamilyAdapter):
     def run(self, model, processor, item: GenerationRequest, sampling: dict) -> Generation:
         raise NotImplementedError
 
+    def card_sampling(self, sampling: dict) -> dict:
+        """The request's decoding exactly: greedy stays greedy; sampling is temperature and top-p
+        only (top_k=0 turns off the top-k 50 that generate() otherwise takes from its defaults)."""
+        return {**sampling, "top_k": 0} if sampling.get("do_sample") else dict(sampling)
+
+    @contextlib.contextmanager
+    def recorded_generation(self, model):
+        """Around a chat() call: the prompt length and the generated ids of the inner language
+        model's generate(), which the chat APIs do not return, so that usage and finish_reason
+        come from ids rather than from re-tokenised text. Empty when the model has no such module."""
+        record: dict = {}
+        inner = getattr(model, self.inner_language_model, None) if self.inner_language_model else None
+        if inner is None or not callable(getattr(inner, "generate", None)):
+            yield record
+            return
+        real_generate, own = inner.generate, "generate" in vars(inner)
+
+        def generate(*args, **kwargs):
+            output = real_generate(*args, **kwargs)
+            prompt = kwargs.get("inputs_embeds", kwargs.get("input_ids"))
+            record.update(prompt_tokens=int(prompt.shape[1]) if prompt is not None else 0,
+                          ids=output[0].tolist(), eos=set(_token_ids(kwargs.get("eos_token_id"))))
+            return output
+
+        inner.generate = generate
+        try:
+            yield record
+        finally:
+            if own:
+                inner.generate = real_generate
+            else:
+                del inner.generate  # the class's method again
+
+    def chat_generation(self, model, tokenizer, text: str, record: dict, max_new_tokens: int) -> Generation:
+        if "ids" not in record:
+            return _remote_generation(tokenizer, text, max_new_tokens)
+        config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos = record["eos"] | set(_token_ids(config_eos)) | set(_token_ids(tokenizer.eos_token_id))
+        ids = record["ids"]
+        return Generation(
+            text=text.strip(),
+            finish_reason=_finish_reason(ids, eos, max_new_tokens),
+            prompt_tokens=record["prompt_tokens"],
+            completion_tokens=_trimmed_length(ids, eos),
+        )
+
+
+def _text_of(turn: Turn) -> str:
+    return " ".join(p for p in turn.parts if isinstance(p, str))
+
+
+def _leading_system_prompt(turns: list[Turn], family: str, param: Optional[str]) -> tuple[Optional[str], list[Turn]]:
+    """The system prompt (system turns before the conversation) and the turns after it; a chat that
+    then opens with an assistant turn, or a later system turn, is refused as the card cannot say it."""
+    opening = next((k for k, turn in enumerate(turns) if turn.role != "system"), len(turns))
+    system, rest = turns[:opening], turns[opening:]
+    if any(turn.role == "system" for turn in rest):
+        raise RequestError("invalid_request", f"the {family} family takes system messages only at the start",
+                           _join(param, "messages"))
+    if rest and rest[0].role != "user":
+        raise RequestError("invalid_request", f"the {family} family needs the conversation to open with a "
+                           "user message (after any system message)", _join(param, "messages"))
+    return ("\n".join(_text_of(t) for t in system) or None), rest
+
 
 class MiniCPMVAdapter(RemoteCodeAdapter):
     """openbmb/MiniCPM-V-2_6: `model.chat(image=None, msgs=[...], tokenizer=...)` per its card."""
 
     name = "minicpm-v"
     quantization_skip_modules = ("vpm", "resampler", "lm_head")
+    inner_language_model = "llm"
+
+    def load(self, path: str, load_kwargs: dict):
+        # Its resampler.py takes `List` from `from torch.nn.functional import *`, which torch no
+        # longer provides (torch >= 2.7); give that module the name back instead of editing the repo.
+        import sys
+        import typing
+
+        import torch  # noqa: F401  (loads torch.nn.functional)
+
+        functional = sys.modules.get("torch.nn.functional")
+        if functional is not None and not hasattr(functional, "List"):
+            functional.List = typing.List
+        return super().load(path, load_kwargs)
+
+    def card_sampling(self, sampling: dict) -> dict:
+        """chat() overrides its own defaults (sampling: top_k 100 and repetition_penalty 1.05; not
+        sampling: num_beams 3 and repetition_penalty 1.2) only with the keys given here."""
+        kwargs = dict(super().card_sampling(sampling), sampling=bool(sampling.get("do_sample")),
+                      repetition_penalty=1.0)
+        if not sampling.get("do_sample"):
+            kwargs["num_beams"] = 1
+        return kwargs
 
     def run(self, model, tokenizer, item, sampling):
-        msgs, system = [], None
-        for turn in self.request_turns(item):
-            if turn.role == "system":
-                system = " ".join(p for p in turn.parts if isinstance(p, str))
-                continue
-            msgs.append({"role": turn.role, "content": list(turn.parts)})
-        kwargs = dict(image=None, msgs=msgs, tokenizer=tokenizer, **sampling)
+        system, turns = _leading_system_prompt(self.request_turns(item), self.name, item.param)
+        msgs = [{"role": turn.role, "content": list(turn.parts)} for turn in turns]
+        kwargs = dict(image=None, msgs=msgs, tokenizer=tokenizer, **self.card_sampling(sampling))
         if system:
             kwargs["system_prompt"] = system
-        text = model.chat(**kwargs)
-        return _remote_generation(tokenizer, text, item.params.max_new_tokens)
+        with self.recorded_generation(model) as record:
+            text = model.chat(**kwargs)
+        return self.chat_generation(model, tokenizer, text, record, item.params.max_new_tokens)
 
 
 class Phi3VisionAdapter(RemoteCodeAdapter):
@@ -1108,6 +1194,14 @@ class Phi3VisionAdapter(RemoteCodeAdapter):
     name = "phi3-vision"
     quantization_skip_modules = ("model.vision_embed_tokens", "lm_head")
     model_class, processor_class = "AutoModelForCausalLM", "AutoProcessor"
+
+    def load(self, path: str, load_kwargs: dict):
+        import importlib.util
+
+        # Its config.json asks for flash_attention_2; the card says to pass eager without flash-attn.
+        if importlib.util.find_spec("flash_attn") is None:
+            load_kwargs = {**load_kwargs, "attn_implementation": "eager"}
+        return super().load(path, load_kwargs)
 
     def chat_messages(self, turns):
         messages, index = [], 0
@@ -1132,7 +1226,7 @@ class Phi3VisionAdapter(RemoteCodeAdapter):
         # The card passes the tokenizer's end token; the generation config's (<|end|>) ends turns too.
         eos = set(_token_ids(model.generation_config.eos_token_id)) | set(_token_ids(processor.tokenizer.eos_token_id))
         with torch.inference_mode():
-            out = model.generate(**inputs, eos_token_id=sorted(eos), **sampling)
+            out = model.generate(**inputs, eos_token_id=sorted(eos), **self.card_sampling(sampling))
         new_tokens = out[0, inputs["input_ids"].shape[1]:]
         ids = new_tokens.tolist()
         text = processor.tokenizer.decode(new_tokens, skip_special_tokens=True)
@@ -1149,6 +1243,7 @@ class InternVL2Adapter(RemoteCodeAdapter):
 
     name = "internvl"
     quantization_skip_modules = ("vision_model", "mlp1", "lm_head")
+    inner_language_model = "language_model"
     image_size = 448
     max_tiles = 12
     mean = (0.485, 0.456, 0.406)
@@ -1197,7 +1292,9 @@ class InternVL2Adapter(RemoteCodeAdapter):
         return values, [len(p) for p in per_image]
 
     def run(self, model, tokenizer, item, sampling):
-        # InternVL2's chat takes one question plus (question, answer) history pairs.
+        # InternVL2's chat takes one question plus (question, answer) history pairs, so it cannot
+        # open with an answer.
+        _leading_system_prompt(self.request_turns(item), self.name, item.param)
         history, pending = [], None
         for turn in self.request_turns(item):
             text = "\n".join(
@@ -1209,11 +1306,12 @@ class InternVL2Adapter(RemoteCodeAdapter):
             elif turn.role in ("user", "system"):
                 pending = text if pending is None else f"{pending}\n{text}"
         values, num_patches = self.pixel_values(item.images, model.dtype, model.device)
-        text = model.chat(
-            tokenizer, values, pending or "", sampling,
-            num_patches_list=num_patches or None, history=history or None,
-        )
-        return _remote_generation(tokenizer, text, item.params.max_new_tokens)
+        with self.recorded_generation(model) as record:
+            text = model.chat(
+                tokenizer, values, pending or "", self.card_sampling(sampling),
+                num_patches_list=num_patches or None, history=history or None,
+            )
+        return self.chat_generation(model, tokenizer, text, record, item.params.max_new_tokens)
 
 
 def _token_ids(value) -> list[int]:

@@ -6,6 +6,7 @@ batched. Tiny random-weight models built offline (tools/tiny_models.py), CPU."""
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -267,3 +268,187 @@ def test_the_generic_adapter_finds_vision_modules_of_any_native_type():
     assert handler.adapter_for("glm4v").quantization_skip_modules == ("model.visual", "lm_head")
     assert handler.adapter_for("llama4").quantization_skip_modules == (
         "vision_model", "multi_modal_projector", "language_model.lm_head")
+
+
+# ---- remote-code families, against fakes that follow each repository's documented code ----------
+# Their real code needs transformers 4.45-4.48 (see README); these fakes mimic what the worker
+# relies on: MiniCPM-V-2_6's chat() defaults and inner `llm.generate`, InternVL2's chat() and inner
+# `language_model.generate`, Phi-3-vision's loading, each with the eos and ids their code passes.
+
+EOS, END, PAD = 2, 3, 0
+
+
+class FakeTokenizer:
+    eos_token_id = EOS
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(96 + i) for i in ids if not (skip_special_tokens and i in (EOS, END, PAD)))
+
+    def __call__(self, text, add_special_tokens=False):  # re-tokenises decoded text (the old way)
+        return {"input_ids": [ord(c) - 96 for c in text]}
+
+
+class FakeRemoteModel:
+    """Loaded through the worker's own path; `answer` is the ids the inner generate() produces."""
+
+    dtype, device = torch.float32, torch.device("cpu")
+
+    def __init__(self, answer: list[int], prompt_tokens: int = 7):
+        self.answer, self.prompt_tokens = answer, prompt_tokens
+        self.config = type("Config", (), {"get_text_config": lambda self, decoder=True: self,
+                                          "max_position_embeddings": 4096})()
+        self.generation_config = type("GenerationConfig", (), {"eos_token_id": EOS})()
+        self.generate_calls: list[dict] = []
+
+    def eval(self):
+        return self
+
+    def inner_generate(self, **kwargs):
+        self.generate_calls.append(kwargs)
+        answer = self.answer[: kwargs["max_new_tokens"]]
+        return torch.tensor([answer])  # inputs_embeds in: only the new tokens come back
+
+
+class FakeMiniCPMV(FakeRemoteModel):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.llm = type("LLM", (), {"generate": lambda llm, **kw: self.inner_generate(**kw)})()
+        self.chat_calls: list[dict] = []
+
+    def chat(self, image, msgs, tokenizer, max_new_tokens=2048, min_new_tokens=0, sampling=True,
+             system_prompt="", **kwargs):
+        self.chat_calls.append(dict(msgs=msgs, sampling=sampling, system_prompt=system_prompt, kwargs=kwargs))
+        for i, msg in enumerate(msgs):  # modeling_minicpmv.py's checks
+            assert msg["role"] in ["user", "assistant"]
+            if i == 0:
+                assert msg["role"] == "user", "The role of first msg should be user"
+        if sampling:
+            generation_config = {"top_p": 0.8, "top_k": 100, "temperature": 0.7, "do_sample": True,
+                                 "repetition_penalty": 1.05}
+        else:
+            generation_config = {"num_beams": 3, "repetition_penalty": 1.2}
+        generation_config.update((k, kwargs[k]) for k in generation_config.keys() & kwargs.keys())
+        output = self.llm.generate(inputs_embeds=torch.zeros(1, self.prompt_tokens, 4), pad_token_id=0,
+                                   eos_token_id=[END, EOS], max_new_tokens=max_new_tokens, **generation_config)
+        return tokenizer.decode(output[0], skip_special_tokens=True)
+
+
+class FakeInternVL2(FakeRemoteModel):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.language_model = type("LanguageModel", (), {"generate": lambda lm, **kw: self.inner_generate(**kw)})()
+        self.chat_calls: list[dict] = []
+
+    def chat(self, tokenizer, pixel_values, question, generation_config, history=None, return_history=False,
+             num_patches_list=None, **kwargs):
+        self.chat_calls.append(dict(question=question, history=history, generation_config=generation_config))
+        generation_config["eos_token_id"] = END  # template.sep, <|im_end|>
+        output = self.language_model.generate(inputs_embeds=torch.zeros(1, self.prompt_tokens, 4),
+                                              **generation_config)
+        # the card's chat: decode without special tokens, then cut at the separator
+        return tokenizer.decode(output[0], skip_special_tokens=True)
+
+
+@pytest.fixture
+def serve_remote(serve, monkeypatch):
+    """`serve_remote(model_type, model)`: the worker loads `model` through its own loading path."""
+    import transformers
+
+    def start(model_type: str, model, on_load=None, **env):
+        loads = []
+
+        def load_model(path, **kwargs):
+            loads.append(kwargs)
+            if on_load:
+                on_load()
+            return model
+
+        config = type("Config", (), {"model_type": model_type})()
+        monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda path, **kw: config)
+        for auto in ("AutoModel", "AutoModelForCausalLM"):
+            monkeypatch.setattr(getattr(transformers, auto), "from_pretrained", load_model)
+        for auto in ("AutoTokenizer", "AutoProcessor"):
+            monkeypatch.setattr(getattr(transformers, auto), "from_pretrained", lambda path, **kw: FakeTokenizer())
+        engine = serve(Path(f"/remote/{model_type}"), VLM_MAX_BATCH_SIZE="4", **env)
+        return engine, loads
+
+    return start
+
+
+def chat_request(**extra):
+    return {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": [{"type": "image_url", "image_url": data_uri(FIRST)},
+                                                      text("What is it?")]}], **extra}
+
+
+def test_minicpm_v_greedy_is_greedy_and_sampling_is_temperature_and_top_p(serve_remote):
+    model = FakeMiniCPMV(answer=[5, 6, 7, EOS])
+    serve_remote("minicpmv", model)
+    out = ask(chat_request(max_new_tokens=10))
+    assert out["response"] == "efg"
+    greedy = model.generate_calls[-1]
+    assert greedy["num_beams"] == 1 and greedy["repetition_penalty"] == 1.0 and "do_sample" not in greedy
+    assert model.chat_calls[-1]["sampling"] is False and model.chat_calls[-1]["system_prompt"] == "Be brief."
+    ask(chat_request(max_new_tokens=10, do_sample=True, temperature=0.4, top_p=0.9))
+    sampled = model.generate_calls[-1]
+    assert sampled["do_sample"] is True and sampled["temperature"] == 0.4 and sampled["top_p"] == 0.9
+    assert sampled["top_k"] == 0 and sampled["repetition_penalty"] == 1.0  # not chat()'s 100 and 1.05
+
+
+@pytest.mark.parametrize("model_type, fake", [("minicpmv", FakeMiniCPMV), ("internvl_chat", FakeInternVL2)])
+def test_remote_usage_and_finish_reason_come_from_the_generated_ids(serve_remote, model_type, fake):
+    # the limit is hit by ids whose decoded text re-tokenises shorter (END and PAD are skipped)
+    model = fake(answer=[5, END, 6, PAD, 7], prompt_tokens=11)
+    serve_remote(model_type, model)
+    out = ask(chat_request(max_new_tokens=3))
+    assert out["finish_reason"] == "stop" and out["usage"] == {"prompt_tokens": 11, "completion_tokens": 1}
+    model.answer = [5, 6, 7, 8, 9]
+    out = ask(chat_request(max_new_tokens=4))
+    assert out["finish_reason"] == "length" and out["usage"] == {"prompt_tokens": 11, "completion_tokens": 4}
+
+
+def test_internvl2_sampling_is_exactly_temperature_and_top_p(serve_remote):
+    model = FakeInternVL2(answer=[5, END])
+    serve_remote("internvl_chat", model)
+    ask(chat_request(max_new_tokens=5, do_sample=True, temperature=0.3, top_p=0.7))
+    config = model.chat_calls[-1]["generation_config"]
+    assert config["do_sample"] is True and config["temperature"] == 0.3 and config["top_p"] == 0.7
+    assert config["top_k"] == 0
+
+
+@pytest.mark.parametrize("model_type, fake", [("minicpmv", FakeMiniCPMV), ("internvl_chat", FakeInternVL2)])
+@pytest.mark.parametrize("messages", [
+    [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Late."}, {"role": "user", "content": "Hi"}],
+])
+def test_remote_code_refuses_turns_its_card_cannot_express(serve_remote, model_type, fake, messages):
+    model = fake(answer=[5, EOS])
+    serve_remote(model_type, model)
+    out = ask({"requests": [{"messages": messages}, {"messages": [{"role": "user", "content": "Hi"}]}]})
+    refused, answered = out["results"]
+    assert refused["code"] == "invalid_request" and refused["param"] == "requests[0].messages", refused
+    assert answered["response"] == "e"
+    assert len(model.chat_calls) == 1  # the refused one never reached chat()
+
+
+def test_minicpm_v_code_that_takes_List_from_torch_functional_loads(serve_remote, monkeypatch):
+    import torch.nn.functional
+
+    monkeypatch.delattr(torch.nn.functional, "List", raising=False)
+    resampler = "from torch.nn.functional import *\nhint = List[int]\n"  # resampler.py's imports
+    with pytest.raises(NameError):
+        exec(resampler, {})
+    serve_remote("minicpmv", FakeMiniCPMV(answer=[5, EOS]), on_load=lambda: exec(resampler, {}))
+    assert ask(chat_request())["response"] == "e"
+
+
+@pytest.mark.parametrize("flash_attn, expected", [(False, "eager"), (True, None)])
+def test_phi3_vision_asks_for_eager_attention_without_flash_attn(serve_remote, monkeypatch, flash_attn, expected):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "flash_attn" and flash_attn else real_find_spec(name, *a))
+    _, loads = serve_remote("phi3_v", FakeRemoteModel(answer=[]))
+    assert loads[-1].get("attn_implementation") == expected
+    assert loads[-1]["trust_remote_code"] is True
