@@ -38,11 +38,12 @@ class CuratedModel:
     family: str
     vram_gb: int  # approximate, bf16 weights plus a working margin
     license: str
+    grounding: Optional[str] = None  # the box_format of its grounding answers; None: no boxes
 
 
 CURATED_MODELS: dict[str, CuratedModel] = {
-    "Qwen/Qwen2-VL-2B-Instruct": CuratedModel("qwen2-vl", 8, "Apache-2.0"),
-    "Qwen/Qwen2-VL-7B-Instruct": CuratedModel("qwen2-vl", 20, "Apache-2.0"),
+    "Qwen/Qwen2-VL-2B-Instruct": CuratedModel("qwen2-vl", 8, "Apache-2.0", "qwen-1000"),
+    "Qwen/Qwen2-VL-7B-Instruct": CuratedModel("qwen2-vl", 20, "Apache-2.0", "qwen-1000"),
     "llava-hf/llava-1.5-7b-hf": CuratedModel("llava", 16, "Llama 2 Community License"),
     "llava-hf/llava-1.5-13b-hf": CuratedModel("llava", 30, "Llama 2 Community License"),
     "llava-hf/llava-v1.6-mistral-7b-hf": CuratedModel("llava-next", 18, "Apache-2.0"),

@@ -452,3 +452,22 @@ def test_phi3_vision_asks_for_eager_attention_without_flash_attn(serve_remote, m
     _, loads = serve_remote("phi3_v", FakeRemoteModel(answer=[]))
     assert loads[-1].get("attn_implementation") == expected
     assert loads[-1]["trust_remote_code"] is True
+
+
+# ---- the curated list ---------------------------------------------------------------------------
+
+
+def test_every_curated_native_family_has_a_tiny_builder_and_card_parity_here():
+    import tiny_models
+
+    remote_code = {"minicpm-v", "phi3-vision", "internvl"}
+    built = {{"glm4v": "glm-4.1v"}.get(name, name) for name in tiny_models.FAMILIES}
+    curated = {model.family for model in handler.CURATED_MODELS.values()} - remote_code
+    assert curated <= built, curated - built
+
+
+def test_curated_grounding_matches_the_familys_adapter():
+    adapters = {adapter.name: adapter for adapter in map(
+        handler.adapter_for, [*handler.FAMILY_BY_MODEL_TYPE, *handler.NAMED_FAMILIES])}
+    for model_id, model in handler.CURATED_MODELS.items():
+        assert adapters[model.family].grounding == model.grounding, model_id
