@@ -1023,8 +1023,8 @@ class PaliGemmaAdapter(FamilyAdapter):
 
     def task_prefix(self, item: "GenerationRequest") -> str:
         """The card's prompt for the item; a chat is one user turn whose text is the prefix."""
-        if len(item.images) != 1:
-            raise RequestError("invalid_request", "the paligemma family takes exactly one image",
+        if len(item.images) > 1:
+            raise RequestError("invalid_request", "the paligemma family takes one image per request",
                                _join(item.param, "messages" if item.task == "chat" else "images"))
         if item.task == "grounding":
             return self.grounding_prompt(item.grounding_target)
@@ -1042,9 +1042,13 @@ class PaliGemmaAdapter(FamilyAdapter):
         return text
 
     def batch_inputs(self, processor, items, device, dtype):
+        from PIL import Image
+
+        # The model always reads an image: a text-only row (a chat, or the engine's padding row)
+        # is given a black one.
+        images = [item.images or [Image.new("RGB", (1, 1))] for item in items]
         inputs = processor(
-            text=[self.task_prefix(item) for item in items], images=[item.images for item in items],
-            padding=True, return_tensors="pt",
+            text=[self.task_prefix(item) for item in items], images=images, padding=True, return_tensors="pt",
         ).to(device)
         inputs.pop("labels", None)  # the processor's training labels: not a generation input
         inputs["pixel_values"] = inputs["pixel_values"].to(dtype)

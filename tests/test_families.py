@@ -63,7 +63,8 @@ def card_recipe(folder, messages: list[dict]) -> tuple[list[int], list[int]]:
     inputs = processor.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
     )
-    inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)  # the cards' .to(model.dtype)
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)  # the cards' .to(model.dtype)
     with torch.inference_mode():
         output = model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS)
     prompt = inputs["input_ids"][0]
@@ -156,10 +157,22 @@ def test_paligemma_prompts_are_the_cards_task_prefixes_alone_and_batched(paligem
     assert worker_rows(calls, len(PALIGEMMA_REQUESTS)) == expected
 
 
+def test_paligemma_text_only_reads_a_black_image(paligemma, tiny_model, forward_calls_of):
+    from PIL import Image
+
+    calls = forward_calls_of(paligemma)
+    out = ask({"requests": [{"messages": [{"role": "user", "content": "caption en"}], "max_new_tokens": NEW_TOKENS},
+                            {**PALIGEMMA_REQUESTS[0][0], "max_new_tokens": NEW_TOKENS}]})
+    assert all("error" not in result for result in out["results"]), out
+    assert worker_rows(calls, 2) == [paligemma_card(tiny_model("paligemma"), "caption en", Image.new("RGB", (1, 1))),
+                                     paligemma_card(tiny_model("paligemma"), "caption en", FIRST)]
+
+
 @pytest.mark.parametrize("messages", [
     [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [text("caption en")]}],
     [{"role": "user", "content": [text("caption en")]}, {"role": "assistant", "content": "A cat."},
      {"role": "user", "content": [text("answer en why?")]}],
+    [{"role": "user", "content": [{"type": "image_url", "image_url": data_uri(SECOND)}, text("caption en")]}],
 ])
 def test_paligemma_refuses_what_its_card_cannot_express(paligemma, messages):
     messages[-1]["content"].insert(0, {"type": "image_url", "image_url": data_uri(FIRST)})
@@ -471,3 +484,18 @@ def test_curated_grounding_matches_the_familys_adapter():
         handler.adapter_for, [*handler.FAMILY_BY_MODEL_TYPE, *handler.NAMED_FAMILIES])}
     for model_id, model in handler.CURATED_MODELS.items():
         assert adapters[model.family].grounding == model.grounding, model_id
+
+
+TEXT_ONLY = (
+    {"messages": [{"role": "user", "content": "Say hello."}], "max_new_tokens": NEW_TOKENS},
+    [{"role": "user", "content": [text("Say hello.")]}],
+)
+
+
+def test_a_text_only_request_batched_with_an_image_request_matches_the_card(engine, tiny_model, family,
+                                                                               forward_calls):
+    out = ask({"requests": [TEXT_ONLY[0], ONE_IMAGE[0]]})
+    assert all("error" not in result for result in out["results"]), out
+    rows = worker_rows(forward_calls, 2)
+    for (prompt, generated), (_, messages) in zip(rows, [TEXT_ONLY, ONE_IMAGE]):
+        assert (prompt, generated) == card_recipe(tiny_model(family), messages)
