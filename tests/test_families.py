@@ -385,7 +385,7 @@ def serve_remote(serve, monkeypatch):
     """`serve_remote(model_type, model)`: the worker loads `model` through its own loading path."""
     import transformers
 
-    def start(model_type: str, model, on_load=None, **env):
+    def start(model_type: str, model, on_load=None, processor=None, **env):
         loads = []
 
         def load_model(path, **kwargs):
@@ -399,7 +399,8 @@ def serve_remote(serve, monkeypatch):
         for auto in ("AutoModel", "AutoModelForCausalLM"):
             monkeypatch.setattr(getattr(transformers, auto), "from_pretrained", load_model)
         for auto in ("AutoTokenizer", "AutoProcessor"):
-            monkeypatch.setattr(getattr(transformers, auto), "from_pretrained", lambda path, **kw: FakeTokenizer())
+            monkeypatch.setattr(getattr(transformers, auto), "from_pretrained",
+                                lambda path, **kw: processor or FakeTokenizer())
         engine = serve(Path(f"/remote/{model_type}"), VLM_MAX_BATCH_SIZE="4", **env)
         return engine, loads
 
@@ -513,3 +514,35 @@ TEXT_ONLY = (
 def test_a_text_only_request_batched_with_an_image_request_matches_the_card(engine, tiny_model, family):
     check_batch_against_card(engine, [TEXT_ONLY[0], ONE_IMAGE[0]],
                              [card_recipe(tiny_model(family), messages) for _, messages in [TEXT_ONLY, ONE_IMAGE]])
+
+
+class FakePhi3Processor:
+    """Phi-3-vision's processor as its card uses it: the tokenizer's chat template, then
+    processor(prompt, images) -> input_ids (images become <|image_N|> placeholders' tokens)."""
+
+    def __init__(self):
+        self.tokenizer = FakeTokenizer()
+        self.tokenizer.apply_chat_template = lambda messages, tokenize, add_generation_prompt: "".join(
+            f"<|{m['role']}|>{m['content']}<|end|>" for m in messages) + "<|assistant|>"
+
+    def __call__(self, prompt, images=None, return_tensors=None):
+        from transformers import BatchFeature
+
+        return BatchFeature({"input_ids": torch.ones(1, len(prompt), dtype=torch.long)})
+
+
+class FakePhi3(FakeRemoteModel):
+    def generate(self, input_ids, **kwargs):
+        self.generate_calls.append(kwargs)
+        return torch.cat([input_ids, torch.tensor([self.answer[: kwargs["max_new_tokens"]]])], dim=1)
+
+
+def test_phi3_vision_sampling_is_exactly_temperature_and_top_p(serve_remote):
+    model = FakePhi3(answer=[5, 6, EOS])
+    serve_remote("phi3_v", model, processor=FakePhi3Processor())
+    out = ask(chat_request(max_new_tokens=5, do_sample=True, temperature=0.6, top_p=0.5))
+    call = model.generate_calls[-1]
+    assert call["do_sample"] is True and call["temperature"] == 0.6 and call["top_p"] == 0.5 and call["top_k"] == 0
+    assert out["response"] == "ef" and out["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == 2
+    ask(chat_request(max_new_tokens=5))
+    assert model.generate_calls[-1]["do_sample"] is False and model.generate_calls[-1].get("top_k") in (None, 0)
