@@ -1298,24 +1298,31 @@ class InternVL2Adapter(RemoteCodeAdapter):
 
     def run(self, model, tokenizer, item, sampling):
         # InternVL2's chat takes one question plus (question, answer) history pairs, so it cannot
-        # open with an answer.
-        _leading_system_prompt(self.request_turns(item), self.name, item.param)
+        # open with an answer; a system prompt replaces `model.system_message`, as its card does.
+        system, turns = _leading_system_prompt(self.request_turns(item), self.name, item.param)
         history, pending = [], None
-        for turn in self.request_turns(item):
+        for turn in turns:
             text = "\n".join(
                 "<image>" if not isinstance(p, str) else p for p in turn.parts
             )
             if turn.role == "assistant" and pending is not None:
                 history.append((pending, text))
                 pending = None
-            elif turn.role in ("user", "system"):
+            elif turn.role == "user":
                 pending = text if pending is None else f"{pending}\n{text}"
         values, num_patches = self.pixel_values(item.images, model.dtype, model.device)
-        with self.recorded_generation(model) as record:
-            text = model.chat(
-                tokenizer, values, pending or "", self.card_sampling(sampling),
-                num_patches_list=num_patches or None, history=history or None,
-            )
+        default_system = getattr(model, "system_message", None)
+        if system:
+            model.system_message = system
+        try:
+            with self.recorded_generation(model) as record:
+                text = model.chat(
+                    tokenizer, values, pending or "", self.card_sampling(sampling),
+                    num_patches_list=num_patches or None, history=history or None,
+                )
+        finally:
+            if system:  # the next request gets the model's own default again
+                model.system_message = default_system
         return self.chat_generation(model, tokenizer, text, record, item.params.max_new_tokens)
 
 

@@ -2704,7 +2704,7 @@ def test_internvl_history_question_and_patches(monkeypatch, hub):
     out = call({"messages": conversation(), "max_new_tokens": 33})
     assert out["response"] == "A blue box." and out["image_count"] == 2
     (chat_call,) = hub.chat_calls
-    assert chat_call["history"] == [("Be brief.\n<image>\nWhat is this?", "A red box.")]
+    assert chat_call["history"] == [("<image>\nWhat is this?", "A red box.")]
     assert chat_call["question"] == "And this?\n<image>"
     assert chat_call["num_patches_list"] == [3, 3]
     assert chat_call["pixel_values"].dims[0] == 6

@@ -370,9 +370,12 @@ class FakeInternVL2(FakeRemoteModel):
         self.language_model = type("LanguageModel", (), {"generate": lambda lm, **kw: self.inner_generate(**kw)})()
         self.chat_calls: list[dict] = []
 
+    system_message = "the model's default system message"
+
     def chat(self, tokenizer, pixel_values, question, generation_config, history=None, return_history=False,
              num_patches_list=None, **kwargs):
-        self.chat_calls.append(dict(question=question, history=history, generation_config=generation_config))
+        self.chat_calls.append(dict(question=question, history=history, generation_config=generation_config,
+                                    system_message=self.system_message))  # template.system_message
         generation_config["eos_token_id"] = END  # template.sep, <|im_end|>
         output = self.language_model.generate(inputs_embeds=torch.zeros(1, self.prompt_tokens, 4),
                                               **generation_config)
@@ -546,3 +549,13 @@ def test_phi3_vision_sampling_is_exactly_temperature_and_top_p(serve_remote):
     assert out["response"] == "ef" and out["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == 2
     ask(chat_request(max_new_tokens=5))
     assert model.generate_calls[-1]["do_sample"] is False and model.generate_calls[-1].get("top_k") in (None, 0)
+
+
+def test_internvl2_system_prompt_is_its_system_message_for_that_request_only(serve_remote):
+    model = FakeInternVL2(answer=[5, END])
+    serve_remote("internvl_chat", model)
+    ask(chat_request())
+    ask({"messages": [{"role": "user", "content": "Hi"}]})
+    with_system, without = model.chat_calls
+    assert with_system["system_message"] == "Be brief." and "Be brief." not in with_system["question"]
+    assert without["system_message"] == "the model's default system message"
