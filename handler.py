@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -42,11 +43,12 @@ class CuratedModel:
     family: str
     vram_gb: int  # approximate, bf16 weights plus a working margin
     license: str
+    grounding: Optional[str] = None  # the box_format of its grounding answers; None: no boxes
 
 
 CURATED_MODELS: dict[str, CuratedModel] = {
-    "Qwen/Qwen2-VL-2B-Instruct": CuratedModel("qwen2-vl", 8, "Apache-2.0"),
-    "Qwen/Qwen2-VL-7B-Instruct": CuratedModel("qwen2-vl", 20, "Apache-2.0"),
+    "Qwen/Qwen2-VL-2B-Instruct": CuratedModel("qwen2-vl", 8, "Apache-2.0", "qwen-1000"),
+    "Qwen/Qwen2-VL-7B-Instruct": CuratedModel("qwen2-vl", 20, "Apache-2.0", "qwen-1000"),
     "llava-hf/llava-1.5-7b-hf": CuratedModel("llava", 16, "Llama 2 Community License"),
     "llava-hf/llava-1.5-13b-hf": CuratedModel("llava", 30, "Llama 2 Community License"),
     "llava-hf/llava-v1.6-mistral-7b-hf": CuratedModel("llava-next", 18, "Apache-2.0"),
@@ -883,6 +885,7 @@ class GenerationRequest:
     turns: list[Turn]
     params: GenerationParams
     grounding_target: Optional[str] = None
+    annotate: bool = False  # grounding: return the image with its boxes drawn
     param: Optional[str] = None  # where the request sits in the job, e.g. "requests[3]"
 
     @property
@@ -905,8 +908,18 @@ class FamilyAdapter:
 
     name = "generic"
     native = True  # loads with AutoProcessor + AutoModelForImageTextToText, no remote code
-    grounding: Optional[str] = None  # coordinate system of boxes: "qwen-1000", "qwen-abs-pixels", None
-    quantization_skip_modules: tuple[str, ...] = ()
+    grounding: Optional[str] = None  # coordinate system of boxes (see "parsing boxes"), or None
+
+    def __init__(self, model_type: Optional[str] = None):
+        self.model_type = model_type
+
+    @property
+    def quantization_skip_modules(self) -> tuple[str, ...]:
+        """Modules bitsandbytes leaves in full precision: the vision tower and projector, found in
+        the model type's own module tree, and lm_head. Families below name theirs."""
+        if not self.native or self.model_type is None:
+            return ()
+        return unquantized_module_names(self.model_type)
 
     def grounding_prompt(self, target: str) -> str:
         return f"Locate {target} in the image and give its bounding box as [x1, y1, x2, y2]."
@@ -938,26 +951,37 @@ class FamilyAdapter:
         )
 
     def batch_inputs(self, processor, items: list["GenerationRequest"], device, dtype):
-        """Chat-templated prompts and pixels for a batch, left-padded, on `device`; and for each item
-        the size its first image was resized to (the frame of boxes in input pixels), or None."""
+        """Prompts and pixels for a batch, left-padded, on `device`; and for each item the size its
+        first image was resized to (the frame of boxes in input pixels), or None.
+
+        What the model cards' one call `processor.apply_chat_template(..., tokenize=True)` does:
+        each item's images are one sample (a request with two images stays one sample, alone or
+        batched), and a template that already writes BOS gets no second one from the tokenizer."""
         prompts = [self.prompt(processor, self.request_turns(item)) for item in items]
         images = [item.images for item in items]
         kwargs: dict = {"text": prompts, "padding": True, "return_tensors": "pt"}
         if any(images):
-            kwargs["images"] = images if len(items) > 1 else images[0]
+            kwargs["images"] = images
+        bos = getattr(processor.tokenizer, "bos_token", None)
+        if isinstance(bos, str) and prompts[0].startswith(bos):
+            kwargs["add_special_tokens"] = False
         inputs = processor(**kwargs).to(device)
         if "pixel_values" in inputs:
             inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+        return inputs, self.input_sizes(processor, inputs, items)
+
+    def input_sizes(self, processor, inputs, items: list["GenerationRequest"]) -> list:
+        """Per item, (width, height) of its first image as the model saw it, where boxes need it."""
         input_sizes: list = [None] * len(items)
         if "image_grid_thw" in inputs:  # Qwen2.5-VL boxes are in pixels of this resized input
             patch = processor.image_processor.patch_size
             grids = iter(inputs["image_grid_thw"].tolist())
-            for row, group in enumerate(images):
-                sizes = [next(grids) for _ in group]
+            for row, item in enumerate(items):
+                sizes = [next(grids) for _ in item.images]
                 if sizes:
                     _, rows, cols = sizes[0]
                     input_sizes[row] = (cols * patch, rows * patch)
-        return inputs, input_sizes
+        return input_sizes
 
     def processor_kwargs(self, settings: Settings) -> dict:
         return {}
@@ -988,6 +1012,69 @@ class Qwen25VLAdapter(QwenVLAdapter):
         return f"Locate {target} in the image, and output its bbox coordinates in JSON format."
 
 
+class Qwen3VLAdapter(QwenVLAdapter):
+    """Qwen3-VL: Qwen2.5-VL's JSON answers, in Qwen2-VL's 0-1000 relative coordinates."""
+
+    name = "qwen3-vl"
+    grounding = "qwen-1000"
+
+    def grounding_prompt(self, target: str) -> str:
+        return f"Locate {target} in the image, and output its bbox coordinates in JSON format."
+
+
+class PaliGemmaAdapter(FamilyAdapter):
+    """PaliGemma (2, mix): no chat template; one image and a task prefix per prompt, which the
+    processor turns into `<image>`s + BOS + prefix + newline. Detection answers <loc> tokens."""
+
+    name = "paligemma"
+    grounding = "paligemma-1024"
+    quantization_skip_modules = ("model.vision_tower", "model.multi_modal_projector", "lm_head")
+    caption_prefixes = {"caption": "caption en", "caption_long": "describe en"}
+
+    def grounding_prompt(self, target: str) -> str:
+        return f"detect {target}"
+
+    def task_prefix(self, item: "GenerationRequest") -> str:
+        """The card's prompt for the item; a chat is one user turn whose text is the prefix."""
+        if len(item.images) > 1:
+            raise RequestError("invalid_request", "the paligemma family takes one image per request",
+                               _join(item.param, "messages" if item.task == "chat" else "images"))
+        if item.task == "grounding":
+            return self.grounding_prompt(item.grounding_target)
+        if item.task in self.caption_prefixes:
+            return self.caption_prefixes[item.task]
+        text = " ".join(p for p in item.turns[-1].parts if isinstance(p, str)).strip()
+        if item.task == "vqa":
+            return f"answer en {text}"
+        if len(item.turns) != 1 or item.turns[0].role != "user":
+            raise RequestError(
+                "invalid_request", "the paligemma family takes one user message (a task prefix such "
+                "as 'caption en', 'answer en <question>' or 'detect <object>'), no system or "
+                "assistant turns", _join(item.param, "messages"),
+            )
+        return text
+
+    def batch_inputs(self, processor, items, device, dtype):
+        from PIL import Image
+
+        # The model always reads an image: a text-only row (a chat, or the engine's padding row)
+        # is given a black one.
+        images = [item.images or [Image.new("RGB", (1, 1))] for item in items]
+        inputs = processor(
+            text=[self.task_prefix(item) for item in items], images=images, padding=True, return_tensors="pt",
+        ).to(device)
+        inputs.pop("labels", None)  # the processor's training labels: not a generation input
+        inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+        return inputs, [None] * len(items)
+
+
+class Idefics3Adapter(FamilyAdapter):
+    """SmolVLM and Idefics3 (their processors need num2words)."""
+
+    name = "smolvlm"
+    quantization_skip_modules = ("model.vision_model", "model.connector", "lm_head")
+
+
 class LlavaAdapter(FamilyAdapter):
     name = "llava"
     quantization_skip_modules = ("model.vision_tower", "model.multi_modal_projector", "lm_head")
@@ -1002,6 +1089,7 @@ class RemoteCodeAdapter(FamilyAdapter):
 
     native = False
     model_class, processor_class = "AutoModel", "AutoTokenizer"  # names in transformers
+    inner_language_model: Optional[str] = None  # the attribute whose generate() the card's chat() calls
 
     def load(self, path: str, load_kwargs: dict):
         import transformers
@@ -1013,25 +1101,109 @@ class RemoteCodeAdapter(FamilyAdapter):
     def run(self, model, processor, item: GenerationRequest, sampling: dict) -> Generation:
         raise NotImplementedError
 
+    def card_sampling(self, sampling: dict) -> dict:
+        """The request's decoding exactly: greedy stays greedy; sampling is temperature and top-p
+        only (top_k=0 turns off the top-k 50 that generate() otherwise takes from its defaults)."""
+        return {**sampling, "top_k": 0} if sampling.get("do_sample") else dict(sampling)
+
+    @contextlib.contextmanager
+    def recorded_generation(self, model):
+        """Around a chat() call: the prompt length and the generated ids of the inner language
+        model's generate(), which the chat APIs do not return, so that usage and finish_reason
+        come from ids rather than from re-tokenised text. Empty when the model has no such module."""
+        record: dict = {}
+        inner = getattr(model, self.inner_language_model, None) if self.inner_language_model else None
+        if inner is None or not callable(getattr(inner, "generate", None)):
+            yield record
+            return
+        real_generate, own = inner.generate, "generate" in vars(inner)
+
+        def generate(*args, **kwargs):
+            output = real_generate(*args, **kwargs)
+            prompt = kwargs.get("inputs_embeds", kwargs.get("input_ids"))
+            record.update(prompt_tokens=int(prompt.shape[1]) if prompt is not None else 0,
+                          ids=output[0].tolist(), eos=set(_token_ids(kwargs.get("eos_token_id"))))
+            return output
+
+        inner.generate = generate
+        try:
+            yield record
+        finally:
+            if own:
+                inner.generate = real_generate
+            else:
+                del inner.generate  # the class's method again
+
+    def chat_generation(self, model, tokenizer, text: str, record: dict, max_new_tokens: int) -> Generation:
+        if "ids" not in record:
+            return _remote_generation(tokenizer, text, max_new_tokens)
+        config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        eos = record["eos"] | set(_token_ids(config_eos)) | set(_token_ids(tokenizer.eos_token_id))
+        ids = record["ids"]
+        return Generation(
+            text=text.strip(),
+            finish_reason=_finish_reason(ids, eos, max_new_tokens),
+            prompt_tokens=record["prompt_tokens"],
+            completion_tokens=_trimmed_length(ids, eos),
+        )
+
+
+def _text_of(turn: Turn) -> str:
+    return " ".join(p for p in turn.parts if isinstance(p, str))
+
+
+def _leading_system_prompt(turns: list[Turn], family: str, param: Optional[str]) -> tuple[Optional[str], list[Turn]]:
+    """The system prompt (system turns before the conversation) and the turns after it; a chat that
+    then opens with an assistant turn, or a later system turn, is refused as the card cannot say it."""
+    opening = next((k for k, turn in enumerate(turns) if turn.role != "system"), len(turns))
+    system, rest = turns[:opening], turns[opening:]
+    if any(turn.role == "system" for turn in rest):
+        raise RequestError("invalid_request", f"the {family} family takes system messages only at the start",
+                           _join(param, "messages"))
+    if rest and rest[0].role != "user":
+        raise RequestError("invalid_request", f"the {family} family needs the conversation to open with a "
+                           "user message (after any system message)", _join(param, "messages"))
+    return ("\n".join(_text_of(t) for t in system) or None), rest
+
 
 class MiniCPMVAdapter(RemoteCodeAdapter):
     """openbmb/MiniCPM-V-2_6: `model.chat(image=None, msgs=[...], tokenizer=...)` per its card."""
 
     name = "minicpm-v"
     quantization_skip_modules = ("vpm", "resampler", "lm_head")
+    inner_language_model = "llm"
+
+    def load(self, path: str, load_kwargs: dict):
+        # Its resampler.py takes `List` from `from torch.nn.functional import *`, which torch no
+        # longer provides (torch >= 2.7); give that module the name back instead of editing the repo.
+        import sys
+        import typing
+
+        import torch  # noqa: F401  (loads torch.nn.functional)
+
+        functional = sys.modules.get("torch.nn.functional")
+        if functional is not None and not hasattr(functional, "List"):
+            functional.List = typing.List
+        return super().load(path, load_kwargs)
+
+    def card_sampling(self, sampling: dict) -> dict:
+        """chat() overrides its own defaults (sampling: top_k 100 and repetition_penalty 1.05; not
+        sampling: num_beams 3 and repetition_penalty 1.2) only with the keys given here."""
+        kwargs = dict(super().card_sampling(sampling), sampling=bool(sampling.get("do_sample")),
+                      repetition_penalty=1.0)
+        if not sampling.get("do_sample"):
+            kwargs["num_beams"] = 1
+        return kwargs
 
     def run(self, model, tokenizer, item, sampling):
-        msgs, system = [], None
-        for turn in self.request_turns(item):
-            if turn.role == "system":
-                system = " ".join(p for p in turn.parts if isinstance(p, str))
-                continue
-            msgs.append({"role": turn.role, "content": list(turn.parts)})
-        kwargs = dict(image=None, msgs=msgs, tokenizer=tokenizer, **sampling)
+        system, turns = _leading_system_prompt(self.request_turns(item), self.name, item.param)
+        msgs = [{"role": turn.role, "content": list(turn.parts)} for turn in turns]
+        kwargs = dict(image=None, msgs=msgs, tokenizer=tokenizer, **self.card_sampling(sampling))
         if system:
             kwargs["system_prompt"] = system
-        text = model.chat(**kwargs)
-        return _remote_generation(tokenizer, text, item.params.max_new_tokens)
+        with self.recorded_generation(model) as record:
+            text = model.chat(**kwargs)
+        return self.chat_generation(model, tokenizer, text, record, item.params.max_new_tokens)
 
 
 class Phi3VisionAdapter(RemoteCodeAdapter):
@@ -1040,6 +1212,14 @@ class Phi3VisionAdapter(RemoteCodeAdapter):
     name = "phi3-vision"
     quantization_skip_modules = ("model.vision_embed_tokens", "lm_head")
     model_class, processor_class = "AutoModelForCausalLM", "AutoProcessor"
+
+    def load(self, path: str, load_kwargs: dict):
+        import importlib.util
+
+        # Its config.json asks for flash_attention_2; the card says to pass eager without flash-attn.
+        if importlib.util.find_spec("flash_attn") is None:
+            load_kwargs = {**load_kwargs, "attn_implementation": "eager"}
+        return super().load(path, load_kwargs)
 
     def chat_messages(self, turns):
         messages, index = [], 0
@@ -1064,7 +1244,7 @@ class Phi3VisionAdapter(RemoteCodeAdapter):
         # The card passes the tokenizer's end token; the generation config's (<|end|>) ends turns too.
         eos = set(_token_ids(model.generation_config.eos_token_id)) | set(_token_ids(processor.tokenizer.eos_token_id))
         with torch.inference_mode():
-            out = model.generate(**inputs, eos_token_id=sorted(eos), **sampling)
+            out = model.generate(**inputs, eos_token_id=sorted(eos), **self.card_sampling(sampling))
         new_tokens = out[0, inputs["input_ids"].shape[1]:]
         ids = new_tokens.tolist()
         text = processor.tokenizer.decode(new_tokens, skip_special_tokens=True)
@@ -1081,6 +1261,7 @@ class InternVL2Adapter(RemoteCodeAdapter):
 
     name = "internvl"
     quantization_skip_modules = ("vision_model", "mlp1", "lm_head")
+    inner_language_model = "language_model"
     image_size = 448
     max_tiles = 12
     mean = (0.485, 0.456, 0.406)
@@ -1129,23 +1310,33 @@ class InternVL2Adapter(RemoteCodeAdapter):
         return values, [len(p) for p in per_image]
 
     def run(self, model, tokenizer, item, sampling):
-        # InternVL2's chat takes one question plus (question, answer) history pairs.
+        # InternVL2's chat takes one question plus (question, answer) history pairs, so it cannot
+        # open with an answer; a system prompt replaces `model.system_message`, as its card does.
+        system, turns = _leading_system_prompt(self.request_turns(item), self.name, item.param)
         history, pending = [], None
-        for turn in self.request_turns(item):
+        for turn in turns:
             text = "\n".join(
                 "<image>" if not isinstance(p, str) else p for p in turn.parts
             )
             if turn.role == "assistant" and pending is not None:
                 history.append((pending, text))
                 pending = None
-            elif turn.role in ("user", "system"):
+            elif turn.role == "user":
                 pending = text if pending is None else f"{pending}\n{text}"
         values, num_patches = self.pixel_values(item.images, model.dtype, model.device)
-        text = model.chat(
-            tokenizer, values, pending or "", sampling,
-            num_patches_list=num_patches or None, history=history or None,
-        )
-        return _remote_generation(tokenizer, text, item.params.max_new_tokens)
+        default_system = getattr(model, "system_message", None)
+        if system:
+            model.system_message = system
+        try:
+            with self.recorded_generation(model) as record:
+                text = model.chat(
+                    tokenizer, values, pending or "", self.card_sampling(sampling),
+                    num_patches_list=num_patches or None, history=history or None,
+                )
+        finally:
+            if system:  # the next request gets the model's own default again
+                model.system_message = default_system
+        return self.chat_generation(model, tokenizer, text, record, item.params.max_new_tokens)
 
 
 def _token_ids(value) -> list[int]:
@@ -1165,28 +1356,86 @@ def _remote_generation(tokenizer, text: str, max_new_tokens: int) -> Generation:
     )
 
 
+class NamedFamilyAdapter(FamilyAdapter):
+    """A native family the generic recipe already serves as its card does (the parity tests of
+    tests/test_families.py prove it), named for logs and the curated list."""
+
+    def __init__(self, model_type: Optional[str] = None, name: str = "generic"):
+        super().__init__(model_type)
+        self.name = name
+
+
 ADAPTERS: dict[str, FamilyAdapter] = {
     a.name: a
     for a in (
-        QwenVLAdapter(), Qwen25VLAdapter(), LlavaAdapter(), LlavaNextAdapter(),
-        MiniCPMVAdapter(), Phi3VisionAdapter(), InternVL2Adapter(),
+        QwenVLAdapter(), Qwen25VLAdapter(), Qwen3VLAdapter(), LlavaAdapter(), LlavaNextAdapter(),
+        PaliGemmaAdapter(), Idefics3Adapter(), MiniCPMVAdapter(), Phi3VisionAdapter(), InternVL2Adapter(),
     )
 }
 FAMILY_BY_MODEL_TYPE = {
     "qwen2_vl": "qwen2-vl",
     "qwen2_5_vl": "qwen2.5-vl",
+    "qwen3_vl": "qwen3-vl",
     "llava": "llava",
     "llava_next": "llava-next",
+    "paligemma": "paligemma",
+    "idefics3": "smolvlm",
+    "smolvlm": "smolvlm",
     "minicpmv": "minicpm-v",
     "phi3_v": "phi3-vision",
     "internvl_chat": "internvl",
 }
+NAMED_FAMILIES = {  # model_type -> family name, served by the generic recipe
+    "gemma3": "gemma3",
+    "llava_onevision": "llava-onevision",
+    "internvl": "internvl-hf",
+    "mistral3": "mistral3",
+    "llama4": "llama4",
+    "glm4v": "glm-4.1v",
+}
+VISION_MODULE_WORDS = ("vision", "visual", "projector", "connector", "resampler")
 
 
 def adapter_for(model_type: str) -> FamilyAdapter:
     """The adapter of a config's model_type; other native model types get the generic adapter."""
     family = FAMILY_BY_MODEL_TYPE.get(model_type)
-    return ADAPTERS[family] if family else FamilyAdapter()
+    if family:
+        return type(ADAPTERS[family])(model_type)
+    return NamedFamilyAdapter(model_type, NAMED_FAMILIES.get(model_type, "generic"))
+
+
+def outermost_vision_modules(model) -> tuple[str, ...]:
+    """Names of the outermost modules whose own name says vision, visual, projector, connector or
+    resampler: e.g. ("model.vision_tower", "model.multi_modal_projector")."""
+    found: list[str] = []
+    for name, _ in model.named_modules():
+        leaf = name.rsplit(".", 1)[-1]
+        if any(word in leaf for word in VISION_MODULE_WORDS) and not any(name.startswith(f"{f}.") for f in found):
+            found.append(name)
+    return tuple(found)
+
+
+@functools.lru_cache(maxsize=None)
+def unquantized_module_names(model_type: str) -> tuple[str, ...]:
+    """The vision modules and the output head of a model type, read from its module tree built on
+    the meta device (no memory, no weights) from the type's default config: names do not depend
+    on sizes."""
+    import torch
+    from transformers import AutoConfig, AutoModelForImageTextToText
+
+    try:
+        with torch.device("meta"):
+            model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(model_type))
+    except Exception as error:
+        raise SettingsError(
+            f"cannot find the vision modules of model type {model_type!r} to keep them out of "
+            f"quantization ({error}); set VLM_QUANTIZE=none"
+        ) from error
+    names = outermost_vision_modules(model)
+    if not names:
+        raise SettingsError(f"no vision module found in model type {model_type!r}; set VLM_QUANTIZE=none")
+    head = model.get_output_embeddings()
+    return (*names, *(name for name, module in model.named_modules() if module is head))
 
 
 # =================================================================================================
@@ -2474,6 +2723,7 @@ class RequestModel(BaseModel):
     do_sample: bool = False
     stream: bool = False
     batch_images: Optional[bool] = None
+    annotate: bool = False  # grounding: also return the image with the boxes drawn
 
     @field_validator("task")
     @classmethod
@@ -2532,6 +2782,8 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
         do_sample=request.do_sample,
         min_new_tokens=min(request.min_new_tokens, max_new_tokens),
     )
+    if request.annotate and task != "grounding":
+        raise RequestError("invalid_request", "only used by the grounding task", _join(param, "annotate"))
     loose_images = _loose_images(request, param)
     if task == "chat":
         if request.messages is None:
@@ -2565,7 +2817,8 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
         # A grounding prompt is the family's own: its adapter adds it (FamilyAdapter.request_turns).
         turn = Turn("user", loose_images if task == "grounding" else [*loose_images, text])
         prepared = GenerationRequest(
-            task, [turn], params, grounding_target=target if task == "grounding" else None, param=param
+            task, [turn], params, grounding_target=target if task == "grounding" else None,
+            annotate=request.annotate, param=param,
         )
     _check_text_length(prepared, settings, param)
     _resolve_images(prepared.turns, settings, param)
@@ -2699,27 +2952,82 @@ def _resolve_images(turns: list[Turn], settings: Settings, param: Optional[str])
 
 # ---- parsing boxes ------------------------------------------------------------------------------
 
+# Each family answers boxes in its own words and its own coordinates (`FamilyAdapter.grounding`):
+#   qwen-1000        Qwen2-VL: <|object_ref_start|>dog<|object_ref_end|><|box_start|>(x1,y1),(x2,y2)<|box_end|>;
+#                    Qwen3-VL: [{"bbox_2d": [x1, y1, x2, y2], "label": "dog"}]; both relative, 0-1000
+#   qwen-abs-pixels  Qwen2.5-VL: the same JSON, in pixels of the resized model input
+#   paligemma-1024   PaliGemma: <loc{y1}><loc{x1}><loc{y2}><loc{x2}> dog ; ...  (bins of 1024)
+
 _NUMBER = r"-?\d+(?:\.\d+)?"
-_BOX_PATTERNS = (
-    # {"bbox": [...]} / {"bbox_2d": [...]}
-    re.compile(rf'"bbox(?:_2d)?"\s*:\s*\[\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\]'),
-    # (x1,y1),(x2,y2), with or without Qwen's <|box_start|> tokens
+_QUARTET = rf"({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})"
+_QWEN_BOX = re.compile(
+    r"(?:<\|object_ref_start\|>(.*?)<\|object_ref_end\|>\s*)?<\|box_start\|>(.*?)(?:<\|box_end\|>|$)", re.S
+)
+_LOC_BOX = re.compile(r"<loc(\d{4})><loc(\d{4})><loc(\d{4})><loc(\d{4})>\s*([^;<]*)")
+_JSON_OBJECT = re.compile(r"\{[^{}]*\}")  # flat objects: found one by one, even in a cut-off answer
+_JSON_BOX = re.compile(rf'"(?:bbox_2d|bbox|box_2d)"\s*:\s*\[\s*{_QUARTET}\s*\]')
+_JSON_LABEL = re.compile(r'"label"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_LOOSE_BOX_PATTERNS = (
+    # (x1,y1),(x2,y2)
     re.compile(rf"\(\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\)\s*,?\s*\(\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\)"),
     # [x1, y1, x2, y2]
-    re.compile(rf"\[\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\]"),
-    # a plain quartet of numbers
-    re.compile(rf"({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})"),
+    re.compile(rf"\[\s*{_QUARTET}\s*\]"),
 )
+_PLAIN_QUARTET = re.compile(_QUARTET)
 
 
-def parse_bbox(text: str) -> Optional[list[float]]:
+def _ordered(values) -> list[float]:
+    x1, y1, x2, y2 = (float(v) for v in values)
+    return [min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)]
+
+
+def _json_string(body: str) -> str:
+    try:
+        return json.loads(f'"{body}"')
+    except ValueError:  # an escape JSON does not know: keep the label as written
+        return body
+
+
+def parse_boxes(text: Optional[str]) -> list[tuple[list[float], Optional[str]]]:
+    """Every box in a model's answer with its label (or None), as [x1, y1, x2, y2] in the model's
+    own coordinates, in answer order. The first format found wins: Qwen2-VL's box tokens,
+    PaliGemma's <loc> tokens, JSON objects with a bbox, (x1,y1),(x2,y2) pairs, [x1, y1, x2, y2]
+    lists, then a single plain quartet of numbers."""
+    text = text or ""
+    boxes: list[tuple[list[float], Optional[str]]] = []
+    label = None
+    for match in _QWEN_BOX.finditer(text):  # a label holds for the boxes after it
+        label = match.group(1).strip() if match.group(1) is not None else label
+        numbers = re.findall(_NUMBER, match.group(2))
+        if len(numbers) == 4:
+            boxes.append((_ordered(numbers), label or None))
+    if boxes:
+        return boxes
+    for match in _LOC_BOX.finditer(text):
+        y1, x1, y2, x2 = match.groups()[:4]
+        boxes.append((_ordered([x1, y1, x2, y2]), match.group(5).strip() or None))
+    if boxes:
+        return boxes
+    for match in _JSON_OBJECT.finditer(text):
+        box = _JSON_BOX.search(match.group(0))
+        if box:
+            named = _JSON_LABEL.search(match.group(0))
+            label = _json_string(named.group(1)) if named else None
+            boxes.append((_ordered(box.groups()), label or None))
+    if boxes:
+        return boxes
+    for pattern in _LOOSE_BOX_PATTERNS:
+        boxes = [(_ordered(m.groups()), None) for m in pattern.finditer(text)]
+        if boxes:
+            return boxes
+    match = _PLAIN_QUARTET.search(text)
+    return [(_ordered(match.groups()), None)] if match else []
+
+
+def parse_bbox(text: Optional[str]) -> Optional[list[float]]:
     """The first box in a model's answer, as [x1, y1, x2, y2] in the model's own coordinates."""
-    for pattern in _BOX_PATTERNS:
-        match = pattern.search(text or "")
-        if match:
-            x1, y1, x2, y2 = (float(v) for v in match.groups())
-            return [min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)]
-    return None
+    boxes = parse_boxes(text)
+    return boxes[0][0] if boxes else None
 
 
 def box_to_pixels(box: list[float], system: Optional[str], size: tuple[int, int],
@@ -2728,6 +3036,8 @@ def box_to_pixels(box: list[float], system: Optional[str], size: tuple[int, int]
     width, height = size
     if system == "qwen-1000":
         sx, sy = width / 1000, height / 1000
+    elif system == "paligemma-1024":
+        sx, sy = width / 1024, height / 1024
     elif system == "qwen-abs-pixels" and input_size:
         sx, sy = width / input_size[0], height / input_size[1]
     elif max(box) <= 1.0:
@@ -2742,17 +3052,45 @@ def box_to_pixels(box: list[float], system: Optional[str], size: tuple[int, int]
 
 
 def grounding_fields(item: GenerationRequest, generation: Generation, adapter: FamilyAdapter) -> dict:
+    """`boxes` (every box, in the first image's pixels, with its label), `bbox` (the first box),
+    the model's coordinate system and the image size; an annotated copy of the image on request."""
     fields: dict = {"bbox": None, "supports_grounding": adapter.grounding is not None}
     if adapter.grounding is None:
         fields["bbox_warning"] = f"the {adapter.name} family has no grounding output; see response"
         return fields
-    box = parse_bbox(generation.raw_text or generation.text)
-    if box is None:
-        fields["bbox_warning"] = "no bounding box found in the model's answer"
-        return fields
     image = item.images[0]
-    fields["bbox"] = box_to_pixels(box, adapter.grounding, image.size, generation.image_input_size)
+    fields.update(box_format=adapter.grounding, image_size=list(image.size), boxes=[])
+    for box, label in parse_boxes(generation.raw_text or generation.text):
+        pixels = box_to_pixels(box, adapter.grounding, image.size, generation.image_input_size)
+        fields["boxes"].append({"bbox": pixels, "label": label})
+    if not fields["boxes"]:
+        fields["bbox_warning"] = "no bounding box found in the model's answer"
+    else:
+        fields["bbox"] = fields["boxes"][0]["bbox"]
+    if item.annotate:
+        fields["annotated_image"] = annotated_image(image, fields["boxes"])
     return fields
+
+
+def annotated_image(image, boxes: list[dict]) -> str:
+    """The image with each box outlined and labelled, as a PNG data URI."""
+    from PIL import ImageDraw
+
+    canvas = image.convert("RGB")  # a copy: the request's image stays as it was
+    draw = ImageDraw.Draw(canvas)
+    line = max(2, round(min(canvas.size) / 200))
+    colours = ("#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#42d4f4", "#f032e6", "#bfef45")
+    for k, box in enumerate(boxes):
+        colour = colours[k % len(colours)]
+        draw.rectangle(box["bbox"], outline=colour, width=line)
+        if box["label"]:
+            corner = (box["bbox"][0] + line, box["bbox"][1] + line)
+            left, top, right, bottom = draw.textbbox(corner, box["label"])
+            draw.rectangle((left - line, top - line, right + line, bottom + line), fill=colour)
+            draw.text(corner, box["label"], fill="white")
+    buffer = io.BytesIO()
+    canvas.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode("ascii")
 
 
 # =================================================================================================

@@ -1050,7 +1050,7 @@ def test_internvl_tiles_each_image_as_its_card_does(monkeypatch, hub, size, tile
 def test_internvl_history_question_and_patches(monkeypatch, hub):
     answer_conversation(monkeypatch, hub, INTERNVL, max_new_tokens=33)
     (chat_call,) = hub.chat_calls
-    assert chat_call["history"] == [("Be brief.\n<image>\nWhat is this?", "A red box.")]
+    assert chat_call["history"] == [("<image>\nWhat is this?", "A red box.")]
     assert chat_call["question"] == "And this?\n<image>"
     assert chat_call["num_patches_list"] == [3, 3]
     assert chat_call["pixel_values"].dims[0] == 6

@@ -1,0 +1,561 @@
+"""Every native family answers as its model card does: the worker's prompt ids and greedy tokens
+equal the card's recipe (processor.apply_chat_template with the images inside the messages, then
+model.generate with do_sample=False), for a request sent alone and for two different requests
+batched. Tiny random-weight models built offline (tools/tiny_models.py), CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+from sample_images import data_uri, plain, striped
+
+import handler
+
+# Families whose processor has a chat template (PaliGemma, prompted by task prefixes, is below).
+CHAT_FAMILIES = ["qwen3-vl", "gemma3", "llava-onevision", "smolvlm", "internvl-hf", "mistral3", "llama4", "glm4v"]
+NEW_TOKENS = 5
+
+
+def ask(payload: dict) -> dict:
+    job = {"id": "job-1", "input": payload}
+    if hasattr(handler, "answer"):  # the continuous-batching engine's entry (async)
+        return asyncio.run(handler.answer(job))
+    return handler.handler(job)
+
+
+@pytest.fixture(scope="module", params=CHAT_FAMILIES)
+def family(request):
+    return request.param
+
+
+@pytest.fixture
+def engine(family, tiny_model, serve):
+    return serve(tiny_model(family))
+
+
+@pytest.fixture
+def forward_calls(engine, forward_calls_of):
+    return forward_calls_of(engine)
+
+
+def check_batch_against_card(engine, requests: list[dict], cards: list[tuple[list[int], list[int]]]) -> None:
+    """Two or more requests in one call: each row of the adapter's batch inputs (what the engine
+    prefills) has the prompt ids of the card's recipe for that request alone, and each answer is
+    the card's greedy answer (text and token counts)."""
+    items = [handler.parse_request(request, engine.settings)[1] for request in requests]
+    inputs, _ = engine.adapter.batch_inputs(engine.processor, items, engine.model.device, engine.dtype)
+    for row, (prompt, _) in enumerate(cards):
+        ids, mask = inputs["input_ids"][row], inputs["attention_mask"][row]
+        assert ids[mask.bool()].tolist() == prompt, f"row {row}"
+    out = ask({"requests": requests})
+    for index, (result, (prompt, generated)) in enumerate(zip(out["results"], cards)):
+        assert "error" not in result, result
+        kept = generated[: next((k for k, t in enumerate(generated) if t in engine.eos_ids), len(generated))]
+        assert result["response"] == engine.tokenizer.decode(kept, skip_special_tokens=True).strip(), index
+        assert result["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(kept)}, index
+
+
+def worker_rows(calls: list[dict], rows: int) -> list[tuple[list[int], list[int]]]:
+    """Per batch row: the prompt ids (padding removed) and the greedy tokens."""
+    first = calls[0]
+    result = []
+    for row in range(rows):
+        ids, mask = first["input_ids"][row], first["attention_mask"][row]
+        prompt = ids[mask[-len(ids):].bool()].tolist()
+        result.append((prompt, [int(call["choice"][row]) for call in calls][:NEW_TOKENS]))
+    return result
+
+
+@functools.cache
+def reference_model(folder: str):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    return model, AutoProcessor.from_pretrained(folder)
+
+
+def card_recipe(folder, messages: list[dict]) -> tuple[list[int], list[int]]:
+    """The model card: one apply_chat_template call with the images in the messages, then greedy."""
+    model, processor = reference_model(str(folder))
+    inputs = processor.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True, return_dict=True, return_tensors="pt"
+    )
+    if "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"].to(model.dtype)  # the cards' .to(model.dtype)
+    with torch.inference_mode():
+        output = model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS)
+    prompt = inputs["input_ids"][0]
+    return prompt.tolist(), output[0, len(prompt):].tolist()
+
+
+def text(value: str) -> dict:
+    return {"type": "text", "text": value}
+
+
+FIRST, SECOND, THIRD = striped((100, 50)), plain("green", (40, 60)), striped((64, 64))
+# Two different requests: a system prompt and two images in one turn; a single-image question.
+TWO_IMAGES = (
+    {"messages": [
+        {"role": "system", "content": "Answer in one word."},
+        {"role": "user", "content": [{"type": "image_url", "image_url": data_uri(FIRST)},
+                                     text("Which is green?"),
+                                     {"type": "image_url", "image_url": data_uri(SECOND)}]},
+    ], "max_new_tokens": NEW_TOKENS},
+    [
+        {"role": "system", "content": [text("Answer in one word.")]},
+        {"role": "user", "content": [{"type": "image", "image": FIRST}, text("Which is green?"),
+                                     {"type": "image", "image": SECOND}]},
+    ],
+)
+ONE_IMAGE = (
+    {"task": "vqa", "image_url": data_uri(THIRD), "question": "What is shown?", "max_new_tokens": NEW_TOKENS},
+    [{"role": "user", "content": [{"type": "image", "image": THIRD}, text("What is shown?")]}],
+)
+
+
+def test_a_request_alone_matches_the_card(engine, tiny_model, family, forward_calls):
+    request, messages = TWO_IMAGES
+    out = ask(request)
+    assert "error" not in out, out
+    assert out["image_count"] == 2
+    ((prompt, generated),) = worker_rows(forward_calls, 1)
+    reference_prompt, reference_generated = card_recipe(tiny_model(family), messages)
+    assert prompt == reference_prompt
+    assert prompt.count(engine.tokenizer.bos_token_id) <= 1
+    assert generated == reference_generated
+    assert out["usage"]["prompt_tokens"] == len(reference_prompt)
+
+
+def test_two_different_requests_batched_match_the_card(engine, tiny_model, family):
+    check_batch_against_card(engine, [TWO_IMAGES[0], ONE_IMAGE[0]],
+                             [card_recipe(tiny_model(family), messages) for _, messages in [TWO_IMAGES, ONE_IMAGE]])
+
+
+# ---- PaliGemma: task prefixes instead of a chat template ----------------------------------------
+
+
+@pytest.fixture
+def paligemma(tiny_model, serve):
+    return serve(tiny_model("paligemma"))
+
+
+def paligemma_card(folder, prefix: str, image) -> tuple[list[int], list[int]]:
+    """google/paligemma2-*-mix's card: processor(text=prefix, images=image) then greedy."""
+    model, processor = reference_model(str(folder))
+    inputs = processor(text=prefix, images=image, return_tensors="pt")
+    with torch.inference_mode():
+        output = model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS)
+    prompt = inputs["input_ids"][0]
+    return prompt.tolist(), output[0, len(prompt):].tolist()
+
+
+PALIGEMMA_REQUESTS = [
+    ({"task": "caption", "image_url": data_uri(FIRST)}, "caption en", FIRST),
+    ({"task": "vqa", "image_url": data_uri(THIRD), "question": "What is shown?"}, "answer en What is shown?", THIRD),
+    ({"task": "grounding", "image_url": data_uri(SECOND), "target": "the square"}, "detect the square", SECOND),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": data_uri(THIRD)},
+                                                text("ocr")]}]}, "ocr", THIRD),
+]
+
+
+def test_paligemma_prompts_are_the_cards_task_prefixes_alone_and_batched(paligemma, tiny_model, forward_calls_of):
+    for request, prefix, image in PALIGEMMA_REQUESTS[:2]:
+        calls = forward_calls_of(paligemma)
+        out = ask({**request, "max_new_tokens": NEW_TOKENS})
+        assert "error" not in out, out
+        assert worker_rows(calls, 1) == [paligemma_card(tiny_model("paligemma"), prefix, image)]
+    check_batch_against_card(
+        paligemma, [{**request, "max_new_tokens": NEW_TOKENS} for request, _, _ in PALIGEMMA_REQUESTS],
+        [paligemma_card(tiny_model("paligemma"), prefix, image) for _, prefix, image in PALIGEMMA_REQUESTS],
+    )
+
+
+def test_paligemma_text_only_reads_a_black_image(paligemma, tiny_model):
+    from PIL import Image
+
+    check_batch_against_card(
+        paligemma,
+        [{"messages": [{"role": "user", "content": "caption en"}], "max_new_tokens": NEW_TOKENS},
+         {**PALIGEMMA_REQUESTS[0][0], "max_new_tokens": NEW_TOKENS}],
+        [paligemma_card(tiny_model("paligemma"), "caption en", Image.new("RGB", (1, 1))),
+         paligemma_card(tiny_model("paligemma"), "caption en", FIRST)],
+    )
+
+
+@pytest.mark.parametrize("messages", [
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [text("caption en")]}],
+    [{"role": "user", "content": [text("caption en")]}, {"role": "assistant", "content": "A cat."},
+     {"role": "user", "content": [text("answer en why?")]}],
+    [{"role": "user", "content": [{"type": "image_url", "image_url": data_uri(SECOND)}, text("caption en")]}],
+])
+def test_paligemma_refuses_what_its_card_cannot_express(paligemma, messages):
+    messages[-1]["content"].insert(0, {"type": "image_url", "image_url": data_uri(FIRST)})
+    out = ask({"requests": [{"messages": messages}, {"task": "caption", "image_url": data_uri(FIRST),
+                                                     "max_new_tokens": 2}]})
+    refused, answered = out["results"]
+    assert refused["code"] == "invalid_request" and refused["param"] == "requests[0].messages", refused
+    assert "error" not in answered  # its neighbour still answers
+
+
+@pytest.fixture
+def forward_calls_of(monkeypatch):
+    """`forward_calls_of(engine)`: a fresh list recording that engine's forward passes from now on."""
+
+    def record(engine):
+        calls = []
+        real_forward = getattr(engine.model.forward, "__wrapped_forward__", engine.model.forward)
+
+        def recording_forward(*args, **kwargs):
+            output = real_forward(*args, **kwargs)
+            calls.append({"input_ids": kwargs.get("input_ids"), "attention_mask": kwargs.get("attention_mask"),
+                          "choice": output.logits[:, -1].argmax(-1)})
+            return output
+
+        recording_forward.__wrapped_forward__ = real_forward
+        monkeypatch.setattr(engine.model, "forward", recording_forward)
+        return calls
+
+    return record
+
+
+# ---- grounding on the new families --------------------------------------------------------------
+
+
+def script_answer(engine, monkeypatch, answer_text: str) -> None:
+    """Make the model answer `answer_text` then its end token; decoding and parsing stay the worker's."""
+    answer = engine.tokenizer(answer_text, add_special_tokens=False)["input_ids"] + [min(engine.eos_ids)]
+    real_forward = engine.model.forward
+    step = iter(range(10**6))
+
+    def scripted_forward(*args, **kwargs):
+        output = real_forward(*args, **kwargs)
+        logits = torch.full_like(output.logits, -1e4)
+        logits[..., answer[min(next(step), len(answer) - 1)]] = 1e4
+        output.logits = logits
+        return output
+
+    monkeypatch.setattr(engine.model, "forward", scripted_forward)
+
+
+@pytest.mark.parametrize("family, answer, box_format", [
+    ("qwen3-vl", '```json\n[{"bbox_2d": [100, 200, 500, 800], "label": "stripe"},\n'
+                 ' {"bbox_2d": [0, 0, 1000, 1000], "label": "all"}]\n```', "qwen-1000"),
+    ("paligemma", "<loc0205><loc0102><loc0819><loc0512> stripe ; <loc0000><loc0000><loc1024><loc1024> all",
+     "paligemma-1024"),
+])
+def test_grounding_returns_every_box_in_image_pixels(family, answer, box_format, tiny_model, serve, monkeypatch):
+    engine = serve(tiny_model(family))
+    script_answer(engine, monkeypatch, answer)
+    out = ask({"task": "grounding", "image_url": data_uri(striped((100, 50))), "target": "a stripe",
+               "annotate": True})
+    assert "error" not in out, out
+    assert out["boxes"] == [{"bbox": [10, 10, 50, 40], "label": "stripe"}, {"bbox": [0, 0, 100, 50], "label": "all"}]
+    assert out["bbox"] == [10, 10, 50, 40] and out["box_format"] == box_format and out["image_size"] == [100, 50]
+    assert out["annotated_image"].startswith("data:image/png;base64,")
+
+
+def test_qwen3_vl_takes_the_pixel_limits(tiny_model, serve):
+    engine = serve(tiny_model("qwen3-vl"), VLM_MAX_PIXELS=str(64 * 64))
+    inputs, sizes = engine.adapter.batch_inputs(
+        engine.processor, [handler.parse_request(ONE_IMAGE[0], engine.settings)[1]], "cpu", torch.float32
+    )
+    assert inputs["image_grid_thw"].tolist() == [[1, 4, 4]]  # 64x64 at most: 4x4 patches of 16
+    assert sizes == [(64, 64)]
+
+
+# ---- quantization keeps the vision side in full precision --------------------------------------
+
+VISION_WORDS = ("vision", "visual", "projector", "connector", "resampler", "merger", "patch_embed")
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "llava", "llava-next", "qwen3-vl", "gemma3",
+                                    "llava-onevision", "paligemma", "smolvlm", "internvl-hf", "mistral3", "llama4", "glm4v"])
+def test_quantization_skips_cover_the_vision_side_of_real_module_trees(family, tiny_model):
+    model, _ = reference_model(str(tiny_model(family)))
+    adapter = handler.adapter_for(model.config.model_type)
+    skips = adapter.quantization_skip_modules
+    modules = dict(model.named_modules())
+    assert all(name in modules for name in skips), skips
+    assert modules[skips[-1]] is model.get_output_embeddings()  # the head stays in full precision
+
+    def skipped(name: str) -> bool:
+        return any(name == s or name.startswith(f"{s}.") for s in skips)
+
+    parameters = [name for name, _ in model.named_parameters()]
+    vision = [name for name in parameters if any(word in name for word in VISION_WORDS)]
+    language = [name for name in parameters if ("language_model" in name or "text_model" in name)
+                and not name.startswith(f"{skips[-1]}.")]
+    assert vision and all(skipped(name) for name in vision)
+    assert language and not any(skipped(name) for name in language)
+
+
+def test_the_generic_adapter_finds_vision_modules_of_any_native_type():
+    assert handler.adapter_for("mistral3").quantization_skip_modules == (
+        "model.vision_tower", "model.multi_modal_projector", "lm_head")
+    assert handler.adapter_for("glm4v").quantization_skip_modules == ("model.visual", "lm_head")
+    assert handler.adapter_for("llama4").quantization_skip_modules == (
+        "vision_model", "multi_modal_projector", "language_model.lm_head")
+
+
+# ---- remote-code families, against fakes that follow each repository's documented code ----------
+# Their real code needs transformers 4.45-4.48 (see README); these fakes mimic what the worker
+# relies on: MiniCPM-V-2_6's chat() defaults and inner `llm.generate`, InternVL2's chat() and inner
+# `language_model.generate`, Phi-3-vision's loading, each with the eos and ids their code passes.
+
+EOS, END, PAD = 2, 3, 0
+
+
+class FakeTokenizer:
+    eos_token_id = EOS
+
+    def decode(self, ids, skip_special_tokens=False):
+        return "".join(chr(96 + i) for i in ids if not (skip_special_tokens and i in (EOS, END, PAD)))
+
+    def __call__(self, text, add_special_tokens=False):  # re-tokenises decoded text (the old way)
+        return {"input_ids": [ord(c) - 96 for c in text]}
+
+
+class FakeRemoteModel:
+    """Loaded through the worker's own path; `answer` is the ids the inner generate() produces."""
+
+    dtype, device = torch.float32, torch.device("cpu")
+
+    def __init__(self, answer: list[int], prompt_tokens: int = 7):
+        self.answer, self.prompt_tokens = answer, prompt_tokens
+        self.config = type("Config", (), {"get_text_config": lambda self, decoder=True: self,
+                                          "max_position_embeddings": 4096})()
+        self.generation_config = type("GenerationConfig", (), {"eos_token_id": EOS})()
+        self.generate_calls: list[dict] = []
+
+    def eval(self):
+        return self
+
+    def inner_generate(self, **kwargs):
+        self.generate_calls.append(kwargs)
+        answer = self.answer[: kwargs["max_new_tokens"]]
+        return torch.tensor([answer])  # inputs_embeds in: only the new tokens come back
+
+
+class FakeMiniCPMV(FakeRemoteModel):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.llm = type("LLM", (), {"generate": lambda llm, **kw: self.inner_generate(**kw)})()
+        self.chat_calls: list[dict] = []
+
+    def chat(self, image, msgs, tokenizer, max_new_tokens=2048, min_new_tokens=0, sampling=True,
+             system_prompt="", **kwargs):
+        self.chat_calls.append(dict(msgs=msgs, sampling=sampling, system_prompt=system_prompt, kwargs=kwargs))
+        for i, msg in enumerate(msgs):  # modeling_minicpmv.py's checks
+            assert msg["role"] in ["user", "assistant"]
+            if i == 0:
+                assert msg["role"] == "user", "The role of first msg should be user"
+        if sampling:
+            generation_config = {"top_p": 0.8, "top_k": 100, "temperature": 0.7, "do_sample": True,
+                                 "repetition_penalty": 1.05}
+        else:
+            generation_config = {"num_beams": 3, "repetition_penalty": 1.2}
+        generation_config.update((k, kwargs[k]) for k in generation_config.keys() & kwargs.keys())
+        output = self.llm.generate(inputs_embeds=torch.zeros(1, self.prompt_tokens, 4), pad_token_id=0,
+                                   eos_token_id=[END, EOS], max_new_tokens=max_new_tokens, **generation_config)
+        return tokenizer.decode(output[0], skip_special_tokens=True)
+
+
+class FakeInternVL2(FakeRemoteModel):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.language_model = type("LanguageModel", (), {"generate": lambda lm, **kw: self.inner_generate(**kw)})()
+        self.chat_calls: list[dict] = []
+
+    system_message = "the model's default system message"
+
+    def chat(self, tokenizer, pixel_values, question, generation_config, history=None, return_history=False,
+             num_patches_list=None, **kwargs):
+        self.chat_calls.append(dict(question=question, history=history, generation_config=generation_config,
+                                    system_message=self.system_message))  # template.system_message
+        generation_config["eos_token_id"] = END  # template.sep, <|im_end|>
+        output = self.language_model.generate(inputs_embeds=torch.zeros(1, self.prompt_tokens, 4),
+                                              **generation_config)
+        # the card's chat: decode without special tokens, then cut at the separator
+        return tokenizer.decode(output[0], skip_special_tokens=True)
+
+
+@pytest.fixture
+def serve_remote(serve, monkeypatch):
+    """`serve_remote(model_type, model)`: the worker loads `model` through its own loading path."""
+    import transformers
+
+    def start(model_type: str, model, on_load=None, processor=None, **env):
+        loads = []
+
+        def load_model(path, **kwargs):
+            loads.append(kwargs)
+            if on_load:
+                on_load()
+            return model
+
+        config = type("Config", (), {"model_type": model_type})()
+        monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", lambda path, **kw: config)
+        for auto in ("AutoModel", "AutoModelForCausalLM"):
+            monkeypatch.setattr(getattr(transformers, auto), "from_pretrained", load_model)
+        for auto in ("AutoTokenizer", "AutoProcessor"):
+            monkeypatch.setattr(getattr(transformers, auto), "from_pretrained",
+                                lambda path, **kw: processor or FakeTokenizer())
+        engine = serve(Path(f"/remote/{model_type}"), VLM_MAX_BATCH_SIZE="4", **env)
+        return engine, loads
+
+    return start
+
+
+def chat_request(**extra):
+    return {"messages": [{"role": "system", "content": "Be brief."},
+                         {"role": "user", "content": [{"type": "image_url", "image_url": data_uri(FIRST)},
+                                                      text("What is it?")]}], **extra}
+
+
+def test_minicpm_v_greedy_is_greedy_and_sampling_is_temperature_and_top_p(serve_remote):
+    model = FakeMiniCPMV(answer=[5, 6, 7, EOS])
+    serve_remote("minicpmv", model)
+    out = ask(chat_request(max_new_tokens=10))
+    assert out["response"] == "efg"
+    greedy = model.generate_calls[-1]
+    assert greedy["num_beams"] == 1 and greedy["repetition_penalty"] == 1.0 and "do_sample" not in greedy
+    assert model.chat_calls[-1]["sampling"] is False and model.chat_calls[-1]["system_prompt"] == "Be brief."
+    ask(chat_request(max_new_tokens=10, do_sample=True, temperature=0.4, top_p=0.9))
+    sampled = model.generate_calls[-1]
+    assert sampled["do_sample"] is True and sampled["temperature"] == 0.4 and sampled["top_p"] == 0.9
+    assert sampled["top_k"] == 0 and sampled["repetition_penalty"] == 1.0  # not chat()'s 100 and 1.05
+
+
+@pytest.mark.parametrize("model_type, fake", [("minicpmv", FakeMiniCPMV), ("internvl_chat", FakeInternVL2)])
+def test_remote_usage_and_finish_reason_come_from_the_generated_ids(serve_remote, model_type, fake):
+    # the limit is hit by ids whose decoded text re-tokenises shorter (END and PAD are skipped)
+    model = fake(answer=[5, END, 6, PAD, 7], prompt_tokens=11)
+    serve_remote(model_type, model)
+    out = ask(chat_request(max_new_tokens=3))
+    assert out["finish_reason"] == "stop" and out["usage"] == {"prompt_tokens": 11, "completion_tokens": 1}
+    model.answer = [5, 6, 7, 8, 9]
+    out = ask(chat_request(max_new_tokens=4))
+    assert out["finish_reason"] == "length" and out["usage"] == {"prompt_tokens": 11, "completion_tokens": 4}
+
+
+def test_internvl2_sampling_is_exactly_temperature_and_top_p(serve_remote):
+    model = FakeInternVL2(answer=[5, END])
+    serve_remote("internvl_chat", model)
+    ask(chat_request(max_new_tokens=5, do_sample=True, temperature=0.3, top_p=0.7))
+    config = model.chat_calls[-1]["generation_config"]
+    assert config["do_sample"] is True and config["temperature"] == 0.3 and config["top_p"] == 0.7
+    assert config["top_k"] == 0
+
+
+@pytest.mark.parametrize("model_type, fake", [("minicpmv", FakeMiniCPMV), ("internvl_chat", FakeInternVL2)])
+@pytest.mark.parametrize("messages", [
+    [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Hi"}],
+    [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Late."}, {"role": "user", "content": "Hi"}],
+])
+def test_remote_code_refuses_turns_its_card_cannot_express(serve_remote, model_type, fake, messages):
+    model = fake(answer=[5, EOS])
+    serve_remote(model_type, model)
+    out = ask({"requests": [{"messages": messages}, {"messages": [{"role": "user", "content": "Hi"}]}]})
+    refused, answered = out["results"]
+    assert refused["code"] == "invalid_request" and refused["param"] == "requests[0].messages", refused
+    assert answered["response"] == "e"
+    assert len(model.chat_calls) == 1  # the refused one never reached chat()
+
+
+def test_minicpm_v_code_that_takes_List_from_torch_functional_loads(serve_remote, monkeypatch):
+    import torch.nn.functional
+
+    monkeypatch.delattr(torch.nn.functional, "List", raising=False)
+    resampler = "from torch.nn.functional import *\nhint = List[int]\n"  # resampler.py's imports
+    with pytest.raises(NameError):
+        exec(resampler, {})
+    serve_remote("minicpmv", FakeMiniCPMV(answer=[5, EOS]), on_load=lambda: exec(resampler, {}))
+    assert ask(chat_request())["response"] == "e"
+
+
+@pytest.mark.parametrize("flash_attn, expected", [(False, "eager"), (True, None)])
+def test_phi3_vision_asks_for_eager_attention_without_flash_attn(serve_remote, monkeypatch, flash_attn, expected):
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "flash_attn" and flash_attn else real_find_spec(name, *a))
+    _, loads = serve_remote("phi3_v", FakeRemoteModel(answer=[]))
+    assert loads[-1].get("attn_implementation") == expected
+    assert loads[-1]["trust_remote_code"] is True
+
+
+# ---- the curated list ---------------------------------------------------------------------------
+
+
+def test_every_curated_native_family_has_a_tiny_builder_and_card_parity_here():
+    import tiny_models
+
+    remote_code = {"minicpm-v", "phi3-vision", "internvl"}
+    built = {{"glm4v": "glm-4.1v"}.get(name, name) for name in tiny_models.FAMILIES}
+    curated = {model.family for model in handler.CURATED_MODELS.values()} - remote_code
+    assert curated <= built, curated - built
+
+
+def test_curated_grounding_matches_the_familys_adapter():
+    adapters = {adapter.name: adapter for adapter in map(
+        handler.adapter_for, [*handler.FAMILY_BY_MODEL_TYPE, *handler.NAMED_FAMILIES])}
+    for model_id, model in handler.CURATED_MODELS.items():
+        assert adapters[model.family].grounding == model.grounding, model_id
+
+
+TEXT_ONLY = (
+    {"messages": [{"role": "user", "content": "Say hello."}], "max_new_tokens": NEW_TOKENS},
+    [{"role": "user", "content": [text("Say hello.")]}],
+)
+
+
+def test_a_text_only_request_batched_with_an_image_request_matches_the_card(engine, tiny_model, family):
+    check_batch_against_card(engine, [TEXT_ONLY[0], ONE_IMAGE[0]],
+                             [card_recipe(tiny_model(family), messages) for _, messages in [TEXT_ONLY, ONE_IMAGE]])
+
+
+class FakePhi3Processor:
+    """Phi-3-vision's processor as its card uses it: the tokenizer's chat template, then
+    processor(prompt, images) -> input_ids (images become <|image_N|> placeholders' tokens)."""
+
+    def __init__(self):
+        self.tokenizer = FakeTokenizer()
+        self.tokenizer.apply_chat_template = lambda messages, tokenize, add_generation_prompt: "".join(
+            f"<|{m['role']}|>{m['content']}<|end|>" for m in messages) + "<|assistant|>"
+
+    def __call__(self, prompt, images=None, return_tensors=None):
+        from transformers import BatchFeature
+
+        return BatchFeature({"input_ids": torch.ones(1, len(prompt), dtype=torch.long)})
+
+
+class FakePhi3(FakeRemoteModel):
+    def generate(self, input_ids, **kwargs):
+        self.generate_calls.append(kwargs)
+        return torch.cat([input_ids, torch.tensor([self.answer[: kwargs["max_new_tokens"]]])], dim=1)
+
+
+def test_phi3_vision_sampling_is_exactly_temperature_and_top_p(serve_remote):
+    model = FakePhi3(answer=[5, 6, EOS])
+    serve_remote("phi3_v", model, processor=FakePhi3Processor())
+    out = ask(chat_request(max_new_tokens=5, do_sample=True, temperature=0.6, top_p=0.5))
+    call = model.generate_calls[-1]
+    assert call["do_sample"] is True and call["temperature"] == 0.6 and call["top_p"] == 0.5 and call["top_k"] == 0
+    assert out["response"] == "ef" and out["finish_reason"] == "stop" and out["usage"]["completion_tokens"] == 2
+    ask(chat_request(max_new_tokens=5))
+    assert model.generate_calls[-1]["do_sample"] is False and model.generate_calls[-1].get("top_k") in (None, 0)
+
+
+def test_internvl2_system_prompt_is_its_system_message_for_that_request_only(serve_remote):
+    model = FakeInternVL2(answer=[5, END])
+    serve_remote("internvl_chat", model)
+    ask(chat_request())
+    ask({"messages": [{"role": "user", "content": "Hi"}]})
+    with_system, without = model.chat_calls
+    assert with_system["system_message"] == "Be brief." and "Be brief." not in with_system["question"]
+    assert without["system_message"] == "the model's default system message"

@@ -1,0 +1,125 @@
+"""Grounding answers as each family writes them, parsed into every box with its label, in the
+original image's pixels; and the annotated image. Pure functions: no model is loaded."""
+
+from __future__ import annotations
+
+import base64
+import io
+
+import pytest
+from PIL import Image
+
+import handler
+
+QWEN2_VL_TWO_DOGS = (
+    "<|object_ref_start|>the dog<|object_ref_end|><|box_start|>(100,250),(500,750)<|box_end|> and "
+    "<|object_ref_start|>the cat<|object_ref_end|><|box_start|>(600,100),(900,400)<|box_end|><|im_end|>"
+)
+QWEN25_VL_JSON = """```json
+[
+\t{"bbox_2d": [135, 114, 1016, 672], "label": "orange cat"},
+\t{"bbox_2d": [12, 40, 120, 300], "label": "lamp \\"left\\""}
+]
+```"""
+
+
+@pytest.mark.parametrize("text, boxes", [
+    (QWEN2_VL_TWO_DOGS, [([100, 250, 500, 750], "the dog"), ([600, 100, 900, 400], "the cat")]),
+    # one reference, several instances: the label holds for the boxes after it
+    ("<|object_ref_start|>cars<|object_ref_end|><|box_start|>(1,2),(3,4)<|box_end|>"
+     "<|box_start|>(5,6),(7,8)<|box_end|>", [([1, 2, 3, 4], "cars"), ([5, 6, 7, 8], "cars")]),
+    ("<|box_start|>(300,400),(100,200)<|box_end|>", [([100, 200, 300, 400], None)]),
+    (QWEN25_VL_JSON, [([135, 114, 1016, 672], "orange cat"), ([12, 40, 120, 300], 'lamp "left"')]),
+    # Qwen3-VL, no fence, and an answer cut off by max_new_tokens after the first object
+    ('[{"bbox_2d": [10, 20, 30, 40], "label": "a"}, {"bbox_2d": [50, 60, 7', [([10, 20, 30, 40], "a")]),
+    ('{"label": "b", "bbox": [1, 2, 3, 4]}', [([1, 2, 3, 4], "b")]),
+    # PaliGemma: y1 x1 y2 x2 in 1024 bins, objects separated by " ; "
+    ("<loc0100><loc0200><loc0300><loc0400> dog ; <loc0000><loc0010><loc1023><loc0020> cat",
+     [([200, 100, 400, 300], "dog"), ([10, 0, 20, 1023], "cat")]),
+    ("<loc0100><loc0200><loc0300><loc0400>", [([200, 100, 400, 300], None)]),
+    ("dog at [10, 20, 30, 40], cat at [50, 60, 70, 80]", [([10, 20, 30, 40], None), ([50, 60, 70, 80], None)]),
+    ("(1, 2), (3, 4) and (5,6),(7,8)", [([1, 2, 3, 4], None), ([5, 6, 7, 8], None)]),
+    ("box: 1, 2, 3, 4", [([1, 2, 3, 4], None)]),
+    ("I see no dog.", []),
+    (None, []),
+])
+def test_parse_boxes_reads_every_box_and_label(text, boxes):
+    assert handler.parse_boxes(text) == [(list(map(float, box)), label) for box, label in boxes]
+    assert handler.parse_bbox(text) == (boxes[0][0] if boxes else None)
+
+
+def test_paligemma_bins_scale_to_the_image():
+    assert handler.box_to_pixels([0, 256, 512, 1024], "paligemma-1024", (200, 100)) == [0, 25, 100, 100]
+
+
+def grounding_item(size=(640, 480), annotate=False):
+    image = Image.new("RGB", size, "white")
+    params = handler.GenerationParams(max_new_tokens=64, temperature=0.0, top_p=1.0, do_sample=False)
+    return handler.GenerationRequest("grounding", [handler.Turn("user", [image])], params,
+                                     grounding_target="the dog", annotate=annotate)
+
+
+def test_qwen2_vl_fields_list_every_box_in_original_pixels():
+    fields = handler.grounding_fields(
+        grounding_item(), handler.Generation("", "stop", raw_text=QWEN2_VL_TWO_DOGS), handler.ADAPTERS["qwen2-vl"]
+    )
+    assert fields["boxes"] == [
+        {"bbox": [64, 120, 320, 360], "label": "the dog"},
+        {"bbox": [384, 48, 576, 192], "label": "the cat"},
+    ]
+    assert fields["bbox"] == [64, 120, 320, 360]  # the first box, as before
+    assert fields["box_format"] == "qwen-1000" and fields["image_size"] == [640, 480]
+    assert "bbox_warning" not in fields and "annotated_image" not in fields
+
+
+def test_qwen25_vl_boxes_scale_from_the_resized_input():
+    # the 640x480 image went in as 1280x960: pixels of the input are halved
+    generation = handler.Generation("", "stop", raw_text=QWEN25_VL_JSON, image_input_size=(1280, 960))
+    fields = handler.grounding_fields(grounding_item(), generation, handler.ADAPTERS["qwen2.5-vl"])
+    assert [b["bbox"] for b in fields["boxes"]] == [[68, 57, 508, 336], [6, 20, 60, 150]]
+    assert [b["label"] for b in fields["boxes"]] == ["orange cat", 'lamp "left"']
+    assert fields["box_format"] == "qwen-abs-pixels"
+
+
+def test_no_box_in_the_answer_gives_an_empty_list_and_a_warning():
+    fields = handler.grounding_fields(
+        grounding_item(), handler.Generation("no dog", "stop", raw_text="no dog"), handler.ADAPTERS["qwen2-vl"]
+    )
+    assert fields["boxes"] == [] and fields["bbox"] is None and fields["bbox_warning"]
+
+
+def test_annotate_draws_every_box_on_a_copy_of_the_image():
+    item = grounding_item(size=(200, 100), annotate=True)
+    answer = "<|object_ref_start|>dog<|object_ref_end|><|box_start|>(100,100),(500,900)<|box_end|>"
+    fields = handler.grounding_fields(item, handler.Generation("", "stop", raw_text=answer),
+                                      handler.ADAPTERS["qwen2-vl"])
+    prefix = "data:image/png;base64,"
+    assert fields["annotated_image"].startswith(prefix)
+    drawn = Image.open(io.BytesIO(base64.b64decode(fields["annotated_image"][len(prefix):])))
+    assert drawn.format == "PNG" and drawn.size == (200, 100)
+    x1, y1, x2, y2 = fields["bbox"]  # [20, 10, 100, 90]
+    assert drawn.getpixel((x2 - 1, (y1 + y2) // 2)) != (255, 255, 255)  # the right edge is drawn
+    assert drawn.getpixel((x1 + 1, y2 - 1)) != (255, 255, 255)  # the bottom-left corner
+    assert drawn.getpixel(((x1 + x2) // 2 + 10, (y1 + y2) // 2 + 10)) == (255, 255, 255)  # inside: untouched
+    assert drawn.getpixel((150, 50)) == (255, 255, 255)  # outside
+    assert item.images[0].getpixel((x2 - 1, 50)) == (255, 255, 255)  # the request's image is untouched
+
+
+def test_annotate_is_refused_outside_the_grounding_task():
+    image = "data:image/png;base64," + base64.b64encode(_png(8, 8)).decode()
+    with pytest.raises(handler.RequestError) as error:
+        handler.parse_request({"task": "caption", "image_url": image, "annotate": True}, handler.Settings())
+    assert error.value.code == "invalid_request" and error.value.param == "annotate"
+    _, item = handler.parse_request({"task": "grounding", "image_url": image, "target": "x", "annotate": True},
+                                    handler.Settings())
+    assert item.annotate is True
+
+
+def _png(width, height) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), "red").save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def test_a_label_with_a_broken_escape_is_kept_as_written():
+    assert handler.parse_boxes('{"bbox_2d": [1, 2, 3, 4], "label": "a\\x"}') == [([1.0, 2.0, 3.0, 4.0], "a\\x")]
