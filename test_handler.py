@@ -210,6 +210,9 @@ EXPECTED_LOADERS = {
     "qwen2.5-vl": ("AutoProcessor", "AutoModelForImageTextToText"),
     "llava": ("AutoProcessor", "AutoModelForImageTextToText"),
     "llava-next": ("AutoProcessor", "AutoModelForImageTextToText"),
+    **{family: ("AutoProcessor", "AutoModelForImageTextToText")
+       for family in ("qwen3-vl", "gemma3", "paligemma", "smolvlm", "llava-onevision", "internvl-hf", "mistral3",
+                      "glm-4.1v")},
     "phi3-vision": ("AutoProcessor", "AutoModelForCausalLM"),
     "minicpm-v": ("AutoTokenizer", "AutoModel"),
     "internvl": ("AutoTokenizer", "AutoModel"),

@@ -983,11 +983,27 @@ MODEL_TYPES = {
     "microsoft/Phi-3-vision-128k-instruct": "phi3_v",
     "OpenGVLab/InternVL2-8B": "internvl_chat",
     "HuggingFaceTB/SmolVLM-256M-Instruct": "idefics3",
+    "Qwen/Qwen2.5-VL-7B-Instruct": "qwen2_5_vl",
+    "Qwen/Qwen3-VL-2B-Instruct": "qwen3_vl",
+    "Qwen/Qwen3-VL-4B-Instruct": "qwen3_vl",
+    "Qwen/Qwen3-VL-8B-Instruct": "qwen3_vl",
+    "google/gemma-3-4b-it": "gemma3",
+    "google/gemma-3-12b-it": "gemma3",
+    "google/paligemma2-3b-mix-448": "paligemma",
+    "HuggingFaceTB/SmolVLM2-500M-Video-Instruct": "smolvlm",
+    "HuggingFaceTB/SmolVLM2-2.2B-Instruct": "smolvlm",
+    "llava-hf/llava-onevision-qwen2-0.5b-ov-hf": "llava_onevision",
+    "llava-hf/llava-onevision-qwen2-7b-ov-hf": "llava_onevision",
+    "OpenGVLab/InternVL3-2B-hf": "internvl",
+    "OpenGVLab/InternVL3-8B-hf": "internvl",
+    "mistralai/Mistral-Small-3.1-24B-Instruct-2503": "mistral3",
+    "zai-org/GLM-4.1V-9B-Thinking": "glm4v",
 }
-NATIVE_TYPES = {"qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "idefics3"}
+NATIVE_TYPES = {"qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "idefics3", "qwen3_vl", "gemma3", "paligemma",
+                "smolvlm", "llava_onevision", "internvl", "mistral3", "glm4v"}
 
 QWEN = "Qwen/Qwen2-VL-2B-Instruct"
-QWEN25 = "Qwen/Qwen2.5-VL-3B-Instruct"  # not curated: served with VLM_ALLOW_ANY
+QWEN25 = "Qwen/Qwen2.5-VL-3B-Instruct"
 LLAVA = "llava-hf/llava-1.5-7b-hf"
 LLAVA_NEXT = "llava-hf/llava-v1.6-mistral-7b-hf"
 MINICPM = "openbmb/MiniCPM-V-2_6"
