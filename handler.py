@@ -2560,8 +2560,10 @@ class ChatCompletionBody(BaseModel):
 
     @property
     def max_tokens_field(self) -> str:
-        return "max_tokens" if self.max_completion_tokens is None and self.max_tokens is not None \
-            else "max_completion_tokens"
+        """The field that set the answer's length: max_completion_tokens wins over max_tokens."""
+        if self.max_completion_tokens is None and self.max_tokens is not None:
+            return "max_tokens"
+        return "max_completion_tokens"
 
     @property
     def stop_sequences(self) -> list[str]:
@@ -2597,7 +2599,7 @@ def native_request(body: ChatCompletionBody) -> dict:
         messages = [dict(m, role="system") if isinstance(m, dict) and m.get("role") == "developer" else m
                     for m in messages]
     temperature = 1.0 if body.temperature is None else body.temperature
-    native: dict = {"messages": messages, "temperature": temperature, "do_sample": temperature > 0}
+    native: dict = {"task": "chat", "messages": messages, "temperature": temperature, "do_sample": temperature > 0}
     if body.top_p is not None:
         native["top_p"] = body.top_p
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
