@@ -2539,24 +2539,7 @@ class ChatCompletionBody(BaseModel):
     prompt_cache_options: Any = None
     prompt_cache_retention: Optional[str] = None
     parallel_tool_calls: Optional[bool] = None  # only means something with tools, which are refused
-    # Refused unless neutral: see OPENAI_UNSUPPORTED.
-    frequency_penalty: Any = None
-    presence_penalty: Any = None
-    logit_bias: Any = None
-    logprobs: Any = None
-    top_logprobs: Any = None
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    response_format: Any = None
-    modalities: Any = None
-    audio: Any = None
-    prediction: Any = None
-    web_search_options: Any = None
-    moderation: Any = None
-    reasoning_effort: Any = None
-    verbosity: Any = None
+    # The fields of OPENAI_UNSUPPORTED are checked, and removed, before this model reads a body.
 
     @property
     def max_tokens_field(self) -> str:
@@ -2575,10 +2558,6 @@ class ChatCompletionBody(BaseModel):
 
 
 def _check_openai_fields(body: ChatCompletionBody) -> None:
-    for name, (neutral, reason) in OPENAI_UNSUPPORTED.items():
-        value = getattr(body, name)
-        if value is not None and value not in neutral:
-            raise RequestError("unsupported_parameter", reason, name)
     if body.n not in (None, 1):
         raise RequestError("invalid_request", "must be 1: this worker returns one choice per request", "n")
     if body.stream_options is not None and not body.stream:
@@ -2614,8 +2593,11 @@ def read_openai_request(raw: Any, settings: Settings, model_id: str) -> tuple[Ch
     """Validate an OpenAI chat-completions body into the body's fields and a GenerationRequest."""
     if not isinstance(raw, dict):
         raise RequestError("invalid_request", "the request body must be a JSON object")
+    for name, (neutral, reason) in OPENAI_UNSUPPORTED.items():
+        if raw.get(name) is not None and raw[name] not in neutral:
+            raise RequestError("unsupported_parameter", reason, name)
     try:
-        body = ChatCompletionBody.model_validate(raw)
+        body = ChatCompletionBody.model_validate({k: v for k, v in raw.items() if k not in OPENAI_UNSUPPORTED})
     except ValidationError as error:
         raise _pydantic_error(error, None) from None
     _check_openai_fields(body)
@@ -2818,12 +2800,6 @@ async def chat_completion_events(engine: Engine, item: GenerationRequest, body: 
         await pieces.aclose()  # a closed stream (client gone, job cancelled) cancels the item
 
 
-def openai_model_list(model_id: str) -> dict:
-    return {"object": "list", "data": [
-        {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "runpod-vlm"}
-    ]}
-
-
 async def openai_answers(engine_getter, job_input: dict):
     """What the handler yields for an `openai_route` job: one `chat.completion` object, or the
     streamed events (strings), or one model list, or one error in OpenAI's shape. Never raises."""
@@ -2831,7 +2807,8 @@ async def openai_answers(engine_getter, job_input: dict):
         route = job_input.get("openai_route")
         settings, model_id = served_model()
         if route == "/v1/models":
-            yield openai_model_list(model_id)
+            model = {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "runpod-vlm"}
+            yield {"object": "list", "data": [model]}
             return
         if route != "/v1/chat/completions":
             raise RequestError(
