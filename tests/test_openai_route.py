@@ -26,7 +26,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.chat.completion_create_params import CompletionCreateParamsBase
 
 import handler
-from sample_images import data_uri, png_bytes, striped
+from sample_images import data_uri, encode, striped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTUP_LIMIT_S = 180  # a deadline for the server to come up, not a performance assertion
@@ -369,7 +369,7 @@ def client(server):
 @pytest.fixture
 def image_url():
     """A loopback HTTP server serving one PNG; yields its URL and the paths it was asked for."""
-    body, requested = png_bytes(striped((64, 48))), []
+    body, requested = encode(striped((64, 48))), []
 
     class Serve(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
