@@ -2195,8 +2195,7 @@ class Engine:
         self.model_id = settings.model
         self.quantize = quantize or settings.quantize
         self._compiled_forward = None
-        self._compiling: set = set()  # (bucket, cache length) queued or compiled in the background
-        self._compiled_shapes: set = set()  # ... ready
+        self._compiled_shapes: set = set()  # (bucket, cache length) compiled in the background
         self._newly_compiled: list = []  # ... ready, not yet switched to by the engine thread
         self._load()
         self._wake = threading.Condition()  # guards the queue; the engine thread waits on it
@@ -2248,7 +2247,8 @@ class Engine:
         self._check_allowed()
         started = time.perf_counter()
         trust = self.settings.trust_remote_code
-        config = AutoConfig.from_pretrained(self.model_id, trust_remote_code=trust)
+        source = resolve_model_source(self.model_id)  # RunPod's cached copy when it has one
+        config = AutoConfig.from_pretrained(source, trust_remote_code=trust)
         self.model_type = config.model_type
         self.adapter = adapter_for(self.model_type)
         if not self.adapter.native and not trust:
@@ -2270,14 +2270,12 @@ class Engine:
             from transformers import AutoModelForImageTextToText, AutoProcessor
 
             self.processor = AutoProcessor.from_pretrained(
-                self.model_id, trust_remote_code=trust, **self.adapter.processor_kwargs(self.settings)
+                source, trust_remote_code=trust, **self.adapter.processor_kwargs(self.settings)
             )
             self.processor.tokenizer.padding_side = "left"
-            self.model = AutoModelForImageTextToText.from_pretrained(
-                self.model_id, **load_kwargs
-            ).eval()
+            self.model = AutoModelForImageTextToText.from_pretrained(source, **load_kwargs).eval()
         else:
-            self.model, self.processor = self.adapter.load(self.model_id, load_kwargs)
+            self.model, self.processor = self.adapter.load(source, load_kwargs)
         self.eos_ids = self._eos_ids()
         text_config = self.model.config.get_text_config(decoder=True)
         self.context_length = getattr(text_config, "max_position_embeddings", None)
@@ -2575,8 +2573,9 @@ class Engine:
         for bucket in decoder.buckets:
             if (bucket, length) in self._compiled_shapes:
                 decoder.use_forward(bucket, self._compiled_forward)
-            elif self.compile:
-                self._compile_later(bucket, length)
+        missing = [b for b in decoder.buckets if (b, length) not in self._compiled_shapes]
+        if self.compile and missing:
+            self._compile_in_background(missing, length)
         return decoder
 
     def _switch_to_compiled(self) -> None:
@@ -2588,25 +2587,27 @@ class Engine:
                 self._decoder.use_forward(bucket, self._compiled_forward)
                 log.info("decoding %d-row steps with the compiled forward from now on", bucket)
 
-    def _compile_later(self, bucket: int, length: int) -> None:
-        """Compile the forward for a decode shape in a background thread. Decoding goes on meanwhile
-        with CUDA graphs of the plain forward, and switches at a step boundary once it is ready."""
+    def _compile_in_background(self, buckets: list[int], length: int) -> None:
+        """Compile the forward for a decoder's shapes in a background thread (from the saved compile
+        artifacts when there are some). Decoding goes on meanwhile with CUDA graphs of the plain
+        forward, and switches to each compiled shape at a step boundary once it is ready."""
         import torch
 
-        with self._wake:
-            if (bucket, length) in self._compiling:
-                return
-            self._compiling.add((bucket, length))
-            if self._compiled_forward is None:
-                cache_dir = self.settings.compile_cache_dir
-                if cache_dir:  # inductor and Triton read these when they first compile
-                    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(cache_dir, "inductor"))
-                    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(cache_dir, "triton"))
-                self._compiled_forward = torch.compile(self.model.__call__, dynamic=False)
-                self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlm-compile")
-        self._compiler.submit(self._compile_shape, bucket, length)
+        if self._compiled_forward is None:
+            set_torch_cache_dirs(self.settings)
+            self._compiled_forward = torch.compile(self.model.__call__, dynamic=False)
+            self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlm-compile")
+        self._compiler.submit(self._compile_shapes, buckets, length)
 
-    def _compile_shape(self, bucket: int, length: int) -> None:
+    def _compile_shapes(self, buckets: list[int], length: int) -> None:
+        rows, interval = self.settings.max_batch_size, self.settings.sync_interval
+        key = compile_cache_key(self.model_id, config=self.model.config, dtype=self.dtype,
+                                shapes={"rows": rows, "buckets": buckets, "cache_len": length, "interval": interval})
+        loaded = load_compile_artifacts(self.settings, key)
+        if all([self._compile_shape(bucket, length) for bucket in buckets]) and not loaded:
+            save_compile_artifacts(self.settings, key)
+
+    def _compile_shape(self, bucket: int, length: int) -> bool:
         """Trace and compile one decode shape on a shadow decoder of the same shapes (own buffers),
         so the engine's own state is never touched from this thread."""
         import torch
@@ -2628,12 +2629,13 @@ class Engine:
                 del shadow
         except Exception:
             log.warning("compiling the %d-row decode step failed; it stays uncompiled", bucket, exc_info=True)
-            return
+            return False
         log.info("compiled the %d-row decode step in the background in %.1fs", bucket, time.perf_counter() - started)
         with self._wake:
             self._compiled_shapes.add((bucket, length))
             self._newly_compiled.append((bucket, length))
             self._wake.notify()
+        return True
 
     def warm_up(self) -> float:
         """Get the decode step's compilation going (in the background). Returns seconds spent here."""
