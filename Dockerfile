@@ -9,13 +9,15 @@ ARG BASE_IMAGE=pytorch/pytorch:2.8.0-cuda12.8-cudnn9-runtime
 FROM ${BASE_IMAGE}
 
 # HF_HOME: the Hugging Face cache lives in the image, at a path a RunPod network volume (mounted
-# at /runpod-volume) can never shadow.
+# at /runpod-volume) can never shadow. RUNPOD_LOG_LEVEL: the SDK's default, DEBUG, logs every job's
+# full answer; an endpoint's env can still raise it.
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HF_HOME=/opt/hf \
-    HF_HUB_DISABLE_TELEMETRY=1
+    HF_HUB_DISABLE_TELEMETRY=1 \
+    RUNPOD_LOG_LEVEL=INFO
 
 # torch.compile (VLM_COMPILE, on by default) has Triton build a small launcher with a C compiler at
 # run time; the runtime base image has none.

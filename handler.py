@@ -2221,6 +2221,7 @@ def _handle_batch(job: dict, payload: dict) -> dict:
 
 
 def main() -> None:
+    os.environ.setdefault("RUNPOD_LOG_LEVEL", "INFO")  # the SDK's DEBUG default logs every answer
     import runpod
 
     logging.basicConfig(level=os.environ.get("VLM_LOG_LEVEL", "INFO"))
