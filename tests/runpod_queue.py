@@ -36,8 +36,9 @@ import sys
 import threading
 import time
 import urllib.parse
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Self
 
 ROOT = Path(__file__).resolve().parents[1]
 ENDPOINT = "loopback-endpoint"
@@ -72,7 +73,7 @@ class Post:
 class JobQueue:
     """RunPod's job queue on 127.0.0.1. Thread-safe; use as a context manager or call close()."""
 
-    def __init__(self, faults: Optional[Faults] = None, take_hold_s: float = 0.2, stop_hold_s: float = 0.5):
+    def __init__(self, faults: Faults | None = None, take_hold_s: float = 0.2, stop_hold_s: float = 0.5):
         self.faults = faults or Faults()
         self.take_hold_s = take_hold_s  # how long an empty take is held open (a long poll)
         self.stop_hold_s = stop_hold_s
@@ -94,7 +95,7 @@ class JobQueue:
 
     # ---- the test's side ------------------------------------------------------------------------
 
-    def put(self, job_input: Any, job_id: Optional[str] = None, raw: Optional[bytes] = None) -> str:
+    def put(self, job_input: Any, job_id: str | None = None, raw: bytes | None = None) -> str:
         """Queue a job; `raw` replaces the whole job body as sent (for bodies that are not JSON)."""
         with self._lock:
             job_id = job_id or f"job-{len(self.jobs):05d}"
@@ -123,7 +124,7 @@ class JobQueue:
             "RUNPOD_PING_INTERVAL": "1000",
         }
 
-    def accepted(self, job_id: Optional[str] = None) -> list[Post]:
+    def accepted(self, job_id: str | None = None) -> list[Post]:
         """Result posts answered 200 (for one job, or all)."""
         with self._lock:
             return [p for p in self.posts if p.status == 200 and (job_id is None or p.job_id == job_id)]
@@ -135,7 +136,7 @@ class JobQueue:
             out[post.job_id].append(post.body)
         return dict(out)
 
-    def wait_for(self, done: Callable[["JobQueue"], bool], timeout: float) -> bool:
+    def wait_for(self, done: Callable[[JobQueue], bool], timeout: float) -> bool:
         """Wait until done(self) holds (checked at each post), at most `timeout` seconds."""
         end = time.monotonic() + timeout
         with self._lock:
@@ -154,7 +155,7 @@ class JobQueue:
         self._server.shutdown()
         self._server.server_close()
 
-    def __enter__(self) -> "JobQueue":
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -349,7 +350,7 @@ def worker(queue: JobQueue, model_folder: Path | str, log_path: Path | str, **en
             stop_worker(process)
 
 
-def stop_worker(process: subprocess.Popen, grace_s: float = 30) -> Optional[int]:
+def stop_worker(process: subprocess.Popen, grace_s: float = 30) -> int | None:
     """SIGTERM (the SDK's graceful shutdown), SIGKILL to the process group if it lingers."""
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)

@@ -9,9 +9,9 @@ import json
 import logging
 
 import pytest
+from sample_images import data_uri, striped
 
 import handler
-from sample_images import data_uri, striped
 
 SMALL = 4096  # bytes: the most any error answer may weigh
 HUGE = 15_000_000  # characters: the 15 MB field name
@@ -126,7 +126,7 @@ LONE = "\ud800"
     ({"image_url": f"https://images.example.com/{LONE}.png"}, "image_url"),
     ({"images": [data_uri(striped()), f"\x00{LONE}"]}, "images[1]"),
     ({f"bad{LONE}key": 1}, "bad\\ud800key"),
-    ({f"nul\x00key": 1}, "nul\x00key"),
+    ({"nul\x00key": 1}, "nul\x00key"),
 ])
 def test_invalid_unicode_or_nul_is_refused_naming_the_field(fields, param, no_model, caplog):
     job = vqa(**fields)

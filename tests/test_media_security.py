@@ -1015,8 +1015,9 @@ def test_request_pixel_budget_refuses_from_the_header_before_decoding(worker, mo
 # ---- one request, many images: side by side, under one deadline (VLM_FETCH_DEADLINE) ------------
 
 
-def counting(route, state: dict, lock=threading.Lock()):
+def counting(route, state: dict):
     """Wrap a route to record how many of its requests were in flight at once."""
+    lock = state.setdefault("lock", threading.Lock())
 
     def wrapped(request):
         with lock:
