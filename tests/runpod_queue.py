@@ -318,11 +318,12 @@ class Worker:
 
 
 @contextlib.contextmanager
-def worker(queue: JobQueue, model_folder: Path | str, log_path: Path | str, **env: str) -> Iterator[Worker]:
-    """`python handler.py` in the SDK's production loop against `queue`, serving a tiny model on
-    CPU; stopped with SIGTERM (then SIGKILL after 30 s) on exit. `env` adds or overrides variables
-    (e.g. RUNPOD_LOG_LEVEL); nothing leaves loopback: the SDK's start-up checks (a TCP connect to
-    8.8.8.8, GPU probes) are off."""
+def worker(queue: JobQueue, model_folder: Path | str, log_path: Path | str, script: str = "handler.py",
+           **env: str) -> Iterator[Worker]:
+    """`python handler.py` (or `script`) in the SDK's production loop against `queue`, serving a tiny
+    model on CPU; stopped with SIGTERM (then SIGKILL after 30 s) on exit. `env` adds or overrides
+    variables (e.g. RUNPOD_LOG_LEVEL); nothing leaves loopback: the SDK's start-up checks (a TCP
+    connect to 8.8.8.8, GPU probes) are off."""
     variables = {k: v for k, v in os.environ.items() if not k.startswith(("VLM_", "RUNPOD_"))}
     variables.update(
         queue.env(),
@@ -340,7 +341,7 @@ def worker(queue: JobQueue, model_folder: Path | str, log_path: Path | str, **en
     log_path = Path(log_path)
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, "handler.py"], cwd=ROOT, env=variables, stdout=log, stderr=subprocess.STDOUT,
+            [sys.executable, script], cwd=ROOT, env=variables, stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True,  # the SDK's ping process goes with it
         )
         running = Worker(process, log_path)

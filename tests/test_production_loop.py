@@ -50,6 +50,40 @@ def model(tiny_model):
     return tiny_model("qwen2-vl")
 
 
+STREAMING_WORKER = """
+import asyncio, runpod
+
+async def handler(job):
+    for n in range(job["input"]["chunks"]):
+        await asyncio.sleep(0.05)
+        yield {"n": n, "job": job["id"]}
+
+runpod.serverless.start({"handler": handler, "return_aggregate_stream": True,
+                         "concurrency_modifier": lambda current: 4})
+"""
+
+
+def test_the_stand_in_speaks_the_sdks_batch_take_and_stream_protocol(tmp_path):
+    """An async generator handler with concurrency 4 (the shape the engine's handler will have):
+    the SDK takes jobs in batches, streams each chunk and posts the aggregate with isStream=true."""
+    script = tmp_path / "streaming_worker.py"
+    script.write_text(STREAMING_WORKER)
+    with JobQueue() as queue:
+        ids = [queue.put({"chunks": 3}) for _ in range(12)]
+        with worker(queue, "unused", tmp_path / "stream.log", script=str(script)) as running:
+            assert queue.wait_answered(ids, RUN_LIMIT_S), running.log()[-3000:]
+        assert running.process.returncode == 0
+    assert_answered_exactly_once(queue, ids)
+    for job_id in ids:
+        (post,) = queue.accepted(job_id)
+        assert post.is_stream and post.body == {"output": [{"n": n, "job": job_id} for n in range(3)]}
+        chunks = [p.body for p in queue.stream_posts if p.job_id == job_id]
+        assert chunks == [{"output": {"n": n, "job": job_id}} for n in range(3)]
+    batch_takes = [take for take in queue.takes if take["kind"] == "job-take-batch"]
+    assert batch_takes and all(1 < int(take["query"]["batch_size"]) <= 4 for take in batch_takes)
+    assert max(len(take["ids"]) for take in queue.takes) > 1
+
+
 def test_fault_run_answers_every_job_exactly_once(model, tmp_path):
     lost, retried_once, retried_twice = "job-lost", ["job-r1a", "job-r1b"], "job-r2"
     cancelled = ["job-cancel-a", "job-cancel-b"]
