@@ -31,13 +31,23 @@ def body_size(body) -> int:
     return len(json.dumps(body, ensure_ascii=False).encode("utf-8"))
 
 
+def output_of(body: dict):
+    """A posted result's output: a plain handler's dict, or the one item of the list a generator
+    handler's aggregate (return_aggregate_stream) holds."""
+    output = body.get("output")
+    return output[0] if isinstance(output, list) and len(output) == 1 else output
+
+
 def assert_error(body: dict, code: str, param=None):
-    """A clean error as the SDK posts it: {"error": "<param>: message", "output": {code, param}}."""
+    """A clean error as the SDK posts it: {"error": "<param>: message"}, with {code, param} as the
+    output when the handler returns (a generator handler's error carries the text alone)."""
+    assert body_size(body) < SMALL, body_size(body)
     assert isinstance(body.get("error"), str) and "Traceback" not in body["error"], body
-    assert body["output"]["code"] == code, body if body_size(body) < SMALL else body["output"]["code"]
     if param is not None:
-        assert body["output"]["param"] == param
-    assert body_size(body) < SMALL
+        assert body["error"].startswith(f"{param}: "), body
+    output = output_of(body)
+    if isinstance(output, dict) and "code" in output:
+        assert output["code"] == code and (param is None or output["param"] == param), body
 
 
 def text_forms(text: str) -> set[str]:
@@ -111,11 +121,11 @@ def test_fault_run_answers_every_job_exactly_once(model, tmp_path):
     answers = queue.answers()
     assert_answered_exactly_once(queue, [*good, *invalid, *batches, *retried_once, retried_twice, last])
     for job_id in good + [last]:
-        output = answers[job_id][0]["output"]
+        output = output_of(answers[job_id][0])
         assert output["task"] == "vqa" and output["usage"]["completion_tokens"] == 8
     for job_id in invalid:
         assert_error(answers[job_id][0], "invalid_request", "question")
-    results = answers[batches[0]][0]["output"]["results"]
+    results = output_of(answers[batches[0]][0])["results"]
     assert results[0]["task"] == "vqa" and results[2]["usage"]["completion_tokens"] == 4
     assert results[1]["code"] == "invalid_request" and results[1]["param"] == "requests[1].task"
     # 500s were retried by the SDK: every post of a job carries the same answer, the last accepted
@@ -137,7 +147,7 @@ def test_fault_run_answers_every_job_exactly_once(model, tmp_path):
     assert "Traceback" not in log
     # the default log level (INFO) keeps answers and requests out of the log
     for job_id in good:
-        text = answers[job_id][0]["output"]["response"]
+        text = output_of(answers[job_id][0])["response"]
         if len(text) >= 6:
             assert not any(form in log for form in text_forms(text)), job_id
     assert "zebra" not in log and "marker-" not in log
@@ -150,7 +160,7 @@ def test_answers_reach_the_log_only_when_the_operator_asks_for_debug(model, tmp_
         with worker(queue, model, tmp_path / "debug.log", RUNPOD_LOG_LEVEL="DEBUG") as running:
             assert queue.wait_answered(ids, RUN_LIMIT_S), running.log()[-3000:]
         log = running.log()
-    texts = [queue.answers()[job_id][0]["output"]["response"] for job_id in ids]
+    texts = [output_of(queue.answers()[job_id][0])["response"] for job_id in ids]
     assert any(form in log for text in texts for form in text_forms(text))
 
 
@@ -199,13 +209,13 @@ def test_hostile_run_gets_bounded_clear_answers_and_the_worker_keeps_serving(mod
     for job_id, (_, code, param) in hostile.items():
         body = answers[job_id][0]
         if job_id == "surrogate-in-batch":
-            good, bad = body["output"]["results"]
+            good, bad = output_of(body)["results"]
             assert good["task"] == "vqa" and bad["code"] == "invalid_request" and bad["param"] == "requests[1].question"
             continue
         assert_error(body, code, param)
     assert "nested deeper" in answers["deep"][0]["error"]
     for job_id in serving:
-        assert answers[job_id][0]["output"]["usage"]["completion_tokens"] == 2
+        assert output_of(answers[job_id][0])["usage"]["completion_tokens"] == 2
     for job_id in ("too-deep-for-json", "no-input", "not-json"):  # dropped by the SDK, or answered cleanly
         for body in answers.get(job_id, []):
             assert_error(body, "invalid_request")
