@@ -10,7 +10,7 @@ FROM ${BASE_IMAGE}
 
 # HF_HOME: the Hugging Face cache lives in the image, at a path a RunPod network volume (mounted
 # at /runpod-volume) can never shadow. RUNPOD_LOG_LEVEL: the SDK's default, DEBUG, logs every job's
-# full answer; an endpoint's env can still raise it.
+# full answer; an endpoint's env can still set DEBUG to diagnose.
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
