@@ -566,7 +566,9 @@ def _dns_pool():
         if _dns_executor is None:
             import concurrent.futures
 
-            _dns_executor = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="vlm-dns")
+            # Shared by every job in flight: wide enough that a few names whose DNS stalls (a
+            # stranger's own name server can) do not hold up the other jobs' lookups.
+            _dns_executor = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="vlm-dns")
     return _dns_executor
 
 

@@ -1091,3 +1091,32 @@ def test_worker_reports_a_misconfigured_fetch_deadline(worker, monkeypatch):
     monkeypatch.setenv("VLM_FETCH_DEADLINE", "0")
     answer = worker({"input": {"task": "caption", "image_b64": b64(GOOD_PNG)}})
     assert answer["code"] == "worker_misconfigured" and "VLM_FETCH_DEADLINE" in answer["error"]
+
+
+def test_names_whose_dns_stalls_do_not_hold_up_other_lookups(public, net, monkeypatch):
+    monkeypatch.setenv("VLM_FETCH_TIMEOUT", "2")
+    release = threading.Event()
+
+    def stall():
+        release.wait(5)  # bounded: the test releases it at the end
+        return [FAKE_PUBLIC]
+
+    for n in range(8):
+        net.dns[f"stall{n}.example.com"] = stall
+    def fetch(url):
+        try:
+            resolve_image(url, PARAM)
+        except RequestError:
+            pass  # these may time out or succeed once released: only the other lookup matters
+
+    stalled = [threading.Thread(target=fetch, args=(public.https("/cat.png", f"stall{n}.example.com"),))
+               for n in range(8)]
+    for thread in stalled:
+        thread.start()
+    try:
+        time.sleep(0.3)  # the eight lookups are under way
+        assert_good(resolve_image(public.https("/cat.png"), PARAM))  # its own lookup is not queued behind them
+    finally:
+        release.set()
+        for thread in stalled:
+            thread.join()
