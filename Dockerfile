@@ -17,12 +17,15 @@ FROM ${BASE_IMAGE}
 # at /runpod-volume) can never shadow. Compile caches need no setting here: the worker keeps
 # inductor's and Triton's under $HF_HOME/compile-cache and the compile-artifact file on the network
 # volume when one is mounted (VLM_COMPILE_CACHE_DIR overrides; README "Cold start").
+# RUNPOD_LOG_LEVEL: the SDK's default, DEBUG, logs every job's full answer; an endpoint's env can
+# still set DEBUG to diagnose.
 ENV PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     HF_HOME=/opt/hf \
-    HF_HUB_DISABLE_TELEMETRY=1
+    HF_HUB_DISABLE_TELEMETRY=1 \
+    RUNPOD_LOG_LEVEL=INFO
 
 # torch.compile (VLM_COMPILE, on by default) has Triton build a small launcher with a C compiler at
 # run time; the runtime base image has none.

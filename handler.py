@@ -175,15 +175,36 @@ class Settings:
 # Errors
 # =================================================================================================
 
+# Caller text quoted back in an error (a field name, a value) is cut to a short prefix, so an error
+# answer stays a few KB whatever the request held, and made encodable as UTF-8: the SDK never posts
+# an answer that holds a lone surrogate, so the job would be lost.
+MAX_ECHO_CHARS = 64  # one quoted name or value
+MAX_PARAM_CHARS = 256  # a whole field path
+MAX_MESSAGE_CHARS = 1024
+
+
+def _cut(text: str, limit: int = MAX_ECHO_CHARS) -> str:
+    """`text` fit to quote in an answer: at most `limit` characters then '…'; a lone surrogate
+    becomes its escape (\\udc80)."""
+    if len(text) > limit:
+        text = text[:limit] + "…"
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _quote(value: Any) -> str:
+    """A caller's value quoted in a message, cut: 'abc…'."""
+    return repr(_cut(value if isinstance(value, str) else repr(value)))
+
 
 class RequestError(Exception):
     """A request the worker refuses. `param` names the field at fault, `code` is stable for clients."""
 
     def __init__(self, code: str, message: str, param: Optional[str] = None):
+        message = _cut(message, MAX_MESSAGE_CHARS)
         super().__init__(message)
         self.code = code
         self.message = message
-        self.param = param
+        self.param = _cut(param, MAX_PARAM_CHARS) if param else param
 
     def to_dict(self) -> dict:
         text = f"{self.param}: {self.message}" if self.param else self.message
@@ -225,6 +246,7 @@ class MediaPolicy:
     allowed_domains: tuple[str, ...] = ()  # VLM_URL_ALLOWED_DOMAINS: suffix match, narrows further
     trust_env_proxy: bool = False  # VLM_TRUST_ENV_PROXY: use HTTP(S)_PROXY / NO_PROXY
     fetch_timeout: float = 20.0  # VLM_FETCH_TIMEOUT: seconds for a whole fetch, all hops
+    fetch_deadline: float = 30.0  # VLM_FETCH_DEADLINE: seconds for all the fetches of one request
     max_image_bytes: int = 64 * 1024 * 1024  # VLM_MAX_IMAGE_BYTES: downloaded or local file bytes
     max_base64_bytes: int = 16 * 1024 * 1024  # VLM_MAX_BASE64_BYTES: encoded length of base64 text
     max_image_pixels: int = 40_000_000  # VLM_MAX_IMAGE_PIXELS: width*height, from the header
@@ -239,26 +261,31 @@ class MediaPolicy:
             d.strip().strip(".").lower()
             for d in (env.get("VLM_URL_ALLOWED_DOMAINS") or "").split(",") if d.strip().strip(".")
         )
-        raw_timeout = (env.get("VLM_FETCH_TIMEOUT") or "").strip()
-        try:
-            timeout = float(raw_timeout) if raw_timeout else 20.0
-        except ValueError:
-            raise SettingsError(f"VLM_FETCH_TIMEOUT must be a number of seconds, got {raw_timeout!r}") from None
-        if not 0 < timeout <= 600:
-            raise SettingsError(f"VLM_FETCH_TIMEOUT must be above 0 and at most 600, got {raw_timeout!r}")
         media_dir = (env.get("VLM_MEDIA_DIR") or "").strip() or None
         return cls(
             allow_internal=allow_internal,
             allow_http=allow_internal,
             allowed_domains=domains,
             trust_env_proxy=_env_bool(env, "VLM_TRUST_ENV_PROXY", False),
-            fetch_timeout=timeout,
+            fetch_timeout=_env_seconds(env, "VLM_FETCH_TIMEOUT", 20.0),
+            fetch_deadline=_env_seconds(env, "VLM_FETCH_DEADLINE", 30.0),
             max_image_bytes=_env_int(env, "VLM_MAX_IMAGE_BYTES", 64 * 1024 * 1024, 1),
             max_base64_bytes=_env_int(env, "VLM_MAX_BASE64_BYTES", 16 * 1024 * 1024, 1),
             max_image_pixels=_env_int(env, "VLM_MAX_IMAGE_PIXELS", 40_000_000, 1),
             min_image_side=_env_int(env, "VLM_MIN_IMAGE_SIDE", 8, 1),
             media_dir=media_dir,
         )
+
+
+def _env_seconds(env: dict, name: str, default: float) -> float:
+    raw = (env.get(name) or "").strip()
+    try:
+        value = float(raw) if raw else default
+    except ValueError:
+        raise SettingsError(f"{name} must be a number of seconds, got {raw!r}") from None
+    if not 0 < value <= 600:
+        raise SettingsError(f"{name} must be above 0 and at most 600, got {raw!r}")
+    return value
 
 
 def _size_text(n: int) -> str:
@@ -268,24 +295,31 @@ def _size_text(n: int) -> str:
 def resolve_image(spec: Any, param: str, policy: Optional[MediaPolicy] = None):
     """Turn one image spec (https URL, data URI, raw base64, local path or {"url": ...}) into an RGB
     PIL image, or raise RequestError with a fixed message and `param` naming the field at fault."""
+    text, param = image_source(spec, param)
+    policy = policy or MediaPolicy.from_env()
+    return _decode_image(_image_bytes(text, policy, param), policy, param)
+
+
+def image_source(spec: Any, param: str) -> tuple[str, str]:
+    """An image spec's text and the field that holds it ({"url": text} -> param.url)."""
     if isinstance(spec, dict):
         if "url" not in spec:
             raise RequestError("invalid_image", "an image object needs a 'url' field", param)
-        return resolve_image(spec["url"], _join(param, "url"), policy)
+        spec, param = spec["url"], _join(param, "url")
     if not isinstance(spec, str) or not spec.strip():
         raise RequestError("invalid_image", "an image must be a URL, a data URI or base64 text", param)
-    policy = policy or MediaPolicy.from_env()
-    return _decode_image(_image_bytes(spec.strip(), policy, param), policy, param)
+    return spec.strip(), param
 
 
-def _image_bytes(spec: str, policy: MediaPolicy, param: str) -> bytes:
+def _image_bytes(spec: str, policy: MediaPolicy, param: str, deadline: Optional[float] = None) -> bytes:
+    """The bytes an image spec names; `deadline` (time.monotonic()) bounds a URL fetch further."""
     if spec[:5].lower() == "data:":
         return _data_uri_bytes(spec, policy, param)
     scheme = _URL_SCHEME.match(spec)
     if scheme:
         name = scheme.group(1).lower()
         if name in ("http", "https"):
-            return fetch_image_url(spec, policy, param)
+            return fetch_image_url(spec, policy, param, deadline)
         if name == "file":
             return _local_file_bytes(spec, True, policy, param)
         raise RequestError(
@@ -546,7 +580,7 @@ def _resolve(target: ImageURL, policy: MediaPolicy, deadline: float, param: str,
             continue
         ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
         if not policy.allow_internal and ip_is_blocked(ip):
-            log.warning("image fetch refused: %s resolves to a blocked address", target.host)
+            log.warning("image fetch refused: the host of %s resolves to a blocked address", param)
             raise RequestError("blocked_url", "the image URL's host resolves to an internal address" + after, param)
         if ip not in addresses:
             addresses.append(ip)
@@ -564,7 +598,9 @@ def _dns_pool():
         if _dns_executor is None:
             import concurrent.futures
 
-            _dns_executor = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="vlm-dns")
+            # Shared by every job in flight: wide enough that a few names whose DNS stalls (a
+            # stranger's own name server can) do not hold up the other jobs' lookups.
+            _dns_executor = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="vlm-dns")
     return _dns_executor
 
 
@@ -686,12 +722,16 @@ def _proxy_connection(target: ImageURL, policy: MediaPolicy, deadline: float):
     return conn, target.url, headers
 
 
-def fetch_image_url(url: str, policy: MediaPolicy, param: str) -> bytes:
-    """GET an image under the policy: each hop checked, pinned, capped, all under one deadline."""
+def fetch_image_url(url: str, policy: MediaPolicy, param: str, request_deadline: Optional[float] = None) -> bytes:
+    """GET an image under the policy: each hop checked, pinned, capped, all under one deadline
+    (VLM_FETCH_TIMEOUT, or the request's own when that comes first)."""
     deadline = time.monotonic() + policy.fetch_timeout
+    late = f"the image URL took over {policy.fetch_timeout:g}s"
+    if request_deadline is not None and request_deadline < deadline:
+        deadline, late = request_deadline, f"the request's images took over {policy.fetch_deadline:g}s to download"
     target = check_image_url(url, policy, param)
     for hop in range(MAX_REDIRECTS + 1):
-        location = _fetch_once(target, policy, deadline, param, " (after a redirect)" if hop else "")
+        location = _fetch_once(target, policy, deadline, param, " (after a redirect)" if hop else "", late)
         if isinstance(location, bytes):
             return location
         if hop == MAX_REDIRECTS:
@@ -702,8 +742,8 @@ def fetch_image_url(url: str, policy: MediaPolicy, param: str) -> bytes:
     raise AssertionError("unreachable")
 
 
-def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: str, after: str):
-    """One request: the body (bytes) or a redirect's Location (str)."""
+def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: str, after: str, late: str):
+    """One request: the body (bytes) or a redirect's Location (str). `late` says which deadline passed."""
     import http.client
     import socket
 
@@ -764,11 +804,11 @@ def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: s
     except RequestError:
         raise
     except (TimeoutError, socket.timeout):
-        raise RequestError("fetch_timeout", f"the image URL took over {policy.fetch_timeout:g}s" + after, param) from None
+        raise RequestError("fetch_timeout", late + after, param) from None
     except (OSError, http.client.HTTPException, ValueError):
         if expired.is_set():
-            raise RequestError("fetch_timeout", f"the image URL took over {policy.fetch_timeout:g}s" + after, param) from None
-        log.info("image fetch from %s failed", target.host, exc_info=log.isEnabledFor(logging.DEBUG))
+            raise RequestError("fetch_timeout", late + after, param) from None
+        log.info("image fetch for %s failed", param, exc_info=log.isEnabledFor(logging.DEBUG))
         raise RequestError("fetch_failed", "the image URL could not be fetched" + after, param) from None
     finally:
         watchdog.cancel()
@@ -2748,7 +2788,7 @@ class RequestModel(BaseModel):
     @classmethod
     def _known_task(cls, value):
         if value is not None and value not in TASKS:
-            raise ValueError(f"unknown task {value!r}; use one of {', '.join(TASKS)}")
+            raise ValueError(f"unknown task {_quote(value)}; use one of {', '.join(TASKS)}")
         return value
 
     @field_validator("quantize")
@@ -2760,8 +2800,8 @@ class RequestModel(BaseModel):
 
 
 def _pydantic_error(error: ValidationError, param: Optional[str]) -> RequestError:
-    first = error.errors()[0]
-    location = ".".join(str(p) for p in first["loc"])
+    first = error.errors(include_input=False, include_url=False)[0]
+    location = ".".join(_cut(str(p)) for p in first["loc"])  # an unknown field's name is the caller's
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "extra_forbidden":
         message = "unknown field"
@@ -2772,6 +2812,7 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
     """Validate one request dict into its fields and a GenerationRequest (images decoded)."""
     if not isinstance(raw, dict):
         raise RequestError("invalid_request", "must be a JSON object", param or "input")
+    check_strings(raw, param)
     try:
         request = RequestModel.model_validate(raw)
     except ValidationError as error:
@@ -2842,6 +2883,50 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
     _check_text_length(prepared, settings, param)
     _resolve_images(prepared.turns, settings, param)
     return request, prepared
+
+
+MAX_NESTING = 32  # a real request nests 7 levels deep (requests[i].messages[j].content[k].image_url.url)
+
+
+def check_strings(raw: Any, param: Optional[str]) -> None:
+    """Refuse, naming the field, what no tokenizer or URL parser should meet: a lone surrogate
+    (invalid Unicode that JSON's \\ud800 escape can carry) or a NUL in any string, keys included,
+    and nesting deeper than MAX_NESTING. Iterative: a deep request cannot exhaust the stack."""
+    stack: list[tuple[Any, Optional[str], Any, int]] = [(raw, None, None, 0)]  # value, parent, key, depth
+    while stack:
+        value, parent, key, depth = stack.pop()
+        if not isinstance(value, (str, dict, list)):
+            continue
+        where = param if depth == 0 else _field_path(parent, key)
+        if isinstance(value, str):
+            _check_text(value, where, "value")
+        elif depth >= MAX_NESTING:
+            raise RequestError("invalid_request", f"nested deeper than {MAX_NESTING} levels", where or "input")
+        elif isinstance(value, list):
+            stack.extend((value[i], where, i, depth + 1) for i in reversed(range(len(value))))
+        else:
+            for name in value:
+                if isinstance(name, str):
+                    _check_text(name, _field_path(where, name), "field name")
+            stack.extend((value[name], where, name, depth + 1) for name in reversed(value))
+
+
+def _field_path(parent: Optional[str], key: Any) -> str:
+    if isinstance(key, int):
+        return f"{parent or ''}[{key}]"
+    return _join(parent, _cut(key if isinstance(key, str) else repr(key)))
+
+
+def _check_text(text: str, where: Optional[str], what: str) -> None:
+    if "\x00" in text:
+        raise RequestError("invalid_request", f"the {what} holds a NUL character", where or "input")
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise RequestError(
+                "invalid_request", f"the {what} holds invalid Unicode (a lone surrogate)", where or "input"
+            ) from None
 
 
 def _required_text(value: Optional[str], param: str, what: str) -> str:
@@ -2937,10 +3022,13 @@ class ImageSpec:
     param: str
 
 
+MAX_PARALLEL_FETCHES = 8  # threads fetching the images of one request
+
+
 def _resolve_images(turns: list[Turn], settings: Settings, param: Optional[str]) -> None:
     """Fetch and decode a request's images in place, in order, under its limits: the count is
-    checked before anything is fetched, and the pixel budget from each image's header before it
-    is decoded."""
+    checked before anything is fetched, all fetches share one deadline (VLM_FETCH_DEADLINE), and
+    the pixel budget is checked from each image's header before it is decoded."""
     pending = [(turn, k) for turn in turns for k, part in enumerate(turn.parts) if isinstance(part, ImageSpec)]
     if len(pending) > settings.max_images:
         turn, k = pending[settings.max_images]
@@ -2948,25 +3036,60 @@ def _resolve_images(turns: list[Turn], settings: Settings, param: Optional[str])
             "too_many_images", f"at most {settings.max_images} images per request", turn.parts[k].param
         )
     policy, used = MediaPolicy.from_env(), 0
-    for turn, k in pending:
-        image_spec = turn.parts[k]
-        remaining = settings.max_total_pixels - used
-        narrowed = remaining < policy.max_image_pixels
-        try:
-            image = resolve_image(
-                image_spec.spec, image_spec.param,
-                dataclasses.replace(policy, max_image_pixels=max(remaining, 1)) if narrowed else policy,
-            )
-        except RequestError as error:
-            if narrowed and error.code == "image_too_large":
+    sources = [image_source(turn.parts[k].spec, turn.parts[k].param) for turn, k in pending]
+    fetched = _fetch_all(sources, policy)
+    try:  # each image is decoded as soon as it and those before it have arrived
+        for (turn, k), (data, where) in zip(pending, fetched):
+            remaining = settings.max_total_pixels - used
+            narrowed = remaining < policy.max_image_pixels
+            try:
+                image = _decode_image(
+                    data, dataclasses.replace(policy, max_image_pixels=max(remaining, 1)) if narrowed else policy,
+                    where,
+                )
+            except RequestError as error:
+                if narrowed and error.code == "image_too_large":
+                    raise RequestError(
+                        "image_too_large",
+                        f"the request's images hold over {settings.max_total_pixels} pixels together",
+                        turn.parts[k].param,
+                    ) from None
+                raise
+            used += image.width * image.height
+            turn.parts[k] = image
+    finally:
+        fetched.close()  # drops the fetches not yet started
+
+
+def _fetch_all(sources: list[tuple[str, str]], policy: MediaPolicy) -> Iterable[tuple[bytes, str]]:
+    """(bytes, field) of each (text, field), in order. URLs download side by side, at most
+    MAX_PARALLEL_FETCHES at once, all under one request-wide deadline; the first failure in order
+    is raised and the fetches not yet started are dropped."""
+    deadline = time.monotonic() + policy.fetch_deadline
+    if len(sources) == 1 or sum(1 for text, _ in sources if _is_url(text)) <= 1:
+        for text, where in sources:  # nothing to overlap: no threads
+            yield _image_bytes(text, policy, where, deadline), where
+        return
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(min(MAX_PARALLEL_FETCHES, len(sources)), thread_name_prefix="vlm-fetch")
+    try:
+        futures = [pool.submit(_image_bytes, text, policy, where, deadline) for text, where in sources]
+        for future, (_, where) in zip(futures, sources):
+            try:  # each fetch stops itself at the deadline; the margin only guards against a stuck thread
+                data = future.result(timeout=max(deadline - time.monotonic(), 0) + 2)
+            except concurrent.futures.TimeoutError:
                 raise RequestError(
-                    "image_too_large",
-                    f"the request's images hold over {settings.max_total_pixels} pixels together",
-                    image_spec.param,
+                    "fetch_timeout", f"the request's images took over {policy.fetch_deadline:g}s to download", where
                 ) from None
-            raise
-        used += image.width * image.height
-        turn.parts[k] = image
+            yield data, where
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _is_url(text: str) -> bool:
+    scheme = _URL_SCHEME.match(text)
+    return bool(scheme) and scheme.group(1).lower() in ("http", "https")
 
 
 # ---- parsing boxes ------------------------------------------------------------------------------
@@ -3728,6 +3851,7 @@ async def answer(job: dict) -> Any:
 def main() -> None:
     import sys
 
+    os.environ.setdefault("RUNPOD_LOG_LEVEL", "INFO")  # the SDK's DEBUG default logs every answer
     import runpod
 
     logging.basicConfig(level=os.environ.get("VLM_LOG_LEVEL", "INFO"))

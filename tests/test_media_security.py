@@ -997,3 +997,113 @@ def test_request_pixel_budget_refuses_from_the_header_before_decoding(worker, mo
     assert "together" in answer["error"] and str(32 * 24 * 2 + 10) in answer["error"]
     assert len(decoded) == 2  # the third never came out of the decoder
     assert worker({"input": {"task": "caption", "images": [b64(GOOD_PNG)] * 2}})["response"] == "32x24 32x24"
+
+
+# ---- one request, many images: side by side, under one deadline (VLM_FETCH_DEADLINE) ------------
+
+
+def counting(route, state: dict):
+    """Wrap a route to record how many of its requests were in flight at once."""
+    lock = state.setdefault("lock", threading.Lock())
+
+    def wrapped(request):
+        with lock:
+            state["now"] = state.get("now", 0) + 1
+            state["most"] = max(state.get("most", 0), state["now"])
+        try:
+            route(request)
+        finally:
+            with lock:
+                state["now"] -= 1
+
+    return wrapped
+
+
+def test_default_fetch_deadline_is_30_seconds():
+    assert MediaPolicy.from_env({}).fetch_deadline == 30.0
+    assert MediaPolicy.from_env({"VLM_FETCH_DEADLINE": "2.5"}).fetch_deadline == 2.5
+
+
+def test_images_of_one_request_download_side_by_side_in_order(worker, trusted):
+    state: dict = {}
+    for n in range(16):
+        body = png(size=(16 + n, 16))
+
+        def slow(request, body=body):
+            time.sleep(0.3)
+            send(body)(request)
+
+        trusted.routes[f"/{n}.png"] = counting(slow, state)
+    answer = worker({"input": {"task": "caption", "images": [trusted.url(f"/{n}.png") for n in range(16)]}})
+    assert answer["response"] == " ".join(f"{16 + n}x16" for n in range(16))  # every image, in order
+    assert 1 < state["most"] <= handler.MAX_PARALLEL_FETCHES
+
+
+def test_sixteen_stalled_images_take_one_deadline_not_sixteen(worker, trusted, monkeypatch):
+    monkeypatch.setenv("VLM_FETCH_DEADLINE", "1")  # VLM_FETCH_TIMEOUT stays 20 s: the request's deadline wins
+
+    def stalled(request):
+        time.sleep(3)  # bounded: the server gives up by itself
+
+    trusted.routes["/stalled.png"] = stalled
+    started = time.monotonic()
+    answer = worker({"input": {"task": "caption", "images": [trusted.url("/stalled.png")] * 16}})
+    took = time.monotonic() - started
+    assert answer["code"] == "fetch_timeout" and answer["param"] == "images[0]"
+    assert "the request's images took over 1s" in answer["error"]
+    assert took < 6  # one 1-second deadline, generously; one after another would be 16
+    assert worker({"input": {"task": "caption", "images": [trusted.url("/cat.png")] * 2}})["response"] == "32x24 32x24"
+
+
+def test_the_first_failing_image_in_order_is_named(worker, trusted):
+    def late_missing(request):
+        time.sleep(0.3)
+        request.send_error(404)
+
+    trusted.routes["/late-missing.png"] = late_missing
+    images = [trusted.url("/cat.png"), trusted.url("/late-missing.png"), trusted.url("/nope.png")]
+    answer = worker({"input": {"task": "caption", "images": images}})
+    assert answer["code"] == "fetch_failed" and answer["param"] == "images[1]"
+
+
+def test_a_stalled_image_in_a_message_names_its_block(worker, trusted, monkeypatch):
+    monkeypatch.setenv("VLM_FETCH_DEADLINE", "1")
+    trusted.routes["/stalled.png"] = lambda request: time.sleep(3)
+    answer = worker(chat({"type": "image_url", "image_url": {"url": trusted.url("/cat.png")}},
+                         {"type": "image_url", "image_url": {"url": trusted.url("/stalled.png")}}))
+    assert answer["code"] == "fetch_timeout" and answer["param"] == "messages[0].content[2].image_url.url"
+
+
+def test_worker_reports_a_misconfigured_fetch_deadline(worker, monkeypatch):
+    monkeypatch.setenv("VLM_FETCH_DEADLINE", "0")
+    answer = worker({"input": {"task": "caption", "image_b64": b64(GOOD_PNG)}})
+    assert answer["code"] == "worker_misconfigured" and "VLM_FETCH_DEADLINE" in answer["error"]
+
+
+def test_names_whose_dns_stalls_do_not_hold_up_other_lookups(public, net, monkeypatch):
+    monkeypatch.setenv("VLM_FETCH_TIMEOUT", "2")
+    release = threading.Event()
+
+    def stall():
+        release.wait(5)  # bounded: the test releases it at the end
+        return [FAKE_PUBLIC]
+
+    for n in range(8):
+        net.dns[f"stall{n}.example.com"] = stall
+    def fetch(url):
+        try:
+            resolve_image(url, PARAM)
+        except RequestError:
+            pass  # these may time out or succeed once released: only the other lookup matters
+
+    stalled = [threading.Thread(target=fetch, args=(public.https("/cat.png", f"stall{n}.example.com"),))
+               for n in range(8)]
+    for thread in stalled:
+        thread.start()
+    try:
+        time.sleep(0.3)  # the eight lookups are under way
+        assert_good(resolve_image(public.https("/cat.png"), PARAM))  # its own lookup is not queued behind them
+    finally:
+        release.set()
+        for thread in stalled:
+            thread.join()
