@@ -2325,9 +2325,12 @@ class Engine:
         # remote-code chat() APIs cannot, and answer one item at a time.
         # A sliding window no shorter than the cache attends like full attention over it.
         window = getattr(text_config, "sliding_window", None)
-        kinds = getattr(text_config, "layer_types", None) or (["sliding_attention"] if window else [])
-        self.max_slots = window if window and any(k != "full_attention" for k in kinds) else None
-        self.continuous = self.adapter.native and (self.max_slots is None or self.max_slots >= self.settings.cache_len)
+        kinds = set(getattr(text_config, "layer_types", None) or (["sliding_attention"] if window else []))
+        self.max_slots = window if "sliding_attention" in kinds else None
+        self.continuous = (
+            self.adapter.native and kinds <= {"full_attention", "sliding_attention"}
+            and (self.max_slots is None or self.max_slots >= self.settings.cache_len)
+        )
         if self.continuous and self.use_graphs:  # a GPU speed-up; CPU runs keep transformers' SDPA
             _use_grouped_query_decode_attention(self.model)
         log.info("loaded %s (%s) in %.1fs", self.model_id, self.adapter.name, time.perf_counter() - started)
@@ -2489,10 +2492,11 @@ class Engine:
             inputs, input_sizes = self.adapter.batch_inputs(
                 self.processor, [t.item for t in group], self.model.device, self.dtype
             )
-        except Exception:
-            if len(group) > 1:  # find the bad item: the others go back to the front of the queue
-                self._requeue(group[1:])
-                return self._admit_failed(group[0])
+        except Exception as error:
+            if len(group) > 1:  # find the bad item: each is prepared alone
+                return self._requeue(group, one_by_one=True)
+            if isinstance(error, RequestError):  # the family's adapter refused it
+                return group[0].finish(error)
             return self._admit_failed(group[0])
         prompt_tokens = inputs["attention_mask"].sum(dim=1).tolist()
         errors = [self._context_error(t.item, n) for t, n in zip(group, prompt_tokens)]

@@ -209,6 +209,7 @@ def forward_calls_of(monkeypatch):
         calls = []
         real_forward = getattr(engine.model.forward, "__wrapped_forward__", engine.model.forward)
 
+        @functools.wraps(real_forward)  # generate() reads the forward's signature
         def recording_forward(*args, **kwargs):
             output = real_forward(*args, **kwargs)
             calls.append({"input_ids": kwargs.get("input_ids"), "attention_mask": kwargs.get("attention_mask"),
@@ -231,6 +232,7 @@ def script_answer(engine, monkeypatch, answer_text: str) -> None:
     real_forward = engine.model.forward
     step = iter(range(10**6))
 
+    @functools.wraps(real_forward)  # generate() reads the forward's signature
     def scripted_forward(*args, **kwargs):
         output = real_forward(*args, **kwargs)
         logits = torch.full_like(output.logits, -1e4)

@@ -52,10 +52,11 @@ REMOTE_CODE = {
                                                          "its remote code registers a vision model there",
 }
 # Reached only when torch.cuda.is_available(): they are exercised by the GPU benchmark
-# (bench/benchmark.py), never on this CPU machine; here they must at least exist on real torch.
+# (bench/serving.py), never on this CPU machine; here they must at least exist on real torch.
 CUDA_ONLY = {
     "torch.cuda.is_bf16_supported": "asked only once torch.cuda.is_available() (dtype 'auto')",
     "torch.compile": "the decode forward is compiled only on a CUDA device",
+    "torch.cuda.synchronize": "the background compile waits for its shadow decoder's steps, CUDA only",
     "torch.cuda.CUDAGraph": "decode steps are captured as CUDA graphs only on a CUDA device",
     "torch.cuda.graph": "decode steps are captured as CUDA graphs only on a CUDA device",
     "torch.cuda.Stream": "graph capture runs on a side stream, CUDA only",
