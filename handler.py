@@ -15,15 +15,15 @@ import dataclasses
 import functools
 import hashlib
 import io
-import itertools
 import json
 import logging
 import os
+import asyncio
 import re
+import signal
 import tempfile
 import threading
 import time
-import asyncio
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterable, Optional, Union
@@ -129,6 +129,7 @@ class Settings:
     sync_interval: int = 8  # decode steps between looks at the tokens (admission, stops, streaming)
     stream_interval_ms: int = 50  # streamed jobs post at most this often
     load_at_boot: bool = True  # load and warm up before taking jobs; off: the first request loads
+    shutdown_grace: int = 10  # seconds jobs in flight may still run after SIGTERM
     max_batch_requests: int = 64  # items in one {"requests": [...]} call
     max_images: int = 16  # per request
     max_total_pixels: int = 64_000_000  # decoded pixels per request, all images together
@@ -157,6 +158,7 @@ class Settings:
             sync_interval=_env_int(env, "VLM_SYNC_INTERVAL", 8, 1),
             stream_interval_ms=_env_int(env, "VLM_STREAM_INTERVAL_MS", 50, 0),
             load_at_boot=_env_bool(env, "VLM_LOAD_AT_BOOT", True),
+            shutdown_grace=_env_int(env, "VLM_SHUTDOWN_GRACE", 10),
             max_batch_requests=_env_int(env, "VLM_MAX_BATCH_REQUESTS", 64, 1),
             max_images=_env_int(env, "VLM_MAX_IMAGES", 16, 1),
             max_total_pixels=_env_int(env, "VLM_MAX_TOTAL_PIXELS", 64_000_000, 1),
@@ -1899,6 +1901,24 @@ def _trimmed_length(ids: list[int], eos: set) -> int:
     return len(ids)
 
 
+WORKER_STOPPING = RequestError("worker_stopping", "the worker was stopped before this request finished: retry it")
+GPU_FAILURE = RequestError("gpu_failure", "the GPU of this worker failed; it is being replaced: retry the request")
+_RUNPOD_CONFIG: dict = {}  # the runpod SDK's config (main() fills it): a fatal GPU error sets refresh_worker
+
+
+def _is_out_of_memory(error: Exception) -> bool:
+    return type(error).__name__ == "OutOfMemoryError" or "CUDA out of memory" in str(error)
+
+
+def _is_fatal_gpu_error(error: Exception) -> bool:
+    """CUDA errors after which the context is unusable (unlike out-of-memory, which is recovered)."""
+    text = str(error)
+    return not _is_out_of_memory(error) and (
+        type(error).__name__ == "AcceleratorError"
+        or any(s in text for s in ("illegal memory access", "device-side assert", "ECC error", "CUDA error: unspecified"))
+    )
+
+
 def _use_grouped_query_decode_attention(model) -> None:
     """Decode steps attend with SDPA's own grouped-query attention. transformers' SDPA path copies
     K/V for every query head (repeat_kv) whenever a mask is passed, which every decode step of a
@@ -2235,6 +2255,8 @@ class Engine:
         self.model_id = settings.model
         self.quantize = quantize or settings.quantize
         self._compiled_forward = None
+        self.broken = False  # a fatal GPU error happened: nothing more runs here
+        self._stop_by: Optional[float] = None  # after SIGTERM: when the items still running fail
         self._compiled_shapes: set = set()  # (bucket, cache length) compiled in the background
         self._newly_compiled: list = []  # ... ready, not yet switched to by the engine thread
         self._load()
@@ -2391,6 +2413,10 @@ class Engine:
     def submit_all(self, items: list[GenerationRequest], listeners: list, stream: bool = False) -> list["Ticket"]:
         """Queue items together (a batch call's): they are admitted together when rows allow."""
         tickets = [Ticket(item, listener, stream) for item, listener in zip(items, listeners)]
+        if self.broken:
+            for ticket in tickets:
+                ticket.finish(RequestError(GPU_FAILURE.code, GPU_FAILURE.message, ticket.item.param))
+            return tickets
         with self._wake:
             self._queue.extend(tickets)
             self._wake.notify()
@@ -2423,12 +2449,17 @@ class Engine:
                         self._take(waiting[:1])
                         self._run_alone(waiting[0])
                     continue
+                if self._stop_by is not None and time.monotonic() >= self._stop_by:
+                    self._fail_all(WORKER_STOPPING, queued=True)
                 if self._newly_compiled:
                     self._switch_to_compiled()
                 self._admit(waiting)
                 if self._rows:
                     self._decode_interval()
-            except Exception:
+            except Exception as error:
+                if _is_fatal_gpu_error(error):
+                    self._gpu_failed()
+                    continue
                 log.exception("the engine failed a step; failing the items in flight")
                 self._fail_all(RequestError("generation_failed", "the model could not answer this request"))
 
@@ -2473,16 +2504,22 @@ class Engine:
         free = decoder.free_rows()
         if not waiting or not free:
             return
-        group = waiting[:1] if waiting[0].alone else [t for t in itertools.takewhile(lambda t: not t.alone, waiting)][: len(free)]
+        size = min(len(free), *(t.group_limit or len(free) for t in waiting[: len(free)]))
+        group = waiting[:size]
         self._take(group)
         try:
             self._place(group, free)
-        except Exception:
-            log.exception("could not admit %d items", len(group))
+        except Exception as error:
+            fatal = _is_fatal_gpu_error(error)
+            if not fatal:
+                log.exception("could not admit %d items", len(group))
+            else:
+                self._gpu_failed()
+            failure = GPU_FAILURE if fatal else RequestError("generation_failed", "the model could not answer this request")
             with self._wake:
                 lost = [t for t in group if t.row is None and t not in self._queue]
             for ticket in lost:
-                ticket.finish(RequestError("generation_failed", "the model could not answer this request", ticket.item.param))
+                ticket.finish(RequestError(failure.code, failure.message, ticket.item.param))
 
     def _place(self, group: list["Ticket"], free: list[int]) -> None:
         import torch
@@ -2494,7 +2531,7 @@ class Engine:
             )
         except Exception as error:
             if len(group) > 1:  # find the bad item: each is prepared alone
-                return self._requeue(group, one_by_one=True)
+                return self._requeue(group, limit=1)
             if isinstance(error, RequestError):  # the family's adapter refused it
                 return group[0].finish(error)
             return self._admit_failed(group[0])
@@ -2525,22 +2562,34 @@ class Engine:
         rows = free[: len(group)]
         try:
             first = decoder.prefill(inputs, rows, [t.item.params for t in group])
-        except Exception:
+        except Exception as error:
             for row in rows:
                 decoder.release(row)
+            if _is_fatal_gpu_error(error):
+                raise
+            if _is_out_of_memory(error):
+                torch.cuda.empty_cache()
+                if len(group) > 1:  # halves, down to single items
+                    log.warning("a prefill of %d items ran out of GPU memory; retrying in halves", len(group))
+                    return self._requeue(group, limit=len(group) // 2)
+                return group[0].finish(RequestError(
+                    "out_of_memory", f"this request ({prompt_tokens[0]} prompt tokens with its "
+                    f"{len(group[0].item.images)} images) does not fit in the GPU's free memory", group[0].item.param))
             if len(group) > 1:
                 log.warning("a prefill of %d items failed; admitting them one by one", len(group), exc_info=True)
-                return self._requeue(group, one_by_one=True)
+                return self._requeue(group, limit=1)
             return self._admit_failed(group[0])
         for ticket, row, token, prompt, size in zip(group, rows, first, prompt_tokens, input_sizes):
             ticket.start(row, prompt, size)
             self._rows[row] = ticket
             self._accept(ticket, [token])
 
-    def _requeue(self, tickets: list["Ticket"], one_by_one: bool = False) -> None:
+    def _requeue(self, tickets: list["Ticket"], limit: Optional[int] = None) -> None:
+        """Back to the front of the queue; `limit`: admitted in groups of at most that many."""
         with self._wake:
             for ticket in reversed(tickets):
-                ticket.alone = ticket.alone or one_by_one
+                if limit:
+                    ticket.group_limit = min(limit, ticket.group_limit or limit)
                 self._queue.insert(0, ticket)
 
     def _admit_failed(self, ticket: "Ticket") -> None:
@@ -2572,11 +2621,24 @@ class Engine:
             if not ticket.cancelled:
                 ticket.finish(self._generation(item, ticket.ids, ticket.prompt_tokens, ticket.input_size))
 
-    def _fail_all(self, error: RequestError) -> None:
+    def _fail_all(self, error: RequestError, queued: bool = False) -> None:
+        """Fail the items in flight (and the queued ones too when `queued`)."""
+        with self._wake:
+            waiting, self._queue = (self._queue, []) if queued else ([], self._queue)
         for row, ticket in list(self._rows.items()):
             self.decoder.release(row)
             ticket.finish(RequestError(error.code, error.message, ticket.item.param))
         self._rows.clear()
+        for ticket in waiting:
+            ticket.finish(RequestError(error.code, error.message, ticket.item.param))
+
+    def _gpu_failed(self) -> None:
+        """A fatal CUDA error (illegal access, device-side assert, ECC): the context is unusable. Every
+        item fails with `gpu_failure`, later ones at once, and RunPod replaces the worker."""
+        log.critical("fatal GPU error: failing every request and asking RunPod for a new worker", exc_info=True)
+        self.broken = True
+        _RUNPOD_CONFIG["refresh_worker"] = True  # the SDK reads it after each job: stop this worker
+        self._fail_all(GPU_FAILURE, queued=True)
 
     def _generation(self, item: GenerationRequest, ids: list[int], prompt_tokens: int, input_size) -> Generation:
         ids = ids[: item.params.max_new_tokens]
@@ -2641,13 +2703,15 @@ class Engine:
             set_torch_cache_dirs(self.settings)
             self._compiled_forward = torch.compile(self.model.__call__, dynamic=False)
             self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlm-compile")
-        self._compiler.submit(self._compile_shapes, buckets, length)
+        future = self._compiler.submit(self._compile_shapes, buckets, length)
+        future.add_done_callback(lambda f: f.exception() and log.error(
+            "background compilation failed; decoding stays uncompiled", exc_info=f.exception()))
 
     def _compile_shapes(self, buckets: list[int], length: int) -> None:
         rows, interval = self.settings.max_batch_size, self.settings.sync_interval
         key = compile_cache_key(self.model_id, config=self.model.config, dtype=self.dtype,
                                 shapes={"rows": rows, "buckets": buckets, "cache_len": length, "interval": interval})
-        loaded = load_compile_artifacts(self.settings, key)
+        loaded = load_compile_artifacts(self.settings, key)  # never raises: a bad file is skipped
         if all([self._compile_shape(bucket, length) for bucket in buckets]) and not loaded:
             save_compile_artifacts(self.settings, key)
 
@@ -2690,6 +2754,12 @@ class Engine:
                 self._start_thread()  # it switches to each compiled shape as it becomes ready
         return time.perf_counter() - started
 
+    def stop_after(self, grace: float) -> None:
+        """Items still running `grace` seconds from now fail with `worker_stopping` (on SIGTERM)."""
+        with self._wake:
+            self._stop_by = time.monotonic() + grace
+            self._wake.notify()
+
     def wait_until_compiled(self, timeout: float) -> bool:
         """Whether every shape of the current decoder decodes compiled (benchmarks, tests)."""
         deadline = time.monotonic() + timeout
@@ -2706,7 +2776,8 @@ class Ticket:
 
     def __init__(self, item: GenerationRequest, listener: Callable[[Any], None], stream: bool):
         self.item, self.listener, self.stream = item, listener, stream
-        self.cancelled = self.alone = self.done = False
+        self.cancelled = self.done = False
+        self.group_limit: Optional[int] = None  # set after a failed group: admitted in smaller ones
         self.row: Optional[int] = None
         self.ids: list[int] = []
         self.prompt_tokens, self.input_size, self.sent = 0, None, ""
@@ -3726,6 +3797,7 @@ async def openai_answers(engine_getter, job_input: dict):
 async def handler(job: dict):
     """RunPod entry, an async generator: a streamed request yields its answer in pieces, any other
     job yields one output (an answer, a batch's answers, or an error)."""
+    _bound_the_shutdown()
     try:
         payload = job.get("input") if isinstance(job, dict) else None
         if not isinstance(payload, dict):
@@ -3775,6 +3847,24 @@ async def stream_chunks(engine: Engine, item: GenerationRequest, request: Reques
         if pending and time.monotonic() - last >= interval:
             yield {"text": pending}
             sent, pending, last = sent + pending, "", time.monotonic()
+
+
+@functools.lru_cache(maxsize=None)
+def _bound_the_shutdown() -> None:
+    """On SIGTERM the runpod SDK stops taking jobs and waits for those in flight, however long they
+    take; this bounds the wait (VLM_SHUTDOWN_GRACE). Installed by the first job, in the SDK's loop
+    (the main thread), after the SDK's own handler, which it calls."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def on_sigterm(signum, frame):
+        if _engine is not None:
+            _engine.stop_after(_engine.settings.shutdown_grace)
+        if callable(previous):
+            previous(signum, frame)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
 
 
 def served_model() -> tuple[Settings, str]:
@@ -3863,11 +3953,12 @@ def main() -> None:
     if settings.load_at_boot:
         get_engine().warm_up()  # load and compile before taking jobs: the first user pays neither
     local_test = any(arg.startswith("--test_input") for arg in sys.argv)
-    runpod.serverless.start({
+    _RUNPOD_CONFIG.update({
         "handler": answer if local_test else handler,
         "return_aggregate_stream": True,
-        "concurrency_modifier": lambda current: settings.max_concurrency,
+        "concurrency_modifier": lambda current: 0 if _engine is not None and _engine.broken else settings.max_concurrency,
     })
+    runpod.serverless.start(_RUNPOD_CONFIG)
 
 
 if __name__ == "__main__":

@@ -1400,7 +1400,9 @@ def test_a_failing_item_does_not_sink_its_batch(monkeypatch, hub):
     out = batch(chat("one"), chat("boom"), chat("three"))
     results = out["results"]
     assert results[0]["response"] == "echo:one" and results[2]["response"] == "echo:three"
-    assert results[1]["code"] == "generation_failed" and "response" not in results[1]
+    # Out of memory in a batch: retried in halves down to the item alone, which is refused.
+    assert results[1]["code"] == "out_of_memory" and "response" not in results[1]
+    assert results[1]["param"] == "requests[1]" and "prompt tokens" in results[1]["error"]
     assert "secret-detail-123" not in json.dumps(out) and "Traceback" not in json.dumps(out)
 
 
@@ -1490,6 +1492,8 @@ def test_the_forward_is_compiled_once_per_decode_shape_in_the_background(monkeyp
     out = [call(chat("a")), batch(*[chat(str(n)) for n in range(12)])]
     assert out[0]["response"] == "echo:a" and len(out[1]["results"]) == 12
     assert len(hub.compiles) == 1 and len([d for d in hub.decoders if d is not engine.decoder]) == 2
+    # The saved compile artifacts are looked for before compiling and written after, once.
+    assert [action for action, _ in hub.artifacts] == ["load", "save"]
 
 
 def test_a_failed_background_compile_leaves_decoding_uncompiled_and_right(monkeypatch, hub, caplog):
@@ -1555,16 +1559,61 @@ def test_malformed_jobs_get_an_error_naming_input(monkeypatch, hub, job):
 
 def test_an_exception_inside_generation_is_a_clean_error(monkeypatch, hub):
     def reply(prompt):
-        raise RuntimeError("CUDA error: device-side assert, secret-detail-456")
+        raise ValueError("the model broke: secret-detail-456")  # not a CUDA fault (see gpu_failure)
 
     hub.reply = reply
     serve(monkeypatch)
     out = call(caption())
     assert out["code"] == "generation_failed" and "response" not in out
     text = json.dumps(out)
-    assert "secret-detail-456" not in text and "Traceback" not in text and "RuntimeError" not in text
+    assert "secret-detail-456" not in text and "Traceback" not in text and "ValueError" not in text
     hub.reply = "recovered"
     assert call(caption())["response"] == "recovered"  # the worker keeps serving
+
+
+def test_a_fatal_gpu_error_fails_every_request_and_asks_for_a_new_worker(monkeypatch, hub):
+    def reply(prompt):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(handler, "_RUNPOD_CONFIG", {"handler": handler.handler})
+    hub.reply = reply
+    serve(monkeypatch)
+    out = call(caption())
+    assert out["code"] == "gpu_failure" and "retry" in out["error"] and "illegal" not in out["error"]
+    assert handler._RUNPOD_CONFIG["refresh_worker"] is True  # the SDK stops this worker after the job
+    hub.reply = "fine"
+    assert call(caption())["code"] == "gpu_failure"  # nothing runs on a broken CUDA context
+    assert len(hub.prefills) == 1
+
+
+def test_out_of_memory_is_not_fatal(monkeypatch, hub):
+    def reply(prompt):
+        if "huge" in prompt:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return echo(prompt)
+
+    monkeypatch.setattr(handler, "_RUNPOD_CONFIG", {})
+    hub.reply = reply
+    serve(monkeypatch)
+    assert call(chat("huge"))["code"] == "out_of_memory"
+    assert call(chat("small"))["response"] == "echo:small" and "refresh_worker" not in handler._RUNPOD_CONFIG
+
+
+def test_after_sigterm_requests_still_running_fail_within_the_grace(monkeypatch, hub):
+    hub.reply = lambda prompt: "x" * 500
+    serve(monkeypatch, VLM_SYNC_INTERVAL="1", VLM_MAX_NEW_TOKENS="600")
+    engine = handler.get_engine()
+    original = FakeSlotDecoder.step
+
+    def step(self, steps):
+        if len(hub.steps) == 3:
+            engine.stop_after(0)  # what the SIGTERM handler does, with no grace left
+        return original(self, steps)
+
+    monkeypatch.setattr(FakeSlotDecoder, "step", step)
+    out = call(chat("long", max_new_tokens=500))
+    assert out["code"] == "worker_stopping" and "retry" in out["error"]
+    assert len(hub.steps) < 10
 
 
 @pytest.mark.parametrize("model_id", [MINICPM, INTERNVL, PHI3])
@@ -1606,6 +1655,14 @@ def test_stubbed_api_is_exactly_what_the_handler_uses(monkeypatch, hub):
     assert call(caption(min_new_tokens=2))["response"]
     assert call(caption(min_new_tokens=2))["response"]
     assert call(chat("s", do_sample=True, temperature=0.5))["response"] == "echo:s"
+    handler.get_engine().warm_up()  # the background compile
+    assert handler.get_engine().wait_until_compiled(timeout=30)
+
+    def out_of_memory(prompt):
+        raise RuntimeError("CUDA out of memory")
+
+    hub.reply = out_of_memory
+    assert call(chat("big"))["code"] == "out_of_memory"
     # 2. Phi-3-vision, 4-bit, explicit dtype.
     handler.reset_engine()
     hub.reset()

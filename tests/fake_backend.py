@@ -57,6 +57,7 @@ STUBBED_API = frozenset({
     # torch: the compiled path (torch.compile, CUDA graphs on a side stream)
     "torch.compile",
     "torch.cuda.synchronize",
+    "torch.cuda.empty_cache",
     # torchvision (InternVL2's tiling)
     "torchvision.transforms.functional.to_tensor",
     "torchvision.transforms.functional.normalize",
@@ -879,6 +880,10 @@ def torch_no_grad():
     return _inference_mode_cm()
 
 
+def cuda_empty_cache():
+    _use("torch.cuda.empty_cache")
+
+
 def cuda_synchronize(device=None):
     _use("torch.cuda.synchronize")
 
@@ -1043,6 +1048,7 @@ class Hub:
         self.stream = FakeStream()  # the current CUDA stream
         self.forward_rows = []  # the rows of every forward call of the model (prefills, steps, warm-up)
         self.decoders = []  # every FakeSlotDecoder made
+        self.artifacts = []  # ("load" | "save", key) of the compile-artifact file
         self.steps = []  # (bucket, steps, compiled forward?) of every decode interval
         self.compiled_steps = []  # the bucket of every step run with the compiled forward
 
@@ -1504,6 +1510,7 @@ def build_stub_modules() -> dict:
         "is_available": cuda_is_available, "is_bf16_supported": cuda_is_bf16_supported,
         "Stream": FakeStream, "current_stream": cuda_current_stream, "stream": cuda_stream,
         "CUDAGraph": FakeCUDAGraph, "graph": cuda_graph, "synchronize": cuda_synchronize,
+        "empty_cache": cuda_empty_cache,
     })
     torch = StubModule(
         "torch",
@@ -1575,6 +1582,11 @@ def hub(monkeypatch):
     MISSING.clear()
     handler.reset_engine()
     monkeypatch.setattr(handler, "SlotDecoder", FakeSlotDecoder)
+    # The compile-artifact file is torch's (tests/test_compile_cache.py runs it for real): here the
+    # engine's use of it is recorded.
+    monkeypatch.setattr(handler, "compile_cache_key", lambda model_id, **parts: f"{model_id}:{sorted(parts['shapes'].items())}")
+    monkeypatch.setattr(handler, "load_compile_artifacts", lambda settings, key: HUB.artifacts.append(("load", key)) or False)
+    monkeypatch.setattr(handler, "save_compile_artifacts", lambda settings, key: HUB.artifacts.append(("save", key)))
     yield HUB
     handler.reset_engine()
     assert not MISSING, f"the handler used torch/transformers API the stubs lack: {sorted(MISSING)}"

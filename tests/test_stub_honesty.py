@@ -57,6 +57,7 @@ CUDA_ONLY = {
     "torch.cuda.is_bf16_supported": "asked only once torch.cuda.is_available() (dtype 'auto')",
     "torch.compile": "the decode forward is compiled only on a CUDA device",
     "torch.cuda.synchronize": "the background compile waits for its shadow decoder's steps, CUDA only",
+    "torch.cuda.empty_cache": "called after a GPU out-of-memory error, CUDA only",
     "torch.cuda.CUDAGraph": "decode steps are captured as CUDA graphs only on a CUDA device",
     "torch.cuda.graph": "decode steps are captured as CUDA graphs only on a CUDA device",
     "torch.cuda.Stream": "graph capture runs on a side stream, CUDA only",
