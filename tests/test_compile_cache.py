@@ -463,6 +463,7 @@ def test_a_model_not_cached_resolves_to_its_id(tmp_path):
     fake_hub_cache(tmp_path, "llava-hf/llava-1.5-7b-hf", MODEL_FILES)
     for hub_cache in (tmp_path, tmp_path / "absent"):
         assert handler.resolve_model_source("Qwen/Qwen2-VL-2B-Instruct", str(hub_cache)) == "Qwen/Qwen2-VL-2B-Instruct"
+    assert not (tmp_path / "absent").exists()  # looking never makes /runpod-volume appear
 
 
 def test_a_local_folder_is_used_as_given(tmp_path):
