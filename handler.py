@@ -1620,9 +1620,6 @@ def save_compile_artifacts(settings: Settings, key: str, env: Optional[dict] = N
             log.info("compile cache: nothing saved")
             return None
         path = os.path.join(folder, key + COMPILE_ARTIFACTS_SUFFIX)
-        with contextlib.suppress(OSError), open(path, "rb") as f:
-            if f.read() == saved[0]:
-                return path  # these artifacts are there already
         fd, temporary = tempfile.mkstemp(dir=folder, prefix=f".{key}.", suffix=".tmp")
         try:
             with os.fdopen(fd, "wb") as f:
