@@ -1556,7 +1556,7 @@ def compile_artifact_dirs(settings: Settings, env: Optional[dict] = None) -> lis
 
 
 def _first_writable(folders: list[str]) -> Optional[str]:
-    """The first of `folders` (made if absent) that takes a file; the others are reported once."""
+    """The first of `folders` (made if absent) that takes a file; each that does not is logged once."""
     for folder in folders:
         try:
             os.makedirs(folder, exist_ok=True)
@@ -1617,7 +1617,7 @@ def save_compile_artifacts(settings: Settings, key: str, env: Optional[dict] = N
         saved = torch.compiler.save_cache_artifacts()  # None when nothing was compiled
         folder = _first_writable(compile_artifact_dirs(settings, env)) if saved else None
         if folder is None:
-            log.info("compile cache: nothing saved")
+            log.info("compile cache: nothing saved (%s)", "no folder writable" if saved else "nothing compiled")
             return None
         path = os.path.join(folder, key + COMPILE_ARTIFACTS_SUFFIX)
         fd, temporary = tempfile.mkstemp(dir=folder, prefix=f".{key}.", suffix=".tmp")
