@@ -1501,94 +1501,57 @@ def unquantized_module_names(model_type: str) -> tuple[str, ...]:
 # Compile cache and weights
 # =================================================================================================
 
-# A new worker spends its boot reading the weights and compiling the decode step (README "Cold
-# start"). Weights come from RunPod's cached models when the endpoint has this model there.
-# Compiled code: after warm-up, torch's portable bundle of everything compiled so far (the
-# "mega-cache", torch.compiler.save_cache_artifacts) is saved as one file per cache key; a later
-# worker with the same key loads it before compiling, and inductor then finds each graph and kernel
-# in its own caches. Many workers write and read the same folder: a file is written under a
-# temporary name and renamed, and its header (key, torch, size, checksum) is checked before torch
-# reads it. Torch unpickles it, so the folder must be the operator's own, like the weights.
+# README "Cold start". The compile artifacts are torch's "mega-cache" bundle, in a file named by the
+# cache key. Torch checks its checksum and unpickles it: the folder must be the operator's own.
 
 RUNPOD_VOLUME = "/runpod-volume"
 RUNPOD_MODEL_CACHE = "/runpod-volume/huggingface-cache/hub"
 COMPILE_ARTIFACTS_SUFFIX = ".torch-artifacts"
-_ARTIFACTS_MAGIC = b"runpod-vlm compile artifacts\n"
-_ARTIFACTS_FORMAT = 1
-_MAX_HEADER_BYTES = 64 * 1024
-_STALE_TEMPORARY_SECONDS = 15 * 60  # a temporary file this old was left by a writer that died
 _reported_unwritable: set = set()  # folders already reported as unwritable, one log line each
 
 
-# ---- weights ------------------------------------------------------------------------------------
-
-
 def resolve_model_source(model_id: str, hub_cache: str = RUNPOD_MODEL_CACHE) -> str:
-    """Where to load `model_id` from: its snapshot folder among RunPod's cached models when a
-    complete one is there, else `model_id` itself (a local folder, or a hub id that transformers
-    finds in HF_HOME or downloads). Logs which."""
-    if os.path.isdir(model_id):
-        log.info("weights: %s is a local folder", model_id)
-        return model_id
-    snapshot = _cached_snapshot(model_id, hub_cache) if os.path.isdir(hub_cache) else None
-    if snapshot is None:
-        log.info("weights: %s through the Hugging Face cache (HF_HOME) or the hub", model_id)
-        return model_id
-    missing = _missing_model_files(snapshot)
-    if missing:
-        log.warning(
-            "weights: RunPod's cached %s lacks %s; loading it through the Hugging Face cache or the hub",
-            model_id, ", ".join(missing),
-        )
-        return model_id
-    log.info("weights: %s from RunPod's cached models (%s)", model_id, snapshot)
-    return snapshot
-
-
-def _cached_snapshot(model_id: str, hub_cache: str) -> Optional[str]:
-    """The snapshot folder of `model_id` in a hub cache tree (the revision `refs/main` names, or
-    the only snapshot there is), or None."""
+    """Where to load `model_id` from, logged: a local folder; else its complete snapshot among RunPod's
+    cached models (the one `refs/main` names, else the only one); else the id, for transformers."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
 
+    if os.path.isdir(model_id):
+        log.info("weights: %s is a local folder", model_id)
+        return model_id
+    snapshot = None
     try:
-        return snapshot_download(model_id, cache_dir=hub_cache, local_files_only=True)
+        snapshot = snapshot_download(model_id, cache_dir=hub_cache, local_files_only=True)
     except IncompleteSnapshotError:
-        return None
-    except LocalEntryNotFoundError:
-        pass  # no refs/main naming a snapshot that is there: take the only snapshot, if one is
+        pass
+    except LocalEntryNotFoundError:  # no refs/main: take the only snapshot, as RunPod's own look-up does
+        folder = os.path.join(hub_cache, "models--" + model_id.replace("/", "--"), "snapshots")
+        found = [entry.path for entry in os.scandir(folder) if entry.is_dir()] if os.path.isdir(folder) else []
+        snapshot = found[0] if len(found) == 1 else None
     except (ValueError, OSError):  # not a valid repo id, or an unreadable tree
-        return None
-    # The hub cache layout: "Org/Name" lives in models--Org--Name/snapshots/<commit>/.
-    snapshots = os.path.join(hub_cache, "models--" + model_id.replace("/", "--"), "snapshots")
-    try:
-        found = [entry.path for entry in os.scandir(snapshots) if entry.is_dir()]
-    except OSError:
-        return None
-    return found[0] if len(found) == 1 else None
+        pass
+    missing = _missing_model_files(snapshot) if snapshot else []
+    if snapshot and not missing:
+        log.info("weights: %s from RunPod's cached models (%s)", model_id, snapshot)
+        return snapshot
+    lacks = f" (RunPod's cached copy lacks {', '.join(missing)})" if missing else ""
+    log.log(logging.WARNING if missing else logging.INFO, "weights: %s through HF_HOME or the hub%s", model_id, lacks)
+    return model_id
 
 
 def _missing_model_files(folder: str) -> list[str]:
-    """The files a model folder needs but lacks (a snapshot's files are links: a dangling one is
-    missing too): config.json and the weights, every shard when an index lists them."""
-    missing = [] if os.path.isfile(os.path.join(folder, "config.json")) else ["config.json"]
-    for index_name in ("model.safetensors.index.json", "pytorch_model.bin.index.json"):
-        index = os.path.join(folder, index_name)
-        if os.path.isfile(index):
-            try:
-                with open(index, encoding="utf-8") as f:
-                    shards = set(json.load(f)["weight_map"].values())
-            except (OSError, ValueError, KeyError, AttributeError):
-                return missing + [f"{index_name} (unreadable)"]
-            return missing + sorted(s for s in shards if not os.path.isfile(os.path.join(folder, s)))
-    weights = [
-        name for name in os.listdir(folder)
-        if name.endswith((".safetensors", ".bin")) and os.path.isfile(os.path.join(folder, name))
-    ]
-    return missing + ([] if weights else ["weights (*.safetensors)"])
-
-
-# ---- cache key ----------------------------------------------------------------------------------
+    """What of config.json, its index's shards and any weights a folder lacks (dangling links too)."""
+    present = {entry.name for entry in os.scandir(folder) if entry.is_file()}
+    needed = {"config.json"}
+    for index in (name for name in present if name.endswith(".index.json")):
+        try:
+            with open(os.path.join(folder, index), encoding="utf-8") as f:
+                needed.update(json.load(f)["weight_map"].values())
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            needed.add(f"{index} (unreadable)")
+    if not any(name.endswith((".safetensors", ".bin")) for name in present):
+        needed.add("weights (*.safetensors)")
+    return sorted(needed - present)
 
 
 def runtime_fingerprint() -> dict:
@@ -1599,290 +1562,119 @@ def runtime_fingerprint() -> dict:
     import torch
     import transformers
 
-    try:
-        triton = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:
-        triton = None
-    runtime = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "triton": triton,
-        "cuda": torch.version.cuda,
-        "gpu": "cpu",
-        "capability": None,
-    }
-    if torch.cuda.is_available():
-        device = torch.cuda.current_device()
-        runtime["gpu"] = torch.cuda.get_device_name(device)
-        runtime["capability"] = "{}.{}".format(*torch.cuda.get_device_capability(device))
-    return runtime
+    gpu = torch.cuda.is_available()
+    return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
+            "triton": next((d.version for d in importlib.metadata.distributions(name="triton")), None),
+            "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name() if gpu else "cpu",
+            "capability": "{}.{}".format(*torch.cuda.get_device_capability()) if gpu else None}
 
 
-def _canonical(value: Any) -> Any:
-    """`value` as plain JSON data that is equal exactly when the inputs are (sets in order)."""
-    if isinstance(value, dict):
-        return {str(k): _canonical(v) for k, v in value.items()}
-    if isinstance(value, (set, frozenset)):
-        return sorted((_canonical(v) for v in value), key=lambda v: json.dumps(v, sort_keys=True))
-    if isinstance(value, (list, tuple)):
-        return [_canonical(v) for v in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if hasattr(value, "to_dict"):  # a transformers config
-        return _canonical(value.to_dict())
-    return str(value)  # e.g. torch.bfloat16
-
-
-def _slug(text: Any) -> str:
-    return re.sub(r"[^A-Za-z0-9.+-]+", "_", str(text)).strip("_")[:80] or "none"
-
-
-def compile_cache_key(
-    model_id: str,
-    *,
-    config: Any = None,
-    revision: Optional[str] = None,
-    dtype: Any = None,
-    shapes: Any = (),
-    runtime: Optional[dict] = None,
-) -> str:
-    """The name of the compile artifacts of one model on one machine: it changes with the model
-    (id, revision, config), the dtype, the compiled shapes (e.g. the set of batch sizes and the
-    cache length), the GPU and its capability, and the torch, transformers, Triton, CUDA and Python
-    versions (`runtime`, read from this process by default). Readable, and safe as a file name."""
+def compile_cache_key(model_id: str, *, config: Any = None, revision: Optional[str] = None, dtype: Any = None,
+                      shapes: Any = (), runtime: Optional[dict] = None) -> str:
+    """A readable file name that changes with the model id, revision and config, the dtype, the
+    compiled shapes (sets compare as sets) and `runtime` (this process's by default)."""
     runtime = runtime_fingerprint() if runtime is None else runtime
-    identity = _canonical(
-        {"model": model_id, "revision": revision, "config": config, "dtype": dtype, "shapes": shapes, "runtime": runtime}
-    )
-    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:24]
-    return "__".join([_slug(model_id), _slug(runtime.get("gpu")), "torch-" + _slug(runtime.get("torch")), digest])
+    identity = dict(model=model_id, revision=revision, config=config, dtype=dtype, shapes=shapes, runtime=runtime)
 
+    def plain(value: Any) -> Any:  # what json cannot write: sets (in order), configs, dtypes
+        if isinstance(value, (set, frozenset)):
+            return sorted(value, key=repr)
+        return value.to_dict() if hasattr(value, "to_dict") else str(value)
 
-# ---- folders ------------------------------------------------------------------------------------
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True, default=plain).encode()).hexdigest()[:24]
+    parts = [model_id, runtime.get("gpu"), f"torch-{runtime.get('torch')}", digest]
+    return "__".join(re.sub(r"[^A-Za-z0-9.+-]+", "_", str(part)).strip("_")[:80] or "none" for part in parts)
 
 
 def compile_artifact_dirs(settings: Settings, env: Optional[dict] = None) -> list[str]:
-    """Folders for the artifact files, preferred first: VLM_COMPILE_CACHE_DIR when set, else the
-    network volume's vlm-compile-cache when /runpod-volume is there, else the container's folder
-    ($HF_HOME/compile-cache, or ~/.cache/runpod-vlm/compile-cache). The container's folder is
-    also the fallback: it is read after the preferred one, and written when that one cannot be."""
+    """Folders of the artifact files, preferred first: VLM_COMPILE_CACHE_DIR when set, else the
+    network volume's when /runpod-volume is there; then the container's, read and written after it."""
     env = os.environ if env is None else env
-    container = (
-        os.path.join(env["HF_HOME"], "compile-cache")
-        if env.get("HF_HOME")
-        else os.path.join(os.path.expanduser("~"), ".cache", "runpod-vlm", "compile-cache")
-    )
+    container = os.path.join(env.get("HF_HOME") or os.path.expanduser("~/.cache/runpod-vlm"), "compile-cache")
     if (env.get("VLM_COMPILE_CACHE_DIR") or "").strip():
-        preferred = settings.compile_cache_dir
-    elif os.path.isdir(RUNPOD_VOLUME):
-        preferred = os.path.join(RUNPOD_VOLUME, "vlm-compile-cache")
-    else:
-        preferred = container
-    return list(dict.fromkeys([preferred, container]))
+        return list(dict.fromkeys([settings.compile_cache_dir, container]))
+    volume = [os.path.join(RUNPOD_VOLUME, "vlm-compile-cache")] if os.path.isdir(RUNPOD_VOLUME) else []
+    return [*volume, container]
 
 
-def compile_artifacts_path(folder: str, key: str) -> str:
-    return os.path.join(folder, key + COMPILE_ARTIFACTS_SUFFIX)
-
-
-def _report_unwritable(folder: str, error: OSError, instead: str) -> None:
-    if folder not in _reported_unwritable:
-        _reported_unwritable.add(folder)
-        log.warning("compile cache: cannot write to %s (%s); using %s instead", folder, error, instead)
-
-
-def _writable(folder: str) -> Optional[OSError]:
-    """None when a file can be created in `folder` (made if absent), else the error."""
-    try:
-        os.makedirs(folder, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=".write-probe.")
-        os.close(fd)
-        os.unlink(probe)
-    except OSError as error:
-        return error
+def _first_writable(folders: list[str]) -> Optional[str]:
+    """The first of `folders` (made if absent) that takes a file; each that does not is logged once."""
+    for folder in folders:
+        try:
+            os.makedirs(folder, exist_ok=True)
+            fd, probe = tempfile.mkstemp(dir=folder)  # a read-only volume refuses to make a file
+            os.close(fd)
+            os.unlink(probe)
+            return folder
+        except OSError as error:
+            if folder not in _reported_unwritable:
+                _reported_unwritable.add(folder)
+                log.warning("compile cache: cannot write to %s (%s)", folder, error)
     return None
 
 
 def set_torch_cache_dirs(settings: Settings, env: Optional[dict] = None) -> None:
-    """Point inductor's and Triton's own caches into `<compile_cache_dir>/inductor` and `/triton`
-    (the container's folder when that one is not writable), unless TORCHINDUCTOR_CACHE_DIR or
-    TRITON_CACHE_DIR are set already. Call before anything compiles: loaded artifacts are unpacked
-    into these caches, and inductor fixes its folder on first use."""
-    if not settings.compile_cache_dir:
-        return
-    folder = settings.compile_cache_dir
-    error = _writable(folder)
-    if error is not None:
-        fallback = compile_artifact_dirs(settings, env)[-1]
-        _report_unwritable(folder, error, fallback)
-        folder = fallback
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(folder, "inductor"))
-    os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(folder, "triton"))
-
-
-# ---- the artifact file --------------------------------------------------------------------------
-
-
-class CompileCacheError(Exception):
-    """An artifact file that must not be handed to torch: the message says why."""
-
-
-def write_compile_artifacts(folder: str, key: str, payload: bytes, runtime: dict) -> str:
-    """Write `payload` as `key`'s artifact file in `folder`, atomically: a reader sees the previous
-    file or this one, whole, never a part (a temporary file in the same folder, synced, renamed
-    over the old one). Returns the path; raises OSError when the folder cannot be written."""
-    os.makedirs(folder, exist_ok=True)
-    path = compile_artifacts_path(folder, key)
-    try:
-        if read_compile_artifacts(path, key, runtime.get("torch")) == payload:
-            return path  # the same artifacts are there already, whole
-    except (CompileCacheError, OSError):
-        pass
-    _remove_stale_temporaries(folder)
-    header = {
-        "format": _ARTIFACTS_FORMAT,
-        "key": key,
-        "payload_bytes": len(payload),
-        "sha256": hashlib.sha256(payload).hexdigest(),
-        "runtime": runtime,
-        "written_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-    }
-    fd, temporary = tempfile.mkstemp(dir=folder, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(_ARTIFACTS_MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n")
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(temporary, 0o644)
-        os.replace(temporary, path)
-    except BaseException:
-        try:
-            os.unlink(temporary)
-        except OSError:
-            pass
-        raise
-    try:  # make the rename itself durable; not every file system can sync a folder
-        folder_fd = os.open(folder, os.O_RDONLY)
-        try:
-            os.fsync(folder_fd)
-        finally:
-            os.close(folder_fd)
-    except OSError:
-        pass
-    return path
-
-
-def _remove_stale_temporaries(folder: str) -> None:
-    now = time.time()
-    for entry in os.scandir(folder):
-        if entry.name.startswith(".") and COMPILE_ARTIFACTS_SUFFIX + "." in entry.name and entry.name.endswith(".tmp"):
-            try:
-                if now - entry.stat().st_mtime > _STALE_TEMPORARY_SECONDS:
-                    os.unlink(entry.path)
-            except OSError:  # another worker removed it first
-                pass
-
-
-def read_compile_artifacts(path: str, key: str, torch_version: str) -> bytes:
-    """The payload of an artifact file, once its header says it is whole and meant for `key`
-    and this torch; raises CompileCacheError (or OSError) otherwise."""
-    with open(path, "rb") as f:
-        if f.read(len(_ARTIFACTS_MAGIC)) != _ARTIFACTS_MAGIC:
-            raise CompileCacheError("not a compile-artifact file of this worker")
-        line = f.readline(_MAX_HEADER_BYTES)
-        if not line.endswith(b"\n"):
-            raise CompileCacheError("truncated header")
-        try:
-            header = json.loads(line)
-        except ValueError:
-            raise CompileCacheError("unreadable header") from None
-        if not isinstance(header, dict) or header.get("format") != _ARTIFACTS_FORMAT:
-            raise CompileCacheError(f"unknown format {header.get('format') if isinstance(header, dict) else None!r}")
-        if header.get("key") != key:
-            raise CompileCacheError(f"written for another key ({header.get('key')!r})")
-        written_by = (header.get("runtime") or {}).get("torch")
-        if written_by != torch_version:
-            raise CompileCacheError(f"written by torch {written_by}, this worker runs torch {torch_version}")
-        size = header.get("payload_bytes")
-        if not isinstance(size, int) or size < 0:
-            raise CompileCacheError("header without a payload size")
-        payload = f.read(size + 1)
-    if len(payload) != size:
-        raise CompileCacheError(f"{len(payload)} bytes of artifacts where the header says {size}: truncated or appended to")
-    if hashlib.sha256(payload).hexdigest() != header.get("sha256"):
-        raise CompileCacheError("checksum mismatch: the file is corrupt")
-    return payload
-
-
-# ---- loading and saving -------------------------------------------------------------------------
+    """Unless TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR are set, put inductor's and Triton's caches
+    (where loaded artifacts are unpacked) in `<compile_cache_dir>/inductor` and `/triton`, or in the
+    container's folder when that one is not writable. Call before anything compiles."""
+    if settings.compile_cache_dir:
+        container = compile_artifact_dirs(settings, env)[-1]
+        folder = _first_writable([settings.compile_cache_dir]) or container
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(folder, "inductor"))
+        os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(folder, "triton"))
 
 
 def load_compile_artifacts(settings: Settings, key: str, env: Optional[dict] = None) -> bool:
-    """Load the compile artifacts saved under `key`, before anything compiles. True when loaded.
-    A missing, corrupt or mismatched file is skipped with one log line, and compilation then
-    starts from scratch: never an exception."""
+    """Load the compile artifacts saved under `key`, before anything compiles; True when loaded. A
+    missing or damaged file costs one log line, and compiling from scratch: never an exception."""
     import torch
 
     set_torch_cache_dirs(settings, env)
     folders = compile_artifact_dirs(settings, env)
-    paths = [p for p in (compile_artifacts_path(folder, key) for folder in folders) if os.path.exists(p)]
-    if not paths:
+    paths = [os.path.join(folder, key + COMPILE_ARTIFACTS_SUFFIX) for folder in folders]
+    if not any(map(os.path.exists, paths)):
         log.info("compile cache: no artifacts for %s in %s; compiling from scratch", key, " or ".join(folders))
-        return False
-    for path in paths:
-        started = time.perf_counter()
+    for path in filter(os.path.exists, paths):
         try:
-            payload = read_compile_artifacts(path, key, torch.__version__)
+            with open(path, "rb") as f:
+                payload = f.read()
             info = torch.compiler.load_cache_artifacts(payload)
-        except (CompileCacheError, OSError) as error:
-            log.warning("compile cache: ignored %s: %s", path, error)
+            if info is None:  # torch logged why: its checksum or unpickling failed
+                raise ValueError("torch refused it as corrupt or truncated")
+        except Exception as error:
+            log.warning("compile cache: ignored %s (%s: %s)", path, type(error).__name__, error)
             continue
-        except Exception as error:  # torch could not unpack what it wrote: another build, say
-            log.warning("compile cache: torch could not load %s (%s: %s)", path, type(error).__name__, error)
-            continue
-        if info is None:  # torch logged why
-            continue
-        kinds = sorted(getattr(info, "artifacts", {}).items())  # e.g. inductor, triton, autotune
-        counts = ", ".join(f"{kind} {len(entries)}" for kind, entries in kinds)
-        log.info(
-            "compile cache: loaded %s (%.1f MB; %s) in %.2fs",
-            path, len(payload) / 1e6, counts or "empty", time.perf_counter() - started,
-        )
+        counts = ", ".join(f"{kind} {len(entries)}" for kind, entries in sorted(info.artifacts.items()))
+        log.info("compile cache: loaded %s (%.1f MB; %s)", path, len(payload) / 1e6, counts or "empty")
         return True
     return False
 
 
 def save_compile_artifacts(settings: Settings, key: str, env: Optional[dict] = None) -> Optional[str]:
-    """Save everything compiled so far in this process under `key` (after warm-up; safe from a
-    background thread once compiling is done). Returns the file written, or None (nothing
-    compiled, or no folder writable: logged, never raised)."""
+    """Save everything compiled so far in this process under `key` (after warm-up, from any thread
+    once compiling is done) in the first writable folder. Returns the file, or None; never raises."""
     import torch
 
     try:
-        saved = torch.compiler.save_cache_artifacts()
-    except Exception as error:
-        log.warning("compile cache: torch could not collect the artifacts (%s: %s); nothing saved", type(error).__name__, error)
-        return None
-    if saved is None:
-        log.info("compile cache: nothing was compiled; nothing saved")
-        return None
-    payload = saved[0]
-    runtime = runtime_fingerprint()
-    folders = compile_artifact_dirs(settings, env)
-    for n, folder in enumerate(folders):
+        saved = torch.compiler.save_cache_artifacts()  # None when nothing was compiled
+        folder = _first_writable(compile_artifact_dirs(settings, env)) if saved else None
+        if folder is None:
+            log.info("compile cache: nothing saved (%s)", "no folder writable" if saved else "nothing compiled")
+            return None
+        path = os.path.join(folder, key + COMPILE_ARTIFACTS_SUFFIX)
+        fd, temporary = tempfile.mkstemp(dir=folder, prefix=f".{key}.", suffix=".tmp")
         try:
-            path = write_compile_artifacts(folder, key, payload, runtime)
-        except OSError as error:
-            if n + 1 < len(folders):
-                _report_unwritable(folder, error, folders[n + 1])
-            else:
-                log.warning("compile cache: cannot write to %s (%s); nothing saved", folder, error)
-            continue
-        log.info("compile cache: saved %s (%.1f MB)", path, len(payload) / 1e6)
-        return path
-    return None
+            with os.fdopen(fd, "wb") as f:
+                f.write(saved[0])
+            os.replace(temporary, path)  # however many workers write, a reader sees one whole file
+        except BaseException:
+            os.unlink(temporary)
+            raise
+    except Exception as error:
+        log.warning("compile cache: nothing saved (%s: %s)", type(error).__name__, error)
+        return None
+    log.info("compile cache: saved %s (%.1f MB)", path, len(saved[0]) / 1e6)
+    return path
 
 
 # =================================================================================================

@@ -1,9 +1,9 @@
-"""Cold start: the compile-artifact cache (key, folders, file format, concurrent writers, read-only
-volumes, one real round trip through torch's mega-cache) and RunPod's cached-model resolution.
+"""Cold start: the compile-artifact cache (key, folders, damaged files, concurrent writers,
+read-only volumes, one real round trip through torch's mega-cache) and RunPod's cached models.
 
 Real torch on CPU throughout. `torch.compiler.load_cache_artifacts` / `save_cache_artifacts` are
-replaced by recorders only where a test is about what reaches torch (a file that must never reach
-it, or a payload the test chose); the round trip at the end runs the real ones in fresh processes.
+replaced by recorders only where a test is about which file reaches torch or chooses the payload;
+damaged files go to the real loader, with real artifacts that a fresh process compiled and saved.
 """
 
 from __future__ import annotations
@@ -73,7 +73,8 @@ def folders(tmp_path, monkeypatch):
 
 @pytest.fixture
 def torch_loads(monkeypatch):
-    """Records every payload handed to torch.compiler.load_cache_artifacts."""
+    """Records every payload handed to torch.compiler.load_cache_artifacts; refuses (None, as torch
+    does) a payload starting with b"bad"."""
     payloads = []
 
     class Info:
@@ -81,10 +82,18 @@ def torch_loads(monkeypatch):
 
     def load(payload):
         payloads.append(payload)
-        return Info()
+        return None if payload.startswith(b"bad") else Info()
 
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", load)
     return payloads
+
+
+@pytest.fixture
+def torch_saves(monkeypatch):
+    """torch.compiler.save_cache_artifacts returning the payload a test puts in the list."""
+    payload = [os.urandom(30_000)]
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (payload[0], None))
+    return payload
 
 
 def compile_cache_records(caplog):
@@ -101,7 +110,7 @@ def test_key_is_stable_and_changes_with_every_input():
     assert key_of(shapes={"cache_len": 2048, "rows": {16, 4, 1}}) == base
     variants = {
         "model": key_of("Qwen/Qwen2-VL-7B-Instruct"),
-        "config": key_of(config={"model_type": "qwen2_vl", "text_config": {"hidden_size": 1536, "num_hidden_layers": 27}}),
+        "config": key_of(config={"model_type": "qwen2_vl", "text_config": {"num_hidden_layers": 27}}),
         "revision": key_of(revision="0" * 40),
         "dtype": key_of(dtype="torch.float16"),
         "shapes": key_of(shapes={"rows": {1, 4, 16, 64}, "cache_len": 2048}),
@@ -166,15 +175,85 @@ def test_torch_caches_follow_the_setting_and_leave_an_unwritable_one(folders, tm
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/chosen"
 
 
-# ---- loading: what reaches torch --------------------------------------------------------------
+# ---- real artifacts, and a fresh process compiling from them -----------------------------------
+
+ROUND_TRIP = """
+import json, sys
+import torch
+from torch._dynamo.utils import counters
+import handler
+
+settings = handler.Settings.from_env()
+key = handler.compile_cache_key("tiny/matmul", dtype=torch.float32, shapes=[[8, 8]])
+loaded = handler.load_compile_artifacts(settings, key)
+square = torch.compile(lambda a: a @ a.T)  # an extern matmul: no C++ kernel to build, so quick
+square(torch.ones(8, 8))
+saved = handler.save_compile_artifacts(settings, key) if sys.argv[1] == "save" else None
+print(json.dumps({"loaded": loaded, "saved": saved, "hits": counters["inductor"]["fxgraph_cache_hit"],
+                  "misses": counters["inductor"]["fxgraph_cache_miss"]}))
+"""
 
 
-def test_a_saved_file_loads_and_reaches_torch_whole(folders, torch_loads, caplog):
-    key, payload = key_of(), os.urandom(100_000)
-    handler.write_compile_artifacts(str(folders["volume"]), key, payload, RUNTIME)
+def run_round_trip(root: Path, step: str) -> dict:
+    env = {
+        **os.environ,
+        "VLM_COMPILE_CACHE_DIR": str(root / "artifacts"),
+        "TORCHINDUCTOR_CACHE_DIR": str(root / step / "inductor"),
+        "TRITON_CACHE_DIR": str(root / step / "triton"),
+        "HF_HOME": str(root / step / "hf"),
+    }
+    done = subprocess.run([sys.executable, "-c", ROUND_TRIP, step], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def saved_by_a_process(tmp_path_factory):
+    """A fresh process compiled (an inductor cache miss) and saved its artifacts: (root, its result)."""
+    root = tmp_path_factory.mktemp("round-trip")
+    return root, run_round_trip(root, "save")
+
+
+def test_a_fresh_process_compiles_from_the_artifacts_another_saved(saved_by_a_process):
+    """Process 2, with empty inductor and Triton caches of its own, loads the file process 1 saved
+    and finds the compiled graph in them (a hit, no miss)."""
+    root, first = saved_by_a_process
+    assert first["loaded"] is False and first["misses"] >= 1 and first["hits"] == 0
+    assert first["saved"] and Path(first["saved"]).parent == root / "artifacts"
+    second = run_round_trip(root, "load")
+    assert second["loaded"] is True and second["hits"] >= 1 and second["misses"] == 0
+
+
+def _damage(data: bytes, how: str) -> bytes:
+    if how == "flipped byte":
+        return data[: len(data) // 2] + bytes([data[len(data) // 2] ^ 0xFF]) + data[len(data) // 2 + 1 :]
+    return {"truncated": data[:-10], "empty": b"", "garbage": os.urandom(len(data)), "appended to": data + b"more"}[how]
+
+
+@pytest.mark.parametrize("how", ["truncated", "empty", "garbage", "appended to", "flipped byte"])
+def test_a_damaged_file_is_one_line_and_compiling_from_scratch(saved_by_a_process, folders, caplog, how):
+    """torch checks its bundle's own checksum: the real loader refuses every damaged copy."""
+    real = Path(saved_by_a_process[1]["saved"]).read_bytes()
+    key = key_of()
+    folders["volume"].mkdir()
+    path = folders["volume"] / (key + handler.COMPILE_ARTIFACTS_SUFFIX)
+    path.write_bytes(_damage(real, how))
+    with caplog.at_level(logging.INFO, logger="runpod-vlm"):
+        assert handler.load_compile_artifacts(folders["settings"], key, folders["env"]) is False
+    [record] = compile_cache_records(caplog)
+    assert record.levelno == logging.WARNING and str(path) in record.getMessage()
+
+
+# ---- loading: which file reaches torch ----------------------------------------------------------
+
+
+def test_a_saved_file_loads_and_reaches_torch_whole(folders, torch_saves, torch_loads, caplog):
+    key = key_of()
+    handler.save_compile_artifacts(folders["settings"], key, folders["env"])
     with caplog.at_level(logging.INFO, logger="runpod-vlm"):
         assert handler.load_compile_artifacts(folders["settings"], key, folders["env"]) is True
-    assert torch_loads == [payload]
+    assert torch_loads == torch_saves
     [record] = compile_cache_records(caplog)
     assert record.levelno == logging.INFO and "loaded" in record.getMessage()
 
@@ -187,73 +266,23 @@ def test_no_file_is_one_line_and_no_torch_call(folders, torch_loads, caplog):
     assert "no artifacts" in record.getMessage()
 
 
-def _corrupt(path: Path, how: str) -> None:
-    data = path.read_bytes()
-    header_end = data.index(b"\n", len(handler._ARTIFACTS_MAGIC)) + 1
-    if how == "truncated payload":
-        path.write_bytes(data[:-10])
-    elif how == "truncated header":
-        path.write_bytes(data[: header_end - 20])
-    elif how == "empty":
-        path.write_bytes(b"")
-    elif how == "garbage":
-        path.write_bytes(os.urandom(len(data)))
-    elif how == "payload byte flipped":
-        flipped = bytearray(data)
-        flipped[header_end + 1000] ^= 0xFF
-        path.write_bytes(bytes(flipped))
-    elif how == "wrong checksum":
-        header = json.loads(data[len(handler._ARTIFACTS_MAGIC) : header_end])
-        header["sha256"] = "0" * 64
-        path.write_bytes(handler._ARTIFACTS_MAGIC + json.dumps(header).encode() + b"\n" + data[header_end:])
-    elif how == "appended to":
-        path.write_bytes(data + b"more")
-    elif how == "header not json":
-        path.write_bytes(handler._ARTIFACTS_MAGIC + b"{not json\n" + data[header_end:])
-
-
-@pytest.mark.parametrize(
-    "how",
-    ["truncated payload", "truncated header", "empty", "garbage", "payload byte flipped", "wrong checksum",
-     "appended to", "header not json"],
-)
-def test_a_corrupt_file_never_reaches_torch(folders, torch_loads, caplog, how):
-    key = key_of()
-    path = Path(handler.write_compile_artifacts(str(folders["volume"]), key, os.urandom(50_000), RUNTIME))
-    _corrupt(path, how)
+def test_another_setups_file_is_never_opened(folders, torch_saves, torch_loads, caplog):
+    """The key is the file name: artifacts of another dtype, or another torch, are simply not found."""
+    handler.save_compile_artifacts(folders["settings"], key_of(dtype="torch.float16"), folders["env"])
+    handler.save_compile_artifacts(folders["settings"], key_of(runtime={**RUNTIME, "torch": "2.8.0"}), folders["env"])
     with caplog.at_level(logging.INFO, logger="runpod-vlm"):
-        assert handler.load_compile_artifacts(folders["settings"], key, folders["env"]) is False
+        assert handler.load_compile_artifacts(folders["settings"], key_of(), folders["env"]) is False
     assert torch_loads == []
-    [record] = compile_cache_records(caplog)
-    assert record.levelno == logging.WARNING and str(path) in record.getMessage()
+    assert "no artifacts" in compile_cache_records(caplog)[-1].getMessage()
 
 
-def test_a_mismatched_file_never_reaches_torch(folders, torch_loads, caplog):
-    key, folder = key_of(), str(folders["volume"])
-    # Another key's file under this key's name (copied or renamed by hand).
-    other = handler.write_compile_artifacts(folder, key_of(dtype="torch.float16"), b"x" * 1000, RUNTIME)
-    os.replace(other, handler.compile_artifacts_path(folder, key))
-    with caplog.at_level(logging.INFO, logger="runpod-vlm"):
-        assert handler.load_compile_artifacts(folders["settings"], key, folders["env"]) is False
-    assert "another key" in compile_cache_records(caplog)[-1].getMessage()
-
-    # A file written by another torch, even under the same key.
-    handler.write_compile_artifacts(folder, key, b"y" * 1000, {**RUNTIME, "torch": "2.8.0+cu128"})
-    caplog.clear()
-    with caplog.at_level(logging.INFO, logger="runpod-vlm"):
-        assert handler.load_compile_artifacts(folders["settings"], key, folders["env"]) is False
-    [record] = compile_cache_records(caplog)
-    assert "torch 2.8.0+cu128" in record.getMessage()
-    assert torch_loads == []
-
-
-def test_torch_refusing_a_valid_file_is_one_line_not_a_crash(folders, monkeypatch, caplog):
+def test_torch_refusing_or_raising_is_one_line_not_a_crash(folders, torch_saves, monkeypatch, caplog):
     def refuse(payload):
         raise RuntimeError("unpickling failed")
 
-    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", refuse)
     key = key_of()
-    handler.write_compile_artifacts(str(folders["volume"]), key, b"z" * 1000, RUNTIME)
+    handler.save_compile_artifacts(folders["settings"], key, folders["env"])
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", refuse)
     with caplog.at_level(logging.INFO, logger="runpod-vlm"):
         assert handler.load_compile_artifacts(folders["settings"], key, folders["env"]) is False
     [record] = compile_cache_records(caplog)
@@ -261,49 +290,37 @@ def test_torch_refusing_a_valid_file_is_one_line_not_a_crash(folders, monkeypatc
 
 
 def test_a_bad_volume_file_falls_back_to_the_container_copy(folders, torch_loads, caplog):
-    key, good = key_of(), b"g" * 2000
-    bad = Path(handler.write_compile_artifacts(str(folders["volume"]), key, b"b" * 2000, RUNTIME))
-    _corrupt(bad, "truncated payload")
-    handler.write_compile_artifacts(str(folders["container"]), key, good, RUNTIME)
+    key, name = key_of(), key_of() + handler.COMPILE_ARTIFACTS_SUFFIX
+    for folder, payload in [(folders["volume"], b"bad" * 100), (folders["container"], b"good" * 100)]:
+        folder.mkdir(parents=True)
+        (folder / name).write_bytes(payload)
     with caplog.at_level(logging.INFO, logger="runpod-vlm"):
         assert handler.load_compile_artifacts(folders["settings"], key, folders["env"]) is True
-    assert torch_loads == [good]
+    assert torch_loads == [b"bad" * 100, b"good" * 100]
     assert [r.levelno for r in compile_cache_records(caplog)] == [logging.WARNING, logging.INFO]
 
 
 # ---- saving -------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def torch_saves(monkeypatch):
-    """torch.compiler.save_cache_artifacts returning the payload a test puts in the list."""
-    payload = [os.urandom(30_000)]
-    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: (payload[0], None))
-    return payload
-
-
-def test_save_writes_the_volume_and_skips_an_identical_rewrite(folders, torch_saves, torch_loads):
+def test_save_writes_the_volume_and_replaces_older_artifacts(folders, torch_saves):
     key = key_of()
     path = handler.save_compile_artifacts(folders["settings"], key, folders["env"])
-    assert path == handler.compile_artifacts_path(str(folders["volume"]), key)
-    written = os.stat(path)
+    assert path == str(folders["volume"] / (key + handler.COMPILE_ARTIFACTS_SUFFIX))
+    assert Path(path).read_bytes() == torch_saves[0]
+    torch_saves[0] = os.urandom(30_000)
     assert handler.save_compile_artifacts(folders["settings"], key, folders["env"]) == path
-    assert os.stat(path).st_ino == written.st_ino  # the same artifacts are not written again
-    assert handler.load_compile_artifacts(folders["settings"], key, folders["env"]) is True
-    assert torch_loads == torch_saves
+    assert Path(path).read_bytes() == torch_saves[0]  # new artifacts replace them
+    assert [n for n in os.listdir(folders["volume"]) if n.endswith(".tmp")] == []
 
 
-def test_a_damaged_copy_of_the_same_artifacts_is_written_again(folders, torch_saves):
-    key = key_of()
-    path = Path(handler.save_compile_artifacts(folders["settings"], key, folders["env"]))
-    _corrupt(path, "truncated payload")  # header intact, payload short
-    assert handler.save_compile_artifacts(folders["settings"], key, folders["env"]) == str(path)
-    assert handler.read_compile_artifacts(str(path), key, torch.__version__) == torch_saves[0]
-
-
-def test_save_with_nothing_compiled_writes_nothing(folders, monkeypatch):
+def test_save_with_nothing_compiled_or_a_torch_error_writes_nothing(folders, monkeypatch, caplog):
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)
     assert handler.save_compile_artifacts(folders["settings"], key_of(), folders["env"]) is None
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: 1 / 0)
+    with caplog.at_level(logging.INFO, logger="runpod-vlm"):
+        assert handler.save_compile_artifacts(folders["settings"], key_of(), folders["env"]) is None
+    assert "ZeroDivisionError" in compile_cache_records(caplog)[-1].getMessage()
     assert not folders["volume"].exists() and not folders["container"].exists()
 
 
@@ -324,8 +341,8 @@ def test_an_unwritable_volume_falls_back_to_the_container_with_one_line(folders,
         first = handler.save_compile_artifacts(folders["settings"], key, folders["env"])
         torch_saves[0] = os.urandom(30_000)
         second = handler.save_compile_artifacts(folders["settings"], key, folders["env"])
-    assert first == second == handler.compile_artifacts_path(str(folders["container"]), key)
-    assert handler.read_compile_artifacts(second, key, torch.__version__) == torch_saves[0]
+    assert first == second == str(folders["container"] / (key + handler.COMPILE_ARTIFACTS_SUFFIX))
+    assert Path(second).read_bytes() == torch_saves[0]
     warnings = [r for r in compile_cache_records(caplog) if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and str(folders["volume"]) in warnings[0].getMessage()
     assert os.listdir(folders["volume"]) == []
@@ -335,7 +352,7 @@ def test_a_file_where_the_folder_should_be_falls_back_too(folders, torch_saves, 
     (tmp_path / "a-file").write_text("")
     env = {**folders["env"], "VLM_COMPILE_CACHE_DIR": str(tmp_path / "a-file" / "cache")}
     path = handler.save_compile_artifacts(handler.Settings.from_env(env), key_of(), env)
-    assert path == handler.compile_artifacts_path(str(folders["container"]), key_of())
+    assert path == str(folders["container"] / (key_of() + handler.COMPILE_ARTIFACTS_SUFFIX))
 
 
 def test_nowhere_writable_saves_nothing_and_does_not_raise(folders, torch_saves, tmp_path):
@@ -344,12 +361,12 @@ def test_nowhere_writable_saves_nothing_and_does_not_raise(folders, torch_saves,
     assert handler.save_compile_artifacts(folders["settings"], key_of(), folders["env"]) is None
 
 
-def test_a_read_only_volume_still_serves_its_artifacts(folders, torch_loads, monkeypatch):
-    key, payload = key_of(), b"r" * 5000
-    handler.write_compile_artifacts(str(folders["volume"]), key, payload, RUNTIME)
+def test_a_read_only_volume_still_serves_its_artifacts(folders, torch_saves, torch_loads, monkeypatch):
+    key = key_of()
+    handler.save_compile_artifacts(folders["settings"], key, folders["env"])
     monkeypatch.setattr(tempfile, "mkstemp", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EROFS, "ro")))
     assert handler.load_compile_artifacts(folders["settings"], key, folders["env"]) is True
-    assert torch_loads == [payload]
+    assert torch_loads == torch_saves
 
 
 # ---- concurrent writers -------------------------------------------------------------------------
@@ -360,110 +377,52 @@ def _artifact_files(folder: Path) -> tuple[list[str], list[str]]:
     return [n for n in names if n.endswith(handler.COMPILE_ARTIFACTS_SUFFIX)], [n for n in names if n.endswith(".tmp")]
 
 
-def test_concurrent_writers_leave_one_whole_file_and_readers_never_see_a_part(tmp_path):
-    folder, key = str(tmp_path / "cache"), key_of()
+def test_concurrent_writers_leave_one_whole_file_and_readers_never_see_a_part(tmp_path, monkeypatch):
+    env = {"VLM_COMPILE_CACHE_DIR": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf")}
+    settings, key = handler.Settings.from_env(env), key_of()
     payloads = [bytes([n]) * 400_000 for n in range(8)]
-    writing = threading.Event()
-    seen, errors = [], []
+    # Each writer thread saves its own payload: thread n's name is "n".
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts",
+                        lambda: (payloads[int(threading.current_thread().name)], None))
+    path = tmp_path / "cache" / (key + handler.COMPILE_ARTIFACTS_SUFFIX)
+    seen = []
 
-    def write(payload):
+    def write():
         for _ in range(5):
-            handler.write_compile_artifacts(folder, key, payload, RUNTIME)
-            writing.set()
+            assert handler.save_compile_artifacts(settings, key, env) == str(path)
 
     def read():
-        writing.wait()
-        path = handler.compile_artifacts_path(folder, key)
         while any(w.is_alive() for w in writers):
-            try:
-                seen.append(handler.read_compile_artifacts(path, key, torch.__version__))
-            except Exception as error:  # any failure here is a reader seeing a partial file
-                errors.append(error)
+            if path.exists():
+                seen.append(path.read_bytes())
 
-    writers = [threading.Thread(target=write, args=(p,)) for p in payloads]
+    writers = [threading.Thread(target=write, name=str(n)) for n in range(len(payloads))]
     reader = threading.Thread(target=read)
     for thread in [*writers, reader]:
         thread.start()
     for thread in [*writers, reader]:
         thread.join()
-    assert errors == [] and seen and all(p in payloads for p in seen)
-    finals, temporaries = _artifact_files(Path(folder))
-    assert finals == [key + handler.COMPILE_ARTIFACTS_SUFFIX] and temporaries == []
-    assert handler.read_compile_artifacts(os.path.join(folder, finals[0]), key, torch.__version__) in payloads
+    assert seen and all(p in payloads for p in seen)
+    finals, temporaries = _artifact_files(tmp_path / "cache")
+    assert finals == [path.name] and temporaries == [] and path.read_bytes() in payloads
 
 
 def test_concurrent_processes_leave_one_whole_file(tmp_path):
     folder, key = tmp_path / "cache", key_of()
     script = (
-        "import sys, handler\n"
+        "import sys, torch, handler\n"
         "n = int(sys.argv[1])\n"
+        "torch.compiler.save_cache_artifacts = lambda: (bytes([n]) * 300_000, None)\n"
+        "settings = handler.Settings.from_env()\n"
         "for _ in range(10):\n"
-        "    handler.write_compile_artifacts(sys.argv[2], sys.argv[3], bytes([n]) * 300_000, {'torch': sys.argv[4]})\n"
+        "    assert handler.save_compile_artifacts(settings, sys.argv[2])\n"
     )
-    writers = [
-        subprocess.Popen([sys.executable, "-c", script, str(n), str(folder), key, torch.__version__], cwd=ROOT)
-        for n in range(4)
-    ]
+    env = {**os.environ, "VLM_COMPILE_CACHE_DIR": str(folder), "HF_HOME": str(tmp_path / "hf")}
+    writers = [subprocess.Popen([sys.executable, "-c", script, str(n), key], cwd=ROOT, env=env) for n in range(4)]
     assert [w.wait(timeout=120) for w in writers] == [0] * 4
     finals, temporaries = _artifact_files(folder)
     assert finals == [key + handler.COMPILE_ARTIFACTS_SUFFIX] and temporaries == []
-    payload = handler.read_compile_artifacts(str(folder / finals[0]), key, torch.__version__)
-    assert payload in [bytes([n]) * 300_000 for n in range(4)]
-
-
-def test_a_dead_writers_old_temporary_is_removed_and_a_fresh_one_kept(tmp_path):
-    folder, key = tmp_path / "cache", key_of()
-    folder.mkdir()
-    old = folder / f".{key}{handler.COMPILE_ARTIFACTS_SUFFIX}.abc123.tmp"
-    fresh = folder / f".{key}{handler.COMPILE_ARTIFACTS_SUFFIX}.def456.tmp"
-    old.write_bytes(b"partial")
-    fresh.write_bytes(b"being written")
-    os.utime(old, (0, 0))
-    handler.write_compile_artifacts(str(folder), key, b"done", RUNTIME)
-    assert not old.exists() and fresh.exists()
-
-
-# ---- the real thing: torch's mega-cache across two fresh processes ------------------------------
-
-ROUND_TRIP = """
-import json, sys
-import torch
-from torch._dynamo.utils import counters
-import handler
-
-settings = handler.Settings.from_env()
-key = handler.compile_cache_key("tiny/matmul", dtype=torch.float32, shapes=[[8, 8]])
-loaded = handler.load_compile_artifacts(settings, key)
-square = torch.compile(lambda a: a @ a.T)  # an extern matmul: no C++ kernel to build, so quick
-square(torch.ones(8, 8))
-saved = handler.save_compile_artifacts(settings, key) if sys.argv[1] == "save" else None
-print(json.dumps({"loaded": loaded, "saved": saved, "hits": counters["inductor"]["fxgraph_cache_hit"],
-                  "misses": counters["inductor"]["fxgraph_cache_miss"]}))
-"""
-
-
-def test_a_fresh_process_compiles_from_the_artifacts_another_saved(tmp_path):
-    """Process 1 compiles (inductor cache miss) and saves; process 2, with empty inductor and
-    Triton caches of its own, loads the file and finds the compiled graph in them (a hit, no miss)."""
-
-    def run(step: str) -> dict:
-        env = {
-            **os.environ,
-            "VLM_COMPILE_CACHE_DIR": str(tmp_path / "artifacts"),
-            "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / step / "inductor"),
-            "TRITON_CACHE_DIR": str(tmp_path / step / "triton"),
-            "HF_HOME": str(tmp_path / step / "hf"),
-        }
-        done = subprocess.run([sys.executable, "-c", ROUND_TRIP, step], cwd=ROOT, env=env,
-                              capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    first = run("save")
-    assert first["loaded"] is False and first["misses"] >= 1 and first["hits"] == 0
-    assert first["saved"] and Path(first["saved"]).parent == tmp_path / "artifacts"
-    second = run("load")
-    assert second["loaded"] is True and second["hits"] >= 1 and second["misses"] == 0
+    assert (folder / finals[0]).read_bytes() in [bytes([n]) * 300_000 for n in range(4)]
 
 
 # ---- RunPod's cached models ---------------------------------------------------------------------
@@ -471,7 +430,7 @@ def test_a_fresh_process_compiles_from_the_artifacts_another_saved(tmp_path):
 REVISION = "317b7eb96312eda0c431d1dab1af958a308cb35e"
 
 
-def fake_hub_cache(root: Path, repo_id: str, files: dict[str, bytes], ref: bool = True, revision: str = REVISION) -> Path:
+def fake_hub_cache(root: Path, repo_id: str, files: dict[str, bytes], ref: bool = True, revision: str = REVISION):
     """A hub cache tree as huggingface_hub (and RunPod) lays it out: blobs, refs/main, and a
     snapshot whose files are relative links to the blobs."""
     repo = root / ("models--" + repo_id.replace("/", "--"))
@@ -500,8 +459,9 @@ def test_a_cached_model_resolves_to_its_snapshot(tmp_path, caplog):
 
 def test_a_model_not_cached_resolves_to_its_id(tmp_path):
     fake_hub_cache(tmp_path, "llava-hf/llava-1.5-7b-hf", MODEL_FILES)
-    assert handler.resolve_model_source("Qwen/Qwen2-VL-2B-Instruct", str(tmp_path)) == "Qwen/Qwen2-VL-2B-Instruct"
-    assert handler.resolve_model_source("Qwen/Qwen2-VL-2B-Instruct", str(tmp_path / "absent")) == "Qwen/Qwen2-VL-2B-Instruct"
+    for hub_cache in (tmp_path, tmp_path / "absent"):
+        assert handler.resolve_model_source("Qwen/Qwen2-VL-2B-Instruct", str(hub_cache)) == "Qwen/Qwen2-VL-2B-Instruct"
+    assert not (tmp_path / "absent").exists()  # looking never makes /runpod-volume appear
 
 
 def test_a_local_folder_is_used_as_given(tmp_path):
@@ -516,7 +476,8 @@ def test_without_refs_the_only_snapshot_is_used_and_two_are_ambiguous(tmp_path):
 
 
 def test_an_incomplete_snapshot_is_not_used(tmp_path, caplog):
-    index = {"weight_map": {"a.weight": "model-00001-of-00002.safetensors", "b.weight": "model-00002-of-00002.safetensors"}}
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    index = {"weight_map": {"a.weight": shards[0], "b.weight": shards[1]}}
     files = {"config.json": b"{}", "model.safetensors.index.json": json.dumps(index).encode(),
              "model-00001-of-00002.safetensors": b"half"}
     snapshot = fake_hub_cache(tmp_path, "Org/Sharded", files)
