@@ -26,7 +26,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.chat.completion_create_params import CompletionCreateParamsBase
 
 import handler
-from sample_images import data_uri, png_bytes, striped
+from sample_images import data_uri, encode, striped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTUP_LIMIT_S = 180  # a deadline for the server to come up, not a performance assertion
@@ -247,9 +247,11 @@ def test_grounding_returns_the_box_in_the_message_and_in_the_vlm_field():
     [(item, _, _)] = engine.submitted
     assert item.task == "grounding" and item.grounding_target == "a stripe"
     assert ChatCompletion.model_validate(out, strict=True).model_extra["vlm"] == out["vlm"]  # as clients see it
-    assert out["vlm"] == {"task": "grounding", "bbox": [20, 20, 100, 100], "supports_grounding": True}
+    box = {"bbox": [20, 20, 100, 100], "supports_grounding": True, "box_format": "qwen-1000",
+           "image_size": [200, 100], "boxes": [{"bbox": [20, 20, 100, 100], "label": "a stripe"}]}
+    assert out["vlm"] == {"task": "grounding", **box}
     message = json.loads(out["choices"][0]["message"]["content"])
-    assert message == {"bbox": [20, 20, 100, 100], "supports_grounding": True, "response": box_answer.text}
+    assert message == {**box, "response": box_answer.text}
     [last] = [c for c in stream_events(body, lambda: engine) if c["choices"] and c["choices"][0]["finish_reason"]]
     assert json.loads(last["choices"][0]["delta"]["content"]) == message and last["vlm"] == out["vlm"]
 
@@ -369,7 +371,7 @@ def client(server):
 @pytest.fixture
 def image_url():
     """A loopback HTTP server serving one PNG; yields its URL and the paths it was asked for."""
-    body, requested = png_bytes(striped((64, 48))), []
+    body, requested = encode(striped((64, 48))), []
 
     class Serve(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
