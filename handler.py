@@ -3213,18 +3213,14 @@ def _check_model(request: RequestModel, model_id: str, param: Optional[str]) -> 
 # `read_request`, so the native route's validation, media policy, limits and error codes apply
 # unchanged; answers and errors are written in OpenAI's shapes.
 
-# ---- requests -----------------------------------------------------------------------------------
-
-# OpenAI fields this worker cannot honour, with the neutral values it accepts for them: ignoring any
-# other value would silently answer a different question than the one asked.
+# Fields this worker cannot honour, accepted at neutral values only (ignoring others would answer another question).
 OPENAI_UNSUPPORTED = {
     "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "logprobs": (False,),
     "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "response_format": ({"type": "text"},), "modalities": (["text"],), "audio": (), "prediction": (),
     "web_search_options": (), "moderation": (), "reasoning_effort": (), "verbosity": (),
 }
-# Accepted and ignored: bookkeeping on OpenAI's side, with no effect on the answer. `seed` is not
-# honoured either: sampled rows share the engine's random generator.
+# Accepted and ignored (`seed` too: sampled rows share the engine's random generator).
 OPENAI_IGNORED = ("seed", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
                   "prompt_cache_options", "prompt_cache_retention", "parallel_tool_calls")
 
@@ -3294,13 +3290,12 @@ def read_openai_body(raw: Any) -> ChatCompletionBody:
 
 
 def openai_item(body: ChatCompletionBody, settings: Settings, model_id: str) -> GenerationRequest:
-    """The item a checked body asks for, read as the native request it translates to (images
-    fetched and decoded). OpenAI's default temperature is 1 (sampled)."""
+    """The item a checked body asks for, read as the native request it translates to."""
     messages = body.messages
     if isinstance(messages, list):  # OpenAI's newer name for the system role
         messages = [dict(m, role="system") if isinstance(m, dict) and m.get("role") == "developer" else m
                     for m in messages]
-    temperature = 1.0 if body.temperature is None else body.temperature
+    temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI's default: sampled
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     native = {"task": "chat", "messages": messages, "temperature": temperature, "do_sample": temperature > 0,
               "top_p": body.top_p, "max_new_tokens": max_tokens, "model": body.model}
@@ -3327,19 +3322,13 @@ def openai_error(error: RequestError, body: Optional[ChatCompletionBody] = None)
                       "param": error.param, "code": error.code}}
 
 
-# ---- answers ------------------------------------------------------------------------------------
-
-
 async def answer_pieces(engine: Engine, item: GenerationRequest, stops: list[str], stream: bool):
-    """Yields the answer's text as it becomes safe to show (when `stream`), then its Generation
-    (cut before a stop sequence, if one came); raises the item's RequestError. A stop sequence
-    cancels the item at once, and so does leaving early (its row is freed at the next step)."""
+    """Yields the answer's text as it becomes safe to show (when `stream`), then its Generation, cut
+    before the first stop sequence; raises the item's RequestError. A stop or leaving early cancels the item."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
-    # Not stream_generation: a stop sequence ends the item before its Generation, and the answer's
-    # usage still needs the prompt's token count, which only the ticket knows then.
-    ticket = engine.submit(item, lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
-                           stream or bool(stops))
+    # Not stream_generation: when a stop cuts the item, only its ticket knows the prompt's token count.
+    ticket = engine.submit(item, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), stream or bool(stops))
     generated, shown = "", 0  # `shown` only grows when streaming
     try:
         while not isinstance(event := await events.get(), Generation):
@@ -3372,10 +3361,9 @@ def sse(data: Any) -> str:
 
 
 async def chat_completion(engine: Engine, item: GenerationRequest, body: ChatCompletionBody):
-    """One `chat.completion` object or, when `body.stream`, `chat.completion.chunk` events as
-    server-sent-event strings, at most one yield per VLM_STREAM_INTERVAL_MS: the role in the first
-    delta (held until the first piece, so that an early error is refused whole), the finish reason
-    on the last content chunk, the usage chunk when asked, then `data: [DONE]`."""
+    """One `chat.completion`, or when `body.stream` `chat.completion.chunk` events at most once per
+    VLM_STREAM_INTERVAL_MS: the role first (held until the first piece, so an early error is refused
+    whole), the finish reason on the last content chunk, the usage chunk when asked, `data: [DONE]`."""
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion" + (".chunk" if body.stream else ""),
             "created": int(time.time()), "model": engine.model_id, **({"usage": None} if include_usage else {})}
@@ -3412,9 +3400,8 @@ async def chat_completion(engine: Engine, item: GenerationRequest, body: ChatCom
 
 
 async def openai_answers(engine_getter, job_input: dict):
-    """What the handler yields for an `openai_route` job: one model list, one `chat.completion`
-    object, a streamed answer's events (strings), or one error in OpenAI's shape. Never raises: a
-    failure after a stream's first event ends it with an error event and `data: [DONE]`."""
+    """An `openai_route` job's answer: a model list, a `chat.completion`, streamed events (strings) or
+    an OpenAI error. Never raises: a failure after a stream's first event ends it with an error event."""
     body, started = None, False
     try:
         route = job_input.get("openai_route")
