@@ -3205,33 +3205,16 @@ def _check_model(request: RequestModel, model_id: str, param: Optional[str]) -> 
 # `read_request`, so the native route's validation, media policy, limits and error codes apply
 # unchanged; answers and errors are written in OpenAI's shapes.
 
-# ---- requests -----------------------------------------------------------------------------------
-
-OPENAI_MAX_STOP_SEQUENCES = 4  # as OpenAI's API
-OPENAI_SERVER_ERRORS = ("internal_error", "generation_failed", "worker_misconfigured")
-
-# OpenAI fields this worker cannot honour. Each is accepted at its neutral value only: ignoring any
-# other value would silently answer a different question than the one asked.
-_NO_PENALTIES = "frequency and presence penalties are not supported (the model's own repetition penalty applies)"
+# Fields this worker cannot honour, accepted at neutral values only (ignoring others would answer another question).
 OPENAI_UNSUPPORTED = {
-    "frequency_penalty": ((0,), _NO_PENALTIES),
-    "presence_penalty": ((0,), _NO_PENALTIES),
-    "logit_bias": (({},), "logit_bias is not supported"),
-    "logprobs": ((False,), "log probabilities are not returned by this worker"),
-    "top_logprobs": ((0,), "log probabilities are not returned by this worker"),
-    "tools": (([],), "tool calling is not supported"),
-    "tool_choice": (("none",), "tool calling is not supported"),
-    "functions": (([],), "function calling is not supported"),
-    "function_call": (("none",), "function calling is not supported"),
-    "response_format": (({"type": "text"},), "only text answers are supported (no JSON mode or schema)"),
-    "modalities": ((["text"],), "only text output is supported"),
-    "audio": ((), "audio output is not supported"),
-    "prediction": ((), "predicted outputs are not supported"),
-    "web_search_options": ((), "web search is not supported"),
-    "moderation": ((), "moderation is not supported"),
-    "reasoning_effort": ((), "the served model has no reasoning-effort control"),
-    "verbosity": ((), "the served model has no verbosity control"),
+    "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "logprobs": (False,),
+    "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "response_format": ({"type": "text"},), "modalities": (["text"],), "audio": (), "prediction": (),
+    "web_search_options": (), "moderation": (), "reasoning_effort": (), "verbosity": (),
 }
+# Accepted and ignored (`seed` too: sampled rows share the engine's random generator).
+OPENAI_IGNORED = ("seed", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
+                  "prompt_cache_options", "prompt_cache_retention", "parallel_tool_calls")
 
 
 class OpenAIStreamOptions(BaseModel):
@@ -3246,15 +3229,8 @@ class VlmOptions(BaseModel):
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    task: str = "chat"
+    task: str = Field("chat", pattern="^(chat|grounding)$")
     target: Optional[str] = None
-
-    @field_validator("task")
-    @classmethod
-    def _known_task(cls, value):
-        if value not in ("chat", "grounding"):
-            raise ValueError("must be chat or grounding")
-        return value
 
 
 class ChatCompletionBody(BaseModel):
@@ -3272,282 +3248,153 @@ class ChatCompletionBody(BaseModel):
     n: Optional[int] = None
     stream: Optional[bool] = None
     stream_options: Optional[OpenAIStreamOptions] = None
-    seed: Optional[int] = None  # accepted, not honoured: sampled rows share the engine's generator
     vlm: Optional[VlmOptions] = None
-    # Accepted and ignored: bookkeeping on OpenAI's side, with no effect on the answer.
-    user: Optional[str] = None
-    metadata: Optional[dict] = None
-    store: Optional[bool] = None
-    service_tier: Optional[str] = None
-    safety_identifier: Optional[str] = None
-    prompt_cache_key: Optional[str] = None
-    prompt_cache_options: Any = None
-    prompt_cache_retention: Optional[str] = None
-    parallel_tool_calls: Optional[bool] = None  # only means something with tools, which are refused
-    # The fields of OPENAI_UNSUPPORTED are checked, and removed, before this model reads a body.
-
-    @property
-    def max_tokens_field(self) -> str:
-        """The field that set the answer's length: max_completion_tokens wins over max_tokens."""
-        if self.max_completion_tokens is None and self.max_tokens is not None:
-            return "max_tokens"
-        return "max_completion_tokens"
 
     @property
     def stop_sequences(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
-    @property
-    def include_usage(self) -> bool:
-        return bool(self.stream_options and self.stream_options.include_usage)
+
+def read_openai_body(raw: Any) -> ChatCompletionBody:
+    """Check an OpenAI chat-completions body's fields (its messages are read with the item)."""
+    if not isinstance(raw, dict):
+        raise RequestError("invalid_request", "the request body must be a JSON object")
+    for name, neutral in OPENAI_UNSUPPORTED.items():
+        if raw.get(name) is not None and raw[name] not in neutral:
+            accepted = f" (only {json.dumps(neutral[0])} is accepted)" if neutral else ""
+            raise RequestError("unsupported_parameter", f"not supported by this worker{accepted}", name)
+    try:
+        body = ChatCompletionBody.model_validate(
+            {k: v for k, v in raw.items() if k not in OPENAI_UNSUPPORTED and k not in OPENAI_IGNORED})
+    except ValidationError as error:
+        raise _pydantic_error(error, None) from None
+    stops, grounding = body.stop_sequences, body.vlm is not None and body.vlm.task == "grounding"
+    for refused, message, param in (
+        (body.n not in (None, 1), "must be 1: this worker returns one choice per request", "n"),
+        (body.stream_options is not None and not body.stream, "only allowed when stream is true", "stream_options"),
+        (len(stops) > 4, "at most 4 stop sequences", "stop"),  # as OpenAI's API
+        ("" in stops, "a stop sequence must not be empty", "stop"),
+        (stops and grounding, "not supported with vlm.task grounding", "stop"),
+    ):
+        if refused:
+            raise RequestError("invalid_request", message, param)
+    return body
 
 
-def _check_openai_fields(body: ChatCompletionBody) -> None:
-    if body.n not in (None, 1):
-        raise RequestError("invalid_request", "must be 1: this worker returns one choice per request", "n")
-    if body.stream_options is not None and not body.stream:
-        raise RequestError("invalid_request", "only allowed when stream is true", "stream_options")
-    stops = body.stop_sequences
-    if len(stops) > OPENAI_MAX_STOP_SEQUENCES:
-        raise RequestError("invalid_request", f"at most {OPENAI_MAX_STOP_SEQUENCES} stop sequences", "stop")
-    if any(not stop for stop in stops):
-        raise RequestError("invalid_request", "a stop sequence must not be empty", "stop")
-    if body.vlm and body.vlm.task == "grounding" and stops:
-        raise RequestError("invalid_request", "not supported with vlm.task grounding", "stop")
-
-
-def native_request(body: ChatCompletionBody) -> dict:
-    """The native request an OpenAI body asks for. OpenAI's default temperature is 1 (sampled)."""
+def openai_item(body: ChatCompletionBody, settings: Settings, model_id: str) -> GenerationRequest:
+    """The item a checked body asks for, read as the native request it translates to."""
     messages = body.messages
     if isinstance(messages, list):  # OpenAI's newer name for the system role
         messages = [dict(m, role="system") if isinstance(m, dict) and m.get("role") == "developer" else m
                     for m in messages]
-    temperature = 1.0 if body.temperature is None else body.temperature
-    native: dict = {"task": "chat", "messages": messages, "temperature": temperature, "do_sample": temperature > 0}
-    if body.top_p is not None:
-        native["top_p"] = body.top_p
+    temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI's default: sampled
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    if max_tokens is not None:
-        native["max_new_tokens"] = max_tokens
-    if body.model is not None:
-        native["model"] = body.model
-    return native
-
-
-def read_openai_request(raw: Any, settings: Settings, model_id: str) -> tuple[ChatCompletionBody, GenerationRequest]:
-    """Validate an OpenAI chat-completions body into the body's fields and a GenerationRequest."""
-    if not isinstance(raw, dict):
-        raise RequestError("invalid_request", "the request body must be a JSON object")
-    for name, (neutral, reason) in OPENAI_UNSUPPORTED.items():
-        if raw.get(name) is not None and raw[name] not in neutral:
-            raise RequestError("unsupported_parameter", reason, name)
-    try:
-        body = ChatCompletionBody.model_validate({k: v for k, v in raw.items() if k not in OPENAI_UNSUPPORTED})
-    except ValidationError as error:
-        raise _pydantic_error(error, None) from None
-    _check_openai_fields(body)
-    try:
-        _, item = read_request(native_request(body), settings, model_id, None)
-    except RequestError as error:
-        raise openai_named(error, body) from None
-    if body.vlm and body.vlm.task == "grounding":
+    native = {"task": "chat", "messages": messages, "temperature": temperature, "do_sample": temperature > 0,
+              "top_p": body.top_p, "max_new_tokens": max_tokens, "model": body.model}
+    _, item = read_request({k: v for k, v in native.items() if v is not None}, settings, model_id, None)
+    if body.vlm is not None and body.vlm.task == "grounding":
         target = _required_text(body.vlm.target, "vlm.target", "the grounding task")
         item = dataclasses.replace(item, task="grounding", grounding_target=target)
         _check_text_length(item, settings, "messages")
         if not item.images:
             raise RequestError("missing_image", "the grounding task needs an image in the messages", "messages")
-    return body, item
+    return item
 
 
-def openai_named(error: RequestError, body: ChatCompletionBody) -> RequestError:
-    """The error with its param as the OpenAI body spells it (native max_new_tokens is
-    max_tokens or max_completion_tokens; a native request's text limit is on its messages)."""
-    renames = {"max_new_tokens": body.max_tokens_field, "input": "messages"}
-    error.param = renames.get(error.param, error.param)
-    return error
-
-
-def openai_error(error: RequestError) -> dict:
-    """An error in OpenAI's shape; its message is the native route's `error` text."""
-    kind = "server_error" if error.code in OPENAI_SERVER_ERRORS else "invalid_request_error"
+def openai_error(error: RequestError, body: Optional[ChatCompletionBody] = None) -> dict:
+    """An error in OpenAI's shape, its message the native route's `error` text, its `param` as the
+    `body` spells it (native max_new_tokens is max_tokens or max_completion_tokens, input is messages)."""
+    if body is not None:
+        by_max_tokens = body.max_completion_tokens is None and body.max_tokens is not None
+        renames = {"max_new_tokens": "max_tokens" if by_max_tokens else "max_completion_tokens", "input": "messages"}
+        error.param = renames.get(error.param, error.param)
+    server_side = error.code in ("internal_error", "generation_failed", "worker_misconfigured")
     text = f"{error.param}: {error.message}" if error.param else error.message
-    return {"error": {"message": text, "type": kind, "param": error.param, "code": error.code}}
-
-
-# ---- answers ------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class OpenAIOutcome:
-    """How an answer ended: its text (cut before a stop sequence) and its usage."""
-
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    completion_tokens: int
-    generation: Optional[Generation] = None  # None when a stop sequence ended the answer early
-
-
-def _held_back(text: str, stops: list[str]) -> int:
-    """How many characters at the end of `text` could begin a stop sequence, so must wait."""
-    for size in range(min(len(text), max(map(len, stops), default=1) - 1), 0, -1):
-        if any(stop.startswith(text[-size:]) for stop in stops):
-            return size
-    return 0
-
-
-async def engine_events(engine: Engine, item: GenerationRequest, stream: bool):
-    """`stream_generation`'s events, each paired with the prompt's token count: a stop sequence
-    cancels the item before its final Generation, and the answer's usage still needs that count.
-    Leaving early cancels the item (its row is freed at the next step)."""
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue = asyncio.Queue()
-    ticket = engine.submit(item, lambda event: loop.call_soon_threadsafe(events.put_nowait, event), stream)
-    try:
-        while True:
-            event = await events.get()
-            yield event, ticket.prompt_tokens
-            if not isinstance(event, StreamDelta):
-                return
-    finally:
-        ticket.cancel()
+    return {"error": {"message": text, "type": "server_error" if server_side else "invalid_request_error",
+                      "param": error.param, "code": error.code}}
 
 
 async def answer_pieces(engine: Engine, item: GenerationRequest, stops: list[str], stream: bool):
-    """Yields the answer's text as it becomes safe to show (when `stream`), then one OpenAIOutcome;
-    raises the item's RequestError. A stop sequence cancels the item at once."""
-    generated, shown = "", 0
-    events = engine_events(engine, item, stream or bool(stops))
+    """Yields the answer's text as it becomes safe to show (when `stream`), then its Generation, cut
+    before the first stop sequence; raises the item's RequestError. A stop or leaving early cancels the item."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    # Not stream_generation: when a stop cuts the item, only its ticket knows the prompt's token count.
+    ticket = engine.submit(item, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), stream or bool(stops))
+    generated, shown = "", 0  # `shown` only grows when streaming
     try:
-        async for event, prompt_tokens in events:
+        while not isinstance(event := await events.get(), Generation):
             if isinstance(event, RequestError):
                 raise event
-            if isinstance(event, Generation):
-                # The engine's own text is the answer; what was shown is a prefix of it.
-                shown_text = generated[:shown] if stream else ""
-                rest = event.text[len(shown_text):] if event.text.startswith(shown_text) else generated[shown:]
-                if rest and stream:
-                    yield rest
-                yield OpenAIOutcome(shown_text + rest, event.finish_reason, event.prompt_tokens,
-                                    event.completion_tokens, event)
-                return
             generated += event.text
-            cuts = [index for index in (generated.find(stop, shown) for stop in stops) if index >= 0]
-            if cuts:
-                await events.aclose()  # before anything else is sent: the row stops generating now
-                cut = min(cuts)
-                if cut > shown and stream:
-                    yield generated[shown:cut]
-                yield OpenAIOutcome(generated[:cut], "stop", prompt_tokens, event.completion_tokens)
-                return
-            # Trailing spaces wait too: the engine's final text is stripped.
-            ready = min(len(generated) - _held_back(generated, stops), len(generated.rstrip()))
-            if ready > shown and stream:
+            cut = min((i for i in (generated.find(stop, shown) for stop in stops) if i >= 0), default=None)
+            if cut is not None:
+                ticket.cancel()  # before anything else is sent: the row stops generating now
+                event = Generation(generated[:cut], "stop", ticket.prompt_tokens, event.completion_tokens)
+                break
+            # What could begin a stop sequence waits, and so do trailing spaces (the final text is stripped).
+            held = max((k for stop in stops for k in range(1, len(stop)) if generated.endswith(stop[:k])), default=0)
+            ready = min(len(generated) - held, len(generated.rstrip()))
+            if stream and ready > shown:
                 yield generated[shown:ready]
-            shown = max(shown, ready)
+                shown = ready
+        # The engine's own text is the answer when what was shown is a prefix of it.
+        if not event.text.startswith(generated[:shown]):
+            event = dataclasses.replace(event, text=generated)
+        if stream and len(event.text) > shown:
+            yield event.text[shown:]
+        yield event
     finally:
-        await events.aclose()
-    raise RequestError("generation_failed", "the model could not answer this request")
-
-
-def _usage(outcome: OpenAIOutcome) -> dict:
-    return {
-        "prompt_tokens": outcome.prompt_tokens,
-        "completion_tokens": outcome.completion_tokens,
-        "total_tokens": outcome.prompt_tokens + outcome.completion_tokens,
-    }
-
-
-def _grounding_extra(engine: Engine, item: GenerationRequest, outcome: OpenAIOutcome) -> tuple[str, dict]:
-    """A grounding answer's message text (JSON with the box in image pixels and the model's own
-    answer) and its top-level `vlm` field."""
-    fields = grounding_fields(item, outcome.generation, engine.adapter)
-    return json.dumps({**fields, "response": outcome.text}), {"task": "grounding", **fields}
-
-
-async def chat_completion(engine: Engine, item: GenerationRequest, body: ChatCompletionBody) -> dict:
-    """One `chat.completion` object (the non-streamed answer)."""
-    outcome = None
-    try:
-        async for outcome in answer_pieces(engine, item, body.stop_sequences, stream=False):
-            pass
-    except RequestError as error:
-        raise openai_named(error, body) from None
-    text, extra = outcome.text, {}
-    if item.task == "grounding":
-        text, extra["vlm"] = _grounding_extra(engine, item, outcome)
-    return {
-        "id": f"chatcmpl-{uuid.uuid4().hex}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": engine.model_id,
-        "choices": [{
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": outcome.finish_reason,
-        }],
-        "usage": _usage(outcome),
-        **extra,
-    }
+        ticket.cancel()
 
 
 def sse(data: Any) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
 
 
-async def chat_completion_events(engine: Engine, item: GenerationRequest, body: ChatCompletionBody):
-    """The streamed answer: `chat.completion.chunk` events as server-sent-event strings, at most one
-    yield per VLM_STREAM_INTERVAL_MS; the role in the first delta, the finish reason on the last
-    content chunk, the usage chunk when asked, then `data: [DONE]`. An error before the first event
-    is yielded as an error object instead, so that the request is refused whole."""
-    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion.chunk",
-            "created": int(time.time()), "model": engine.model_id}
-    if body.include_usage:
-        head["usage"] = None
+async def chat_completion(engine: Engine, item: GenerationRequest, body: ChatCompletionBody):
+    """One `chat.completion`, or when `body.stream` `chat.completion.chunk` events at most once per
+    VLM_STREAM_INTERVAL_MS: the role first (held until the first piece, so an early error is refused
+    whole), the finish reason on the last content chunk, the usage chunk when asked, `data: [DONE]`."""
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion" + (".chunk" if body.stream else ""),
+            "created": int(time.time()), "model": engine.model_id, **({"usage": None} if include_usage else {})}
 
     def chunk(delta: dict, finish_reason: Optional[str] = None, **extra) -> str:
         return sse({**head, "choices": [{"index": 0, "delta": delta, "logprobs": None,
                                          "finish_reason": finish_reason}], **extra})
 
-    interval, last = engine.settings.stream_interval_ms / 1000, time.monotonic()
-    started, pending = False, ""
+    interval, last, pending = engine.settings.stream_interval_ms / 1000, float("-inf"), ""
+    opening = chunk({"role": "assistant", "content": ""})
     # A grounding answer is written whole at the end, with its box.
-    pieces = answer_pieces(engine, item, body.stop_sequences, stream=item.task != "grounding")
-    try:
+    stream = body.stream and item.task != "grounding"
+    async with contextlib.aclosing(answer_pieces(engine, item, body.stop_sequences, stream)) as pieces:
         async for piece in pieces:
-            events = ""
-            if not started:  # the role waits for the first piece, so that early errors stay plain
-                events, started = chunk({"role": "assistant", "content": ""}), True
             if isinstance(piece, str):
                 pending += piece
                 if time.monotonic() - last >= interval:
-                    events += chunk({"content": pending})
-                    pending, last = "", time.monotonic()
-                if events:
-                    yield events
+                    yield opening + chunk({"content": pending})
+                    opening, pending, last = "", "", time.monotonic()
                 continue
-            extra = {}
+            content, extra = pending if stream else piece.text, {}
             if item.task == "grounding":
-                pending, extra["vlm"] = _grounding_extra(engine, item, piece)
-            events += chunk({"content": pending}, piece.finish_reason, **extra)
-            if body.include_usage:
-                events += sse({**head, "choices": [], "usage": _usage(piece)})
-            yield events + sse("[DONE]")
-    except Exception as failure:
-        if isinstance(failure, RequestError):
-            error = openai_named(failure, body)
-        else:
-            log.exception("streaming failed")
-            error = RequestError("internal_error", "internal error while answering this request")
-        yield (sse(openai_error(error)) + sse("[DONE]")) if started else openai_error(error)
-    finally:
-        await pieces.aclose()  # a closed stream (client gone, job cancelled) cancels the item
+                fields = grounding_fields(item, piece, engine.adapter)
+                content, extra["vlm"] = json.dumps({**fields, "response": piece.text}), {"task": "grounding", **fields}
+            usage = {"prompt_tokens": piece.prompt_tokens, "completion_tokens": piece.completion_tokens,
+                     "total_tokens": piece.prompt_tokens + piece.completion_tokens}
+            if not body.stream:
+                yield {**head, "choices": [{"index": 0, "message": {"role": "assistant", "content": content},
+                                            "logprobs": None, "finish_reason": piece.finish_reason}],
+                       "usage": usage, **extra}
+                return
+            usage_chunk = sse({**head, "choices": [], "usage": usage}) if include_usage else ""
+            yield opening + chunk({"content": content}, piece.finish_reason, **extra) + usage_chunk + sse("[DONE]")
 
 
 async def openai_answers(engine_getter, job_input: dict):
-    """What the handler yields for an `openai_route` job: one `chat.completion` object, or the
-    streamed events (strings), or one model list, or one error in OpenAI's shape. Never raises."""
+    """An `openai_route` job's answer: a model list, a `chat.completion`, streamed events (strings) or
+    an OpenAI error. Never raises: a failure after a stream's first event ends it with an error event."""
+    body, started = None, False
     try:
         route = job_input.get("openai_route")
         settings, model_id = served_model()
@@ -3556,29 +3403,26 @@ async def openai_answers(engine_getter, job_input: dict):
             yield {"object": "list", "data": [model]}
             return
         if route != "/v1/chat/completions":
-            raise RequestError(
-                "invalid_request", "this worker serves /v1/chat/completions and /v1/models", "openai_route"
-            )
+            raise RequestError("invalid_request", "this worker serves /v1/chat/completions and /v1/models",
+                               "openai_route")
+        body = read_openai_body(job_input.get("openai_input"))
         # Reading fetches and decodes images, and the engine may still be loading: both block.
-        body, item = await asyncio.to_thread(read_openai_request, job_input.get("openai_input"), settings, model_id)
+        item = await asyncio.to_thread(openai_item, body, settings, model_id)
         engine = await asyncio.to_thread(engine_getter)
-        if body.stream:
-            events = chat_completion_events(engine, item, body)
-            try:
-                async for event in events:
-                    yield event
-            finally:
-                await events.aclose()
-        else:
-            yield await chat_completion(engine, item, body)
-    except RequestError as error:
-        yield openai_error(error)
-    except SettingsError as error:
-        log.error("settings: %s", error)
-        yield openai_error(RequestError("worker_misconfigured", f"worker misconfigured: {error}"))
-    except Exception:
-        log.exception("unexpected failure on the OpenAI route")
-        yield openai_error(RequestError("internal_error", "internal error while answering this request"))
+        # Closing this generator (client gone, job cancelled) closes the answer, which cancels the item.
+        async with contextlib.aclosing(chat_completion(engine, item, body)) as answers:
+            async for answer in answers:
+                yield answer
+                started = True
+    except Exception as failure:
+        if isinstance(failure, SettingsError):
+            log.error("settings: %s", failure)
+            failure = RequestError("worker_misconfigured", f"worker misconfigured: {failure}")
+        elif not isinstance(failure, RequestError):
+            log.exception("unexpected failure on the OpenAI route")
+            failure = RequestError("internal_error", "internal error while answering this request")
+        answer = openai_error(failure, body)
+        yield sse(answer) + sse("[DONE]") if started else answer
 
 
 # =================================================================================================

@@ -242,14 +242,17 @@ def test_grounding_returns_the_box_in_the_message_and_in_the_vlm_field():
                                              "<|box_start|>(100,200),(500,1000)<|box_end|>")
     engine = ScriptedEngine(["a stripe"], box_answer)
     engine.adapter = handler.QwenVLAdapter()
-    body = {"messages": image_message(data_uri(striped((200, 100))), ""), "vlm": {"task": "grounding", "target": "a stripe"}}
+    body = {"messages": image_message(data_uri(striped((200, 100))), ""),
+            "vlm": {"task": "grounding", "target": "a stripe"}}
     out = completion(body, lambda: engine)
     [(item, _, _)] = engine.submitted
     assert item.task == "grounding" and item.grounding_target == "a stripe"
     assert ChatCompletion.model_validate(out, strict=True).model_extra["vlm"] == out["vlm"]  # as clients see it
-    assert out["vlm"] == {"task": "grounding", "bbox": [20, 20, 100, 100], "supports_grounding": True}
+    box = {"bbox": [20, 20, 100, 100], "supports_grounding": True, "box_format": "qwen-1000",
+           "image_size": [200, 100], "boxes": [{"bbox": [20, 20, 100, 100], "label": "a stripe"}]}
+    assert out["vlm"] == {"task": "grounding", **box}
     message = json.loads(out["choices"][0]["message"]["content"])
-    assert message == {"bbox": [20, 20, 100, 100], "supports_grounding": True, "response": box_answer.text}
+    assert message == {**box, "response": box_answer.text}
     [last] = [c for c in stream_events(body, lambda: engine) if c["choices"] and c["choices"][0]["finish_reason"]]
     assert json.loads(last["choices"][0]["delta"]["content"]) == message and last["vlm"] == out["vlm"]
 
@@ -313,7 +316,7 @@ def test_a_context_overflow_found_by_the_engine_names_the_openai_field(engine, m
 def test_every_openai_field_is_known_to_the_route():
     """No field of OpenAI's chat-completions body is refused as unknown: each is honoured, ignored
     or refused with its reason (this fails when a new openai release adds a field)."""
-    known = set(handler.ChatCompletionBody.model_fields) | set(handler.OPENAI_UNSUPPORTED)
+    known = set(handler.ChatCompletionBody.model_fields) | set(handler.OPENAI_UNSUPPORTED) | set(handler.OPENAI_IGNORED)
     assert set(CompletionCreateParamsBase.__annotations__) | {"stream"} <= known
 
 
@@ -408,8 +411,9 @@ def test_client_chat_with_a_data_uri_matches_the_route_in_process(client, engine
 
 def test_client_chat_with_an_http_image_url_streamed_and_not(client, image_url):
     url, requested = image_url
-    answer = client.chat.completions.create(model=client.models.list().data[0].id, messages=image_message(url), **GREEDY)
-    chunks = list(client.chat.completions.create(model=answer.model, messages=image_message(url), stream=True, **GREEDY))
+    model = client.models.list().data[0].id
+    answer = client.chat.completions.create(model=model, messages=image_message(url), **GREEDY)
+    chunks = list(client.chat.completions.create(model=model, messages=image_message(url), stream=True, **GREEDY))
     assert requested == ["/x.png", "/x.png"]
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == answer.choices[0].message.content
     assert chunks[-1].choices[0].finish_reason == answer.choices[0].finish_reason == "length"
