@@ -33,7 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
 
-from benchmark import data_uri  # noqa: E402
+from benchmark import photo_uri as data_uri  # noqa: E402
 
 SIZES = [(448, 448), (640, 480), (800, 600), (1024, 768), (1280, 720)]
 QUESTIONS = [
