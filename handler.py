@@ -1768,6 +1768,12 @@ class SlotDecoder:
     def __init__(self, model, eos_ids: set, rows: int, length: int, use_graph: bool, interval: int):
         import torch
 
+        with torch.inference_mode():  # like every tensor made later, on the engine or compile thread
+            self._make_state(model, eos_ids, rows, length, use_graph, interval)
+
+    def _make_state(self, model, eos_ids, rows, length, use_graph, interval) -> None:
+        import torch
+
         device = model.device
         self.model, self.rows, self.length = model, rows, length
         self.use_graph, self.interval = use_graph, interval
