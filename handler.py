@@ -2829,20 +2829,14 @@ def _is_url(text: str) -> bool:
 
 _NUMBER = r"-?\d+(?:\.\d+)?"
 _QUARTET = rf"({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})"
-_QWEN_BOX = re.compile(
-    r"(?:<\|object_ref_start\|>(.*?)<\|object_ref_end\|>\s*)?<\|box_start\|>(.*?)(?:<\|box_end\|>|$)", re.S
-)
+_QWEN_BOX = re.compile(r"(?:<\|object_ref_start\|>(.*?)<\|object_ref_end\|>\s*)?"
+                       r"<\|box_start\|>(.*?)(?:<\|box_end\|>|$)", re.S)
 _LOC_BOX = re.compile(r"<loc(\d{4})><loc(\d{4})><loc(\d{4})><loc(\d{4})>\s*([^;<]*)")
 _JSON_OBJECT = re.compile(r"\{[^{}]*\}")  # flat objects: found one by one, even in a cut-off answer
 _JSON_BOX = re.compile(rf'"(?:bbox_2d|bbox|box_2d)"\s*:\s*\[\s*{_QUARTET}\s*\]')
 _JSON_LABEL = re.compile(r'"label"\s*:\s*"((?:[^"\\]|\\.)*)"')
-_LOOSE_BOX_PATTERNS = (
-    # (x1,y1),(x2,y2)
-    re.compile(rf"\(\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\)\s*,?\s*\(\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\)"),
-    # [x1, y1, x2, y2]
-    re.compile(rf"\[\s*{_QUARTET}\s*\]"),
-)
-_PLAIN_QUARTET = re.compile(_QUARTET)
+_POINT_PAIR = re.compile(rf"\(\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\)\s*,?\s*\(\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\)")
+_LIST_BOX = re.compile(rf"\[\s*{_QUARTET}\s*\]")
 
 
 def _ordered(values) -> list[float]:
@@ -2850,94 +2844,59 @@ def _ordered(values) -> list[float]:
     return [min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)]
 
 
-def _json_string(body: str) -> str:
-    try:
-        return json.loads(f'"{body}"')
-    except ValueError:  # an escape JSON does not know: keep the label as written
-        return body
+def _json_label(obj: str) -> Optional[str]:
+    written = next(iter(_JSON_LABEL.findall(obj)), "")
+    with contextlib.suppress(ValueError):  # an escape JSON does not know: keep the label as written
+        return json.loads(f'"{written}"') or None
+    return written
 
 
 def parse_boxes(text: Optional[str]) -> list[tuple[list[float], Optional[str]]]:
-    """Every box in a model's answer with its label (or None), as [x1, y1, x2, y2] in the model's
-    own coordinates, in answer order. The first format found wins: Qwen2-VL's box tokens,
-    PaliGemma's <loc> tokens, JSON objects with a bbox, (x1,y1),(x2,y2) pairs, [x1, y1, x2, y2]
-    lists, then a single plain quartet of numbers."""
-    text = text or ""
-    boxes: list[tuple[list[float], Optional[str]]] = []
-    label = None
+    """Every (box, label or None) in an answer, boxes as [x1, y1, x2, y2] in the model's coordinates.
+    The first format found wins, in the order below; last, a single plain quartet of numbers."""
+    text, boxes, label = text or "", [], None
     for match in _QWEN_BOX.finditer(text):  # a label holds for the boxes after it
         label = match.group(1).strip() if match.group(1) is not None else label
         numbers = re.findall(_NUMBER, match.group(2))
         if len(numbers) == 4:
             boxes.append((_ordered(numbers), label or None))
-    if boxes:
-        return boxes
-    for match in _LOC_BOX.finditer(text):
-        y1, x1, y2, x2 = match.groups()[:4]
-        boxes.append((_ordered([x1, y1, x2, y2]), match.group(5).strip() or None))
-    if boxes:
-        return boxes
-    for match in _JSON_OBJECT.finditer(text):
-        box = _JSON_BOX.search(match.group(0))
-        if box:
-            named = _JSON_LABEL.search(match.group(0))
-            label = _json_string(named.group(1)) if named else None
-            boxes.append((_ordered(box.groups()), label or None))
-    if boxes:
-        return boxes
-    for pattern in _LOOSE_BOX_PATTERNS:
-        boxes = [(_ordered(m.groups()), None) for m in pattern.finditer(text)]
-        if boxes:
-            return boxes
-    match = _PLAIN_QUARTET.search(text)
-    return [(_ordered(match.groups()), None)] if match else []
+    boxes = boxes or [(_ordered([x1, y1, x2, y2]), name.strip() or None)
+                      for y1, x1, y2, x2, name in _LOC_BOX.findall(text)]
+    boxes = boxes or [(_ordered(box.groups()), _json_label(obj))
+                      for obj in _JSON_OBJECT.findall(text) if (box := _JSON_BOX.search(obj))]
+    for pattern in (_POINT_PAIR, _LIST_BOX):
+        boxes = boxes or [(_ordered(numbers), None) for numbers in pattern.findall(text)]
+    return boxes or [(_ordered(numbers), None) for numbers in re.findall(_QUARTET, text)[:1]]
 
 
 def parse_bbox(text: Optional[str]) -> Optional[list[float]]:
     """The first box in a model's answer, as [x1, y1, x2, y2] in the model's own coordinates."""
-    boxes = parse_boxes(text)
-    return boxes[0][0] if boxes else None
+    return next((box for box, _ in parse_boxes(text)), None)
 
 
 def box_to_pixels(box: list[float], system: Optional[str], size: tuple[int, int],
                   input_size: Optional[tuple[int, int]] = None) -> list[int]:
     """Scale a box from the model's coordinate system to the original image's pixels, clamped."""
-    width, height = size
-    if system == "qwen-1000":
-        sx, sy = width / 1000, height / 1000
-    elif system == "paligemma-1024":
-        sx, sy = width / 1024, height / 1024
-    elif system == "qwen-abs-pixels" and input_size:
-        sx, sy = width / input_size[0], height / input_size[1]
-    elif max(box) <= 1.0:
-        sx, sy = width, height
-    else:
-        sx = sy = 1.0
-    x1, y1, x2, y2 = box
-    return [
-        int(round(min(max(x1 * sx, 0), width))), int(round(min(max(y1 * sy, 0), height))),
-        int(round(min(max(x2 * sx, 0), width))), int(round(min(max(y2 * sy, 0), height))),
-    ]
+    frame = {"qwen-1000": (1000, 1000), "paligemma-1024": (1024, 1024), "qwen-abs-pixels": input_size}.get(system)
+    frame_width, frame_height = frame or ((1, 1) if max(box) <= 1.0 else size)  # no frame: normalised or pixels
+    scales, limits = (size[0] / frame_width, size[1] / frame_height) * 2, tuple(size) * 2
+    return [int(round(min(max(v * scale, 0), limit))) for v, scale, limit in zip(box, scales, limits)]
 
 
 def grounding_fields(item: GenerationRequest, generation: Generation, adapter: FamilyAdapter) -> dict:
-    """`boxes` (every box, in the first image's pixels, with its label), `bbox` (the first box),
-    the model's coordinate system and the image size; an annotated copy of the image on request."""
-    fields: dict = {"bbox": None, "supports_grounding": adapter.grounding is not None}
+    """Every box in the first image's pixels with its label, the first as `bbox`; drawn on request."""
     if adapter.grounding is None:
-        fields["bbox_warning"] = f"the {adapter.name} family has no grounding output; see response"
-        return fields
-    image = item.images[0]
-    fields.update(box_format=adapter.grounding, image_size=list(image.size), boxes=[])
-    for box, label in parse_boxes(generation.raw_text or generation.text):
-        pixels = box_to_pixels(box, adapter.grounding, image.size, generation.image_input_size)
-        fields["boxes"].append({"bbox": pixels, "label": label})
-    if not fields["boxes"]:
+        return {"bbox": None, "supports_grounding": False,
+                "bbox_warning": f"the {adapter.name} family has no grounding output; see response"}
+    image, input_size = item.images[0], generation.image_input_size
+    boxes = [{"bbox": box_to_pixels(box, adapter.grounding, image.size, input_size), "label": label}
+             for box, label in parse_boxes(generation.raw_text or generation.text)]
+    fields = {"bbox": boxes[0]["bbox"] if boxes else None, "supports_grounding": True,
+              "box_format": adapter.grounding, "image_size": list(image.size), "boxes": boxes}
+    if not boxes:
         fields["bbox_warning"] = "no bounding box found in the model's answer"
-    else:
-        fields["bbox"] = fields["boxes"][0]["bbox"]
     if item.annotate:
-        fields["annotated_image"] = annotated_image(image, fields["boxes"])
+        fields["annotated_image"] = annotated_image(image, boxes)
     return fields
 
 
@@ -2949,8 +2908,7 @@ def annotated_image(image, boxes: list[dict]) -> str:
     draw = ImageDraw.Draw(canvas)
     line = max(2, round(min(canvas.size) / 200))
     colours = ("#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#42d4f4", "#f032e6", "#bfef45")
-    for k, box in enumerate(boxes):
-        colour = colours[k % len(colours)]
+    for box, colour in zip(boxes, colours * len(boxes)):  # the colours in turn
         draw.rectangle(box["bbox"], outline=colour, width=line)
         if box["label"]:
             corner = (box["bbox"][0] + line, box["bbox"][1] + line)
