@@ -963,64 +963,56 @@ class Generation:
 
 
 class FamilyAdapter:
-    """How one model family turns turns into prompts, and which prompts it uses for tasks."""
+    """The model cards' generic recipe for prompting a family; a FAMILIES row or a subclass adjusts it."""
 
-    name = "generic"
     native = True  # loads with AutoProcessor + AutoModelForImageTextToText, no remote code
-    grounding: Optional[str] = None  # coordinate system of boxes (see "parsing boxes"), or None
+    name = "generic"
+    grounding: Optional[str] = None  # coordinate system of its boxes (see "parsing boxes"), or None
+    grounding_template = "Locate {} in the image and give its bounding box as [x1, y1, x2, y2]."
+    skip_modules: Optional[tuple[str, ...]] = None  # kept out of quantization; None: found by model type
 
-    def __init__(self, model_type: Optional[str] = None):
+    def __init__(self, model_type: Optional[str] = None, **family):
         self.model_type = model_type
+        for key, value in family.items():  # a FAMILIES row's changes to the class's defaults
+            setattr(self, key, value)
 
     @property
     def quantization_skip_modules(self) -> tuple[str, ...]:
-        """Modules bitsandbytes leaves in full precision: the vision tower and projector, found in
-        the model type's own module tree, and lm_head. Families below name theirs."""
-        if not self.native or self.model_type is None:
-            return ()
-        return unquantized_module_names(self.model_type)
+        """Modules bitsandbytes leaves in full precision: the vision tower and projector, and lm_head."""
+        if self.skip_modules is None and self.model_type is not None:
+            return unquantized_module_names(self.model_type)
+        return self.skip_modules or ()
 
-    def grounding_prompt(self, target: str) -> str:
-        return f"Locate {target} in the image and give its bounding box as [x1, y1, x2, y2]."
+    def processor_kwargs(self, settings: Settings) -> dict:
+        return {}
 
-    def request_turns(self, item: "GenerationRequest") -> list[Turn]:
-        """The turns the model is prompted with: a grounding request's last turn gets the family's
-        grounding prompt after its images."""
+    def request_turns(self, item: GenerationRequest) -> list[Turn]:
+        """The item's turns; a grounding request's last turn ends with the family's grounding prompt."""
         if item.task != "grounding":
             return item.turns
         *before, last = item.turns
-        return [*before, Turn(last.role, [*last.parts, self.grounding_prompt(item.grounding_target)])]
+        return [*before, Turn(last.role, [*last.parts, self.grounding_template.format(item.grounding_target)])]
 
     def chat_messages(self, turns: list[Turn]) -> list[dict]:
-        """Turns in the format processors' chat templates take: images become {"type": "image"}."""
+        """Turns as processors' chat templates take them: images become {"type": "image"}."""
         return [
-            {
-                "role": turn.role,
-                "content": [
-                    {"type": "text", "text": p} if isinstance(p, str) else {"type": "image"}
-                    for p in turn.parts
-                ],
-            }
+            {"role": turn.role,
+             "content": [{"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in turn.parts]}
             for turn in turns
         ]
 
-    def prompt(self, processor, turns: list[Turn]) -> str:
-        return processor.apply_chat_template(
-            self.chat_messages(turns), add_generation_prompt=True, tokenize=False
-        )
-
-    def batch_inputs(self, processor, items: list["GenerationRequest"], device, dtype):
-        """Prompts and pixels for a batch, left-padded, on `device`; and for each item the size its
-        first image was resized to (the frame of boxes in input pixels), or None.
-
-        What the model cards' one call `processor.apply_chat_template(..., tokenize=True)` does:
-        each item's images are one sample (a request with two images stays one sample, alone or
-        batched), and a template that already writes BOS gets no second one from the tokenizer."""
-        prompts = [self.prompt(processor, self.request_turns(item)) for item in items]
-        images = [item.images for item in items]
+    def batch_inputs(self, processor, items: list[GenerationRequest], device, dtype):
+        """Left-padded prompts and pixels on `device`, and per item its first image's input size (or
+        None). As the cards' `processor.apply_chat_template(..., tokenize=True)`: each item's images
+        are one sample, and a template that already writes BOS gets no second one from the tokenizer."""
+        prompts = [
+            processor.apply_chat_template(
+                self.chat_messages(self.request_turns(item)), add_generation_prompt=True, tokenize=False)
+            for item in items
+        ]
         kwargs: dict = {"text": prompts, "padding": True, "return_tensors": "pt"}
-        if any(images):
-            kwargs["images"] = images
+        if any(item.images for item in items):
+            kwargs["images"] = [item.images for item in items]
         bos = getattr(processor.tokenizer, "bos_token", None)
         if isinstance(bos, str) and prompts[0].startswith(bos):
             kwargs["add_special_tokens"] = False
@@ -1029,95 +1021,58 @@ class FamilyAdapter:
             inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
         return inputs, self.input_sizes(processor, inputs, items)
 
-    def input_sizes(self, processor, inputs, items: list["GenerationRequest"]) -> list:
-        """Per item, (width, height) of its first image as the model saw it, where boxes need it."""
-        input_sizes: list = [None] * len(items)
-        if "image_grid_thw" in inputs:  # Qwen2.5-VL boxes are in pixels of this resized input
-            patch = processor.image_processor.patch_size
-            grids = iter(inputs["image_grid_thw"].tolist())
-            for row, item in enumerate(items):
-                sizes = [next(grids) for _ in item.images]
-                if sizes:
-                    _, rows, cols = sizes[0]
-                    input_sizes[row] = (cols * patch, rows * patch)
-        return input_sizes
-
-    def processor_kwargs(self, settings: Settings) -> dict:
-        return {}
+    def input_sizes(self, processor, inputs, items: list[GenerationRequest]) -> list:
+        return [None] * len(items)
 
 
 class QwenVLAdapter(FamilyAdapter):
-    name = "qwen2-vl"
-    grounding = "qwen-1000"
-    quantization_skip_modules = ("model.visual", "lm_head")
+    """Qwen2-VL, and (FAMILIES) Qwen2.5-VL and Qwen3-VL with their own grounding."""
 
-    def grounding_prompt(self, target: str) -> str:
-        return f"Find <|object_ref_start|>{target}<|object_ref_end|>"
+    name, grounding = "qwen2-vl", "qwen-1000"
+    grounding_template = "Find <|object_ref_start|>{}<|object_ref_end|>"
+    skip_modules = ("model.visual", "lm_head")
 
     def processor_kwargs(self, settings: Settings) -> dict:
-        kwargs = {}
-        if settings.min_pixels:
-            kwargs["min_pixels"] = settings.min_pixels
-        if settings.max_pixels:
-            kwargs["max_pixels"] = settings.max_pixels
-        return kwargs
+        return {k: v for k, v in {"min_pixels": settings.min_pixels, "max_pixels": settings.max_pixels}.items() if v}
 
-
-class Qwen25VLAdapter(QwenVLAdapter):
-    name = "qwen2.5-vl"
-    grounding = "qwen-abs-pixels"
-
-    def grounding_prompt(self, target: str) -> str:
-        return f"Locate {target} in the image, and output its bbox coordinates in JSON format."
-
-
-class Qwen3VLAdapter(QwenVLAdapter):
-    """Qwen3-VL: Qwen2.5-VL's JSON answers, in Qwen2-VL's 0-1000 relative coordinates."""
-
-    name = "qwen3-vl"
-    grounding = "qwen-1000"
-
-    def grounding_prompt(self, target: str) -> str:
-        return f"Locate {target} in the image, and output its bbox coordinates in JSON format."
+    def input_sizes(self, processor, inputs, items: list[GenerationRequest]) -> list:
+        """Per item, (width, height) of its first image as resized: Qwen2.5-VL's boxes are in its pixels."""
+        if "image_grid_thw" not in inputs:
+            return [None] * len(items)
+        patch = processor.image_processor.patch_size
+        grids = iter(inputs["image_grid_thw"].tolist())  # (frames, rows, columns) per image, in order
+        firsts = [[next(grids) for _ in item.images][:1] for item in items]
+        return [(first[0][2] * patch, first[0][1] * patch) if first else None for first in firsts]
 
 
 class PaliGemmaAdapter(FamilyAdapter):
     """PaliGemma (2, mix): no chat template; one image and a task prefix per prompt, which the
     processor turns into `<image>`s + BOS + prefix + newline. Detection answers <loc> tokens."""
 
-    name = "paligemma"
-    grounding = "paligemma-1024"
-    quantization_skip_modules = ("model.vision_tower", "model.multi_modal_projector", "lm_head")
-    caption_prefixes = {"caption": "caption en", "caption_long": "describe en"}
+    name, grounding, grounding_template = "paligemma", "paligemma-1024", "detect {}"
+    skip_modules = ("model.vision_tower", "model.multi_modal_projector", "lm_head")
 
-    def grounding_prompt(self, target: str) -> str:
-        return f"detect {target}"
-
-    def task_prefix(self, item: "GenerationRequest") -> str:
+    def task_prefix(self, item: GenerationRequest) -> str:
         """The card's prompt for the item; a chat is one user turn whose text is the prefix."""
         if len(item.images) > 1:
             raise RequestError("invalid_request", "the paligemma family takes one image per request",
                                _join(item.param, "messages" if item.task == "chat" else "images"))
         if item.task == "grounding":
-            return self.grounding_prompt(item.grounding_target)
-        if item.task in self.caption_prefixes:
-            return self.caption_prefixes[item.task]
-        text = " ".join(p for p in item.turns[-1].parts if isinstance(p, str)).strip()
-        if item.task == "vqa":
-            return f"answer en {text}"
-        if len(item.turns) != 1 or item.turns[0].role != "user":
+            return self.grounding_template.format(item.grounding_target)
+        text = _text_of(item.turns[-1]).strip()
+        prefix = {"caption": "caption en", "caption_long": "describe en", "vqa": f"answer en {text}"}.get(item.task)
+        if prefix is None and (len(item.turns) != 1 or item.turns[0].role != "user"):
             raise RequestError(
                 "invalid_request", "the paligemma family takes one user message (a task prefix such "
                 "as 'caption en', 'answer en <question>' or 'detect <object>'), no system or "
                 "assistant turns", _join(item.param, "messages"),
             )
-        return text
+        return prefix or text
 
     def batch_inputs(self, processor, items, device, dtype):
         from PIL import Image
 
-        # The model always reads an image: a text-only row (a chat, or the engine's padding row)
-        # is given a black one.
+        # The model always reads an image: a text-only row (a chat, the engine's padding row) gets a black one.
         images = [item.images or [Image.new("RGB", (1, 1))] for item in items]
         inputs = processor(
             text=[self.task_prefix(item) for item in items], images=images, padding=True, return_tensors="pt",
@@ -1125,22 +1080,6 @@ class PaliGemmaAdapter(FamilyAdapter):
         inputs.pop("labels", None)  # the processor's training labels: not a generation input
         inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
         return inputs, [None] * len(items)
-
-
-class Idefics3Adapter(FamilyAdapter):
-    """SmolVLM and Idefics3 (their processors need num2words)."""
-
-    name = "smolvlm"
-    quantization_skip_modules = ("model.vision_model", "model.connector", "lm_head")
-
-
-class LlavaAdapter(FamilyAdapter):
-    name = "llava"
-    quantization_skip_modules = ("model.vision_tower", "model.multi_modal_projector", "lm_head")
-
-
-class LlavaNextAdapter(LlavaAdapter):
-    name = "llava-next"
 
 
 class RemoteCodeAdapter(FamilyAdapter):
@@ -1154,22 +1093,23 @@ class RemoteCodeAdapter(FamilyAdapter):
         import transformers
 
         model = getattr(transformers, self.model_class).from_pretrained(path, **load_kwargs).eval()
-        processor = getattr(transformers, self.processor_class).from_pretrained(path, trust_remote_code=True)
-        return model, processor
-
-    def run(self, model, processor, item: GenerationRequest, sampling: dict) -> Generation:
-        raise NotImplementedError
+        return model, getattr(transformers, self.processor_class).from_pretrained(path, trust_remote_code=True)
 
     def card_sampling(self, sampling: dict) -> dict:
         """The request's decoding exactly: greedy stays greedy; sampling is temperature and top-p
         only (top_k=0 turns off the top-k 50 that generate() otherwise takes from its defaults)."""
         return {**sampling, "top_k": 0} if sampling.get("do_sample") else dict(sampling)
 
+    def run(self, model, tokenizer, item: GenerationRequest, sampling: dict) -> Generation:
+        system, turns = _leading_system_prompt(self.request_turns(item), self.name, item.param)
+        with self.recorded_generation(model) as record:
+            text = self.chat(model, tokenizer, system, turns, item.images, self.card_sampling(sampling))
+        return self.generation(model, tokenizer, text, record, item.params.max_new_tokens)
+
     @contextlib.contextmanager
     def recorded_generation(self, model):
-        """Around a chat() call: the prompt length and the generated ids of the inner language
-        model's generate(), which the chat APIs do not return, so that usage and finish_reason
-        come from ids rather than from re-tokenised text. Empty when the model has no such module."""
+        """Around a chat() call: the prompt length, generated ids and end tokens of the inner language
+        model's generate(), which chat() APIs do not return. Empty when the model has no such module."""
         record: dict = {}
         inner = getattr(model, self.inner_language_model, None) if self.inner_language_model else None
         if inner is None or not callable(getattr(inner, "generate", None)):
@@ -1193,22 +1133,26 @@ class RemoteCodeAdapter(FamilyAdapter):
             else:
                 del inner.generate  # the class's method again
 
-    def chat_generation(self, model, tokenizer, text: str, record: dict, max_new_tokens: int) -> Generation:
+    def end_tokens(self, model, tokenizer) -> set:
+        return set(_token_ids(model.generation_config.eos_token_id)) | set(_token_ids(tokenizer.eos_token_id))
+
+    def generation(self, model, tokenizer, text: str, record: dict, max_new_tokens: int) -> Generation:
+        """Usage and finish_reason from the recorded ids, else (chat() returns text) the text's tokens."""
         if "ids" not in record:
-            return _remote_generation(tokenizer, text, max_new_tokens)
-        config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        eos = record["eos"] | set(_token_ids(config_eos)) | set(_token_ids(tokenizer.eos_token_id))
-        ids = record["ids"]
-        return Generation(
-            text=text.strip(),
-            finish_reason=_finish_reason(ids, eos, max_new_tokens),
-            prompt_tokens=record["prompt_tokens"],
-            completion_tokens=_trimmed_length(ids, eos),
-        )
+            count = len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
+            return Generation(text.strip(), "length" if count >= max_new_tokens else "stop", completion_tokens=count)
+        ids, eos = record["ids"], record["eos"] | self.end_tokens(model, tokenizer)
+        return Generation(text.strip(), _finish_reason(ids, eos, max_new_tokens), record["prompt_tokens"],
+                          _trimmed_length(ids, eos))
 
 
 def _text_of(turn: Turn) -> str:
     return " ".join(p for p in turn.parts if isinstance(p, str))
+
+
+def _token_ids(value) -> list[int]:
+    """A config's token id field (an int, a list of ints or None) as a list."""
+    return [value] if isinstance(value, int) else [v for v in value or () if isinstance(v, int)]
 
 
 def _leading_system_prompt(turns: list[Turn], family: str, param: Optional[str]) -> tuple[Optional[str], list[Turn]]:
@@ -1228,9 +1172,7 @@ def _leading_system_prompt(turns: list[Turn], family: str, param: Optional[str])
 class MiniCPMVAdapter(RemoteCodeAdapter):
     """openbmb/MiniCPM-V-2_6: `model.chat(image=None, msgs=[...], tokenizer=...)` per its card."""
 
-    name = "minicpm-v"
-    quantization_skip_modules = ("vpm", "resampler", "lm_head")
-    inner_language_model = "llm"
+    name, skip_modules, inner_language_model = "minicpm-v", ("vpm", "resampler", "lm_head"), "llm"
 
     def load(self, path: str, load_kwargs: dict):
         # Its resampler.py takes `List` from `from torch.nn.functional import *`, which torch no
@@ -1242,34 +1184,82 @@ class MiniCPMVAdapter(RemoteCodeAdapter):
 
         functional = sys.modules.get("torch.nn.functional")
         if functional is not None and not hasattr(functional, "List"):
-            functional.List = typing.List
+            functional.List = typing.List  # noqa: UP006  (the name resampler.py looks up)
         return super().load(path, load_kwargs)
 
     def card_sampling(self, sampling: dict) -> dict:
         """chat() overrides its own defaults (sampling: top_k 100 and repetition_penalty 1.05; not
         sampling: num_beams 3 and repetition_penalty 1.2) only with the keys given here."""
-        kwargs = dict(super().card_sampling(sampling), sampling=bool(sampling.get("do_sample")),
-                      repetition_penalty=1.0)
-        if not sampling.get("do_sample"):
-            kwargs["num_beams"] = 1
-        return kwargs
+        greedy = not sampling.get("do_sample")
+        return {**super().card_sampling(sampling), "sampling": not greedy, "repetition_penalty": 1.0,
+                **({"num_beams": 1} if greedy else {})}
 
-    def run(self, model, tokenizer, item, sampling):
-        system, turns = _leading_system_prompt(self.request_turns(item), self.name, item.param)
+    def chat(self, model, tokenizer, system, turns, images, sampling) -> str:
         msgs = [{"role": turn.role, "content": list(turn.parts)} for turn in turns]
-        kwargs = dict(image=None, msgs=msgs, tokenizer=tokenizer, **self.card_sampling(sampling))
+        return model.chat(image=None, msgs=msgs, tokenizer=tokenizer, **sampling,
+                          **({"system_prompt": system} if system else {}))
+
+
+class InternVL2Adapter(RemoteCodeAdapter):
+    """OpenGVLab/InternVL2-*: the card's dynamic 448px tiling, then `model.chat(...)`."""
+
+    name, skip_modules, inner_language_model = "internvl", ("vision_model", "mlp1", "lm_head"), "language_model"
+    image_size, max_tiles = 448, 12
+    mean, std = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+
+    def tiles(self, image) -> list:
+        """The card's `dynamic_preprocess`: the closest aspect-ratio grid of 448px tiles + a thumbnail."""
+        (width, height), size, sides = image.size, self.image_size, range(1, self.max_tiles + 1)
+        grids = sorted({(i, j) for i in sides for j in sides if i * j <= self.max_tiles}, key=lambda g: g[0] * g[1])
+        best, best_diff = (1, 1), float("inf")
+        for cols, rows in grids:
+            diff = abs(width / height - cols / rows)
+            if diff < best_diff or (diff == best_diff and width * height > 0.5 * size**2 * cols * rows):
+                best, best_diff = (cols, rows), diff
+        cols, rows = best
+        resized = image.resize((size * cols, size * rows))
+        tiles = [resized.crop((x * size, y * size, (x + 1) * size, (y + 1) * size))
+                 for y in range(rows) for x in range(cols)]
+        return [*tiles, image.resize((size, size))] if len(tiles) > 1 else tiles
+
+    def pixel_values(self, images, dtype, device):
+        """The images' normalised tiles, stacked, and each image's tile count."""
+        import torch
+        from torchvision.transforms import functional as F
+
+        per_image = [torch.stack([F.normalize(F.to_tensor(t), self.mean, self.std) for t in self.tiles(image)])
+                     for image in images]
+        if not per_image:
+            return None, []
+        return torch.cat(per_image).to(dtype=dtype, device=device), [len(p) for p in per_image]
+
+    def chat(self, model, tokenizer, system, turns, images, sampling) -> str:
+        # Its chat() takes one question plus (question, answer) history pairs; a system prompt
+        # replaces `model.system_message` for this request, as its card does.
+        history, pending = [], None
+        for turn in turns:
+            text = "\n".join(p if isinstance(p, str) else "<image>" for p in turn.parts)
+            if turn.role == "assistant" and pending is not None:
+                history.append((pending, text))
+                pending = None
+            elif turn.role == "user":
+                pending = text if pending is None else f"{pending}\n{text}"
+        values, num_patches = self.pixel_values(images, model.dtype, model.device)
+        default_system = getattr(model, "system_message", None)
         if system:
-            kwargs["system_prompt"] = system
-        with self.recorded_generation(model) as record:
-            text = model.chat(**kwargs)
-        return self.chat_generation(model, tokenizer, text, record, item.params.max_new_tokens)
+            model.system_message = system
+        try:
+            return model.chat(tokenizer, values, pending or "", sampling,
+                              num_patches_list=num_patches or None, history=history or None)
+        finally:
+            if system:  # the next request gets the model's own default again
+                model.system_message = default_system
 
 
 class Phi3VisionAdapter(RemoteCodeAdapter):
     """microsoft/Phi-3-vision-128k-instruct: `<|image_N|>` placeholders + its processor + generate."""
 
-    name = "phi3-vision"
-    quantization_skip_modules = ("model.vision_embed_tokens", "lm_head")
+    name, skip_modules = "phi3-vision", ("model.vision_embed_tokens", "lm_head")
     model_class, processor_class = "AutoModelForCausalLM", "AutoProcessor"
 
     def load(self, path: str, load_kwargs: dict):
@@ -1280,20 +1270,15 @@ class Phi3VisionAdapter(RemoteCodeAdapter):
             load_kwargs = {**load_kwargs, "attn_implementation": "eager"}
         return super().load(path, load_kwargs)
 
-    def chat_messages(self, turns):
-        messages, index = [], 0
-        for turn in turns:
-            pieces = []
-            for part in turn.parts:
-                if isinstance(part, str):
-                    pieces.append(part)
-                else:
-                    index += 1
-                    pieces.append(f"<|image_{index}|>")
-            messages.append({"role": turn.role, "content": "\n".join(pieces)})
-        return messages
+    def chat_messages(self, turns: list[Turn]) -> list[dict]:
+        import itertools
 
-    def run(self, model, processor, item, sampling):
+        numbers = itertools.count(1)
+        return [{"role": turn.role,
+                 "content": "\n".join(p if isinstance(p, str) else f"<|image_{next(numbers)}|>" for p in turn.parts)}
+                for turn in turns]
+
+    def run(self, model, processor, item: GenerationRequest, sampling: dict) -> Generation:
         import torch
 
         prompt = processor.tokenizer.apply_chat_template(
@@ -1301,184 +1286,56 @@ class Phi3VisionAdapter(RemoteCodeAdapter):
         )
         inputs = processor(prompt, item.images or None, return_tensors="pt").to(model.device)
         # The card passes the tokenizer's end token; the generation config's (<|end|>) ends turns too.
-        eos = set(_token_ids(model.generation_config.eos_token_id)) | set(_token_ids(processor.tokenizer.eos_token_id))
+        eos = self.end_tokens(model, processor.tokenizer)
         with torch.inference_mode():
             out = model.generate(**inputs, eos_token_id=sorted(eos), **self.card_sampling(sampling))
-        new_tokens = out[0, inputs["input_ids"].shape[1]:]
-        ids = new_tokens.tolist()
+        prompt_tokens = int(inputs["input_ids"].shape[1])
+        new_tokens = out[0, prompt_tokens:]
+        record = {"ids": new_tokens.tolist(), "prompt_tokens": prompt_tokens, "eos": eos}
         text = processor.tokenizer.decode(new_tokens, skip_special_tokens=True)
-        return Generation(
-            text=text.strip(),
-            finish_reason=_finish_reason(ids, eos, item.params.max_new_tokens),
-            prompt_tokens=int(inputs["input_ids"].shape[1]),
-            completion_tokens=_trimmed_length(ids, eos),
-        )
+        return self.generation(model, processor.tokenizer, text, record, item.params.max_new_tokens)
 
 
-class InternVL2Adapter(RemoteCodeAdapter):
-    """OpenGVLab/InternVL2-*: the card's dynamic 448px tiling, then `model.chat(...)`."""
-
-    name = "internvl"
-    quantization_skip_modules = ("vision_model", "mlp1", "lm_head")
-    inner_language_model = "language_model"
-    image_size = 448
-    max_tiles = 12
-    mean = (0.485, 0.456, 0.406)
-    std = (0.229, 0.224, 0.225)
-
-    def tiles(self, image) -> list:
-        """The card's `dynamic_preprocess`: the closest aspect-ratio grid of 448px tiles + a thumbnail."""
-        width, height = image.size
-        aspect = width / height
-        sides = range(1, self.max_tiles + 1)
-        grids = sorted(
-            {(i, j) for i in sides for j in sides if i * j <= self.max_tiles}, key=lambda g: g[0] * g[1]
-        )
-        best, best_diff, area = (1, 1), float("inf"), width * height
-        for cols, rows in grids:
-            diff = abs(aspect - cols / rows)
-            if diff < best_diff or (
-                diff == best_diff and area > 0.5 * self.image_size**2 * cols * rows
-            ):
-                best, best_diff = (cols, rows), diff
-        cols, rows = best
-        size = self.image_size
-        resized = image.resize((size * cols, size * rows))
-        tiles = [
-            resized.crop(((k % cols) * size, (k // cols) * size,
-                          (k % cols + 1) * size, (k // cols + 1) * size))
-            for k in range(cols * rows)
-        ]
-        if len(tiles) > 1:
-            tiles.append(image.resize((size, size)))
-        return tiles
-
-    def pixel_values(self, images, dtype, device):
-        import torch
-        from torchvision.transforms import functional as F
-
-        per_image = []
-        for image in images:
-            tiles = [
-                F.normalize(F.to_tensor(t), self.mean, self.std) for t in self.tiles(image)
-            ]
-            per_image.append(torch.stack(tiles))
-        if not per_image:
-            return None, []
-        values = torch.cat(per_image).to(dtype=dtype, device=device)
-        return values, [len(p) for p in per_image]
-
-    def run(self, model, tokenizer, item, sampling):
-        # InternVL2's chat takes one question plus (question, answer) history pairs, so it cannot
-        # open with an answer; a system prompt replaces `model.system_message`, as its card does.
-        system, turns = _leading_system_prompt(self.request_turns(item), self.name, item.param)
-        history, pending = [], None
-        for turn in turns:
-            text = "\n".join(
-                "<image>" if not isinstance(p, str) else p for p in turn.parts
-            )
-            if turn.role == "assistant" and pending is not None:
-                history.append((pending, text))
-                pending = None
-            elif turn.role == "user":
-                pending = text if pending is None else f"{pending}\n{text}"
-        values, num_patches = self.pixel_values(item.images, model.dtype, model.device)
-        default_system = getattr(model, "system_message", None)
-        if system:
-            model.system_message = system
-        try:
-            with self.recorded_generation(model) as record:
-                text = model.chat(
-                    tokenizer, values, pending or "", self.card_sampling(sampling),
-                    num_patches_list=num_patches or None, history=history or None,
-                )
-        finally:
-            if system:  # the next request gets the model's own default again
-                model.system_message = default_system
-        return self.chat_generation(model, tokenizer, text, record, item.params.max_new_tokens)
-
-
-def _token_ids(value) -> list[int]:
-    """A config's token id field (an int, a list of ints or None) as a list."""
-    if isinstance(value, int):
-        return [value]
-    return [v for v in value or () if isinstance(v, int)]
-
-
-def _remote_generation(tokenizer, text: str, max_new_tokens: int) -> Generation:
-    """Remote-code chat() APIs return text only: count its tokens to tell `length` from `stop`."""
-    count = len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
-    return Generation(
-        text=text.strip(),
-        finish_reason="length" if count >= max_new_tokens else "stop",
-        completion_tokens=count,
-    )
-
-
-class NamedFamilyAdapter(FamilyAdapter):
-    """A native family the generic recipe already serves as its card does (the parity tests of
-    tests/test_families.py prove it), named for logs and the curated list."""
-
-    def __init__(self, model_type: Optional[str] = None, name: str = "generic"):
-        super().__init__(model_type)
-        self.name = name
-
-
-ADAPTERS: dict[str, FamilyAdapter] = {
-    a.name: a
-    for a in (
-        QwenVLAdapter(), Qwen25VLAdapter(), Qwen3VLAdapter(), LlavaAdapter(), LlavaNextAdapter(),
-        PaliGemmaAdapter(), Idefics3Adapter(), MiniCPMVAdapter(), Phi3VisionAdapter(), InternVL2Adapter(),
-    )
+QWEN_JSON_GROUNDING = "Locate {} in the image, and output its bbox coordinates in JSON format."
+LLAVA_SKIPS = ("model.vision_tower", "model.multi_modal_projector", "lm_head")
+SMOLVLM = {"name": "smolvlm", "skip_modules": ("model.vision_model", "model.connector", "lm_head")}  # Idefics3 too
+FAMILIES: dict[str, dict] = {  # model_type -> its adapter class and what it changes of the class's defaults
+    "qwen2_vl": {"adapter": QwenVLAdapter},
+    "qwen2_5_vl": {"adapter": QwenVLAdapter, "name": "qwen2.5-vl", "grounding": "qwen-abs-pixels",
+                   "grounding_template": QWEN_JSON_GROUNDING},
+    "qwen3_vl": {"adapter": QwenVLAdapter, "name": "qwen3-vl", "grounding_template": QWEN_JSON_GROUNDING},
+    "paligemma": {"adapter": PaliGemmaAdapter},
+    "minicpmv": {"adapter": MiniCPMVAdapter},
+    "phi3_v": {"adapter": Phi3VisionAdapter},
+    "internvl_chat": {"adapter": InternVL2Adapter},
+    "llava": {"name": "llava", "skip_modules": LLAVA_SKIPS},
+    "llava_next": {"name": "llava-next", "skip_modules": LLAVA_SKIPS},
+    "idefics3": SMOLVLM,
+    "smolvlm": SMOLVLM,
+    # The generic recipe serves these as their cards do (tests/test_families.py): named for logs and the
+    # curated list, their quantization skips read from their module trees.
+    "gemma3": {"name": "gemma3"},
+    "llava_onevision": {"name": "llava-onevision"},
+    "internvl": {"name": "internvl-hf"},
+    "mistral3": {"name": "mistral3"},
+    "llama4": {"name": "llama4"},
+    "glm4v": {"name": "glm-4.1v"},
 }
-FAMILY_BY_MODEL_TYPE = {
-    "qwen2_vl": "qwen2-vl",
-    "qwen2_5_vl": "qwen2.5-vl",
-    "qwen3_vl": "qwen3-vl",
-    "llava": "llava",
-    "llava_next": "llava-next",
-    "paligemma": "paligemma",
-    "idefics3": "smolvlm",
-    "smolvlm": "smolvlm",
-    "minicpmv": "minicpm-v",
-    "phi3_v": "phi3-vision",
-    "internvl_chat": "internvl",
-}
-NAMED_FAMILIES = {  # model_type -> family name, served by the generic recipe
-    "gemma3": "gemma3",
-    "llava_onevision": "llava-onevision",
-    "internvl": "internvl-hf",
-    "mistral3": "mistral3",
-    "llama4": "llama4",
-    "glm4v": "glm-4.1v",
-}
-VISION_MODULE_WORDS = ("vision", "visual", "projector", "connector", "resampler")
 
 
 def adapter_for(model_type: str) -> FamilyAdapter:
     """The adapter of a config's model_type; other native model types get the generic adapter."""
-    family = FAMILY_BY_MODEL_TYPE.get(model_type)
-    if family:
-        return type(ADAPTERS[family])(model_type)
-    return NamedFamilyAdapter(model_type, NAMED_FAMILIES.get(model_type, "generic"))
+    family = dict(FAMILIES.get(model_type, {}))
+    return family.pop("adapter", FamilyAdapter)(model_type, **family)
 
 
-def outermost_vision_modules(model) -> tuple[str, ...]:
-    """Names of the outermost modules whose own name says vision, visual, projector, connector or
-    resampler: e.g. ("model.vision_tower", "model.multi_modal_projector")."""
-    found: list[str] = []
-    for name, _ in model.named_modules():
-        leaf = name.rsplit(".", 1)[-1]
-        if any(word in leaf for word in VISION_MODULE_WORDS) and not any(name.startswith(f"{f}.") for f in found):
-            found.append(name)
-    return tuple(found)
+ADAPTERS: dict[str, FamilyAdapter] = {adapter.name: adapter for adapter in map(adapter_for, FAMILIES)}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def unquantized_module_names(model_type: str) -> tuple[str, ...]:
-    """The vision modules and the output head of a model type, read from its module tree built on
-    the meta device (no memory, no weights) from the type's default config: names do not depend
-    on sizes."""
+    """The outermost modules named like vision or projector modules, then the output head, read from
+    the model type's default config built on the meta device (no weights; names do not depend on sizes)."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -1490,7 +1347,10 @@ def unquantized_module_names(model_type: str) -> tuple[str, ...]:
             f"cannot find the vision modules of model type {model_type!r} to keep them out of "
             f"quantization ({error}); set VLM_QUANTIZE=none"
         ) from error
-    names = outermost_vision_modules(model)
+    words, names = ("vision", "visual", "projector", "connector", "resampler"), []
+    for name, _ in model.named_modules():
+        if any(w in name.rsplit(".", 1)[-1] for w in words) and not any(name.startswith(f"{n}.") for n in names):
+            names.append(name)
     if not names:
         raise SettingsError(f"no vision module found in model type {model_type!r}; set VLM_QUANTIZE=none")
     head = model.get_output_embeddings()
@@ -2975,20 +2835,14 @@ def _is_url(text: str) -> bool:
 
 _NUMBER = r"-?\d+(?:\.\d+)?"
 _QUARTET = rf"({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})"
-_QWEN_BOX = re.compile(
-    r"(?:<\|object_ref_start\|>(.*?)<\|object_ref_end\|>\s*)?<\|box_start\|>(.*?)(?:<\|box_end\|>|$)", re.S
-)
+_QWEN_BOX = re.compile(r"(?:<\|object_ref_start\|>(.*?)<\|object_ref_end\|>\s*)?"
+                       r"<\|box_start\|>(.*?)(?:<\|box_end\|>|$)", re.S)
 _LOC_BOX = re.compile(r"<loc(\d{4})><loc(\d{4})><loc(\d{4})><loc(\d{4})>\s*([^;<]*)")
 _JSON_OBJECT = re.compile(r"\{[^{}]*\}")  # flat objects: found one by one, even in a cut-off answer
 _JSON_BOX = re.compile(rf'"(?:bbox_2d|bbox|box_2d)"\s*:\s*\[\s*{_QUARTET}\s*\]')
 _JSON_LABEL = re.compile(r'"label"\s*:\s*"((?:[^"\\]|\\.)*)"')
-_LOOSE_BOX_PATTERNS = (
-    # (x1,y1),(x2,y2)
-    re.compile(rf"\(\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\)\s*,?\s*\(\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\)"),
-    # [x1, y1, x2, y2]
-    re.compile(rf"\[\s*{_QUARTET}\s*\]"),
-)
-_PLAIN_QUARTET = re.compile(_QUARTET)
+_POINT_PAIR = re.compile(rf"\(\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\)\s*,?\s*\(\s*({_NUMBER})\s*,\s*({_NUMBER})\s*\)")
+_LIST_BOX = re.compile(rf"\[\s*{_QUARTET}\s*\]")
 
 
 def _ordered(values) -> list[float]:
@@ -2996,94 +2850,59 @@ def _ordered(values) -> list[float]:
     return [min(x1, x2), min(y1, y2), max(x1, x2), max(y1, y2)]
 
 
-def _json_string(body: str) -> str:
-    try:
-        return json.loads(f'"{body}"')
-    except ValueError:  # an escape JSON does not know: keep the label as written
-        return body
+def _json_label(obj: str) -> Optional[str]:
+    written = next(iter(_JSON_LABEL.findall(obj)), "")
+    with contextlib.suppress(ValueError):  # an escape JSON does not know: keep the label as written
+        return json.loads(f'"{written}"') or None
+    return written
 
 
 def parse_boxes(text: Optional[str]) -> list[tuple[list[float], Optional[str]]]:
-    """Every box in a model's answer with its label (or None), as [x1, y1, x2, y2] in the model's
-    own coordinates, in answer order. The first format found wins: Qwen2-VL's box tokens,
-    PaliGemma's <loc> tokens, JSON objects with a bbox, (x1,y1),(x2,y2) pairs, [x1, y1, x2, y2]
-    lists, then a single plain quartet of numbers."""
-    text = text or ""
-    boxes: list[tuple[list[float], Optional[str]]] = []
-    label = None
+    """Every (box, label or None) in an answer, boxes as [x1, y1, x2, y2] in the model's coordinates.
+    The first format found wins, in the order below; last, a single plain quartet of numbers."""
+    text, boxes, label = text or "", [], None
     for match in _QWEN_BOX.finditer(text):  # a label holds for the boxes after it
         label = match.group(1).strip() if match.group(1) is not None else label
         numbers = re.findall(_NUMBER, match.group(2))
         if len(numbers) == 4:
             boxes.append((_ordered(numbers), label or None))
-    if boxes:
-        return boxes
-    for match in _LOC_BOX.finditer(text):
-        y1, x1, y2, x2 = match.groups()[:4]
-        boxes.append((_ordered([x1, y1, x2, y2]), match.group(5).strip() or None))
-    if boxes:
-        return boxes
-    for match in _JSON_OBJECT.finditer(text):
-        box = _JSON_BOX.search(match.group(0))
-        if box:
-            named = _JSON_LABEL.search(match.group(0))
-            label = _json_string(named.group(1)) if named else None
-            boxes.append((_ordered(box.groups()), label or None))
-    if boxes:
-        return boxes
-    for pattern in _LOOSE_BOX_PATTERNS:
-        boxes = [(_ordered(m.groups()), None) for m in pattern.finditer(text)]
-        if boxes:
-            return boxes
-    match = _PLAIN_QUARTET.search(text)
-    return [(_ordered(match.groups()), None)] if match else []
+    boxes = boxes or [(_ordered([x1, y1, x2, y2]), name.strip() or None)
+                      for y1, x1, y2, x2, name in _LOC_BOX.findall(text)]
+    boxes = boxes or [(_ordered(box.groups()), _json_label(obj))
+                      for obj in _JSON_OBJECT.findall(text) if (box := _JSON_BOX.search(obj))]
+    for pattern in (_POINT_PAIR, _LIST_BOX):
+        boxes = boxes or [(_ordered(numbers), None) for numbers in pattern.findall(text)]
+    return boxes or [(_ordered(numbers), None) for numbers in re.findall(_QUARTET, text)[:1]]
 
 
 def parse_bbox(text: Optional[str]) -> Optional[list[float]]:
     """The first box in a model's answer, as [x1, y1, x2, y2] in the model's own coordinates."""
-    boxes = parse_boxes(text)
-    return boxes[0][0] if boxes else None
+    return next((box for box, _ in parse_boxes(text)), None)
 
 
 def box_to_pixels(box: list[float], system: Optional[str], size: tuple[int, int],
                   input_size: Optional[tuple[int, int]] = None) -> list[int]:
     """Scale a box from the model's coordinate system to the original image's pixels, clamped."""
-    width, height = size
-    if system == "qwen-1000":
-        sx, sy = width / 1000, height / 1000
-    elif system == "paligemma-1024":
-        sx, sy = width / 1024, height / 1024
-    elif system == "qwen-abs-pixels" and input_size:
-        sx, sy = width / input_size[0], height / input_size[1]
-    elif max(box) <= 1.0:
-        sx, sy = width, height
-    else:
-        sx = sy = 1.0
-    x1, y1, x2, y2 = box
-    return [
-        int(round(min(max(x1 * sx, 0), width))), int(round(min(max(y1 * sy, 0), height))),
-        int(round(min(max(x2 * sx, 0), width))), int(round(min(max(y2 * sy, 0), height))),
-    ]
+    frame = {"qwen-1000": (1000, 1000), "paligemma-1024": (1024, 1024), "qwen-abs-pixels": input_size}.get(system)
+    frame_width, frame_height = frame or ((1, 1) if max(box) <= 1.0 else size)  # no frame: normalised or pixels
+    scales, limits = (size[0] / frame_width, size[1] / frame_height) * 2, tuple(size) * 2
+    return [int(round(min(max(v * scale, 0), limit))) for v, scale, limit in zip(box, scales, limits)]
 
 
 def grounding_fields(item: GenerationRequest, generation: Generation, adapter: FamilyAdapter) -> dict:
-    """`boxes` (every box, in the first image's pixels, with its label), `bbox` (the first box),
-    the model's coordinate system and the image size; an annotated copy of the image on request."""
-    fields: dict = {"bbox": None, "supports_grounding": adapter.grounding is not None}
+    """Every box in the first image's pixels with its label, the first as `bbox`; drawn on request."""
     if adapter.grounding is None:
-        fields["bbox_warning"] = f"the {adapter.name} family has no grounding output; see response"
-        return fields
-    image = item.images[0]
-    fields.update(box_format=adapter.grounding, image_size=list(image.size), boxes=[])
-    for box, label in parse_boxes(generation.raw_text or generation.text):
-        pixels = box_to_pixels(box, adapter.grounding, image.size, generation.image_input_size)
-        fields["boxes"].append({"bbox": pixels, "label": label})
-    if not fields["boxes"]:
+        return {"bbox": None, "supports_grounding": False,
+                "bbox_warning": f"the {adapter.name} family has no grounding output; see response"}
+    image, input_size = item.images[0], generation.image_input_size
+    boxes = [{"bbox": box_to_pixels(box, adapter.grounding, image.size, input_size), "label": label}
+             for box, label in parse_boxes(generation.raw_text or generation.text)]
+    fields = {"bbox": boxes[0]["bbox"] if boxes else None, "supports_grounding": True,
+              "box_format": adapter.grounding, "image_size": list(image.size), "boxes": boxes}
+    if not boxes:
         fields["bbox_warning"] = "no bounding box found in the model's answer"
-    else:
-        fields["bbox"] = fields["boxes"][0]["bbox"]
     if item.annotate:
-        fields["annotated_image"] = annotated_image(image, fields["boxes"])
+        fields["annotated_image"] = annotated_image(image, boxes)
     return fields
 
 
@@ -3095,8 +2914,7 @@ def annotated_image(image, boxes: list[dict]) -> str:
     draw = ImageDraw.Draw(canvas)
     line = max(2, round(min(canvas.size) / 200))
     colours = ("#e6194b", "#3cb44b", "#4363d8", "#f58231", "#911eb4", "#42d4f4", "#f032e6", "#bfef45")
-    for k, box in enumerate(boxes):
-        colour = colours[k % len(colours)]
+    for box, colour in zip(boxes, colours * len(boxes)):  # the colours in turn
         draw.rectangle(box["bbox"], outline=colour, width=line)
         if box["label"]:
             corner = (box["bbox"][0] + line, box["bbox"][1] + line)

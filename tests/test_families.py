@@ -504,8 +504,7 @@ def test_every_curated_native_family_has_a_tiny_builder_and_card_parity_here():
 
 
 def test_curated_grounding_matches_the_familys_adapter():
-    adapters = {adapter.name: adapter for adapter in map(
-        handler.adapter_for, [*handler.FAMILY_BY_MODEL_TYPE, *handler.NAMED_FAMILIES])}
+    adapters = {adapter.name: adapter for adapter in map(handler.adapter_for, handler.FAMILIES)}
     for model_id, model in handler.CURATED_MODELS.items():
         assert adapters[model.family].grounding == model.grounding, model_id
 
