@@ -77,115 +77,83 @@ CURATED_MODELS: dict[str, CuratedModel] = {
 QUANTIZE_CHOICES = ("none", "4bit", "8bit")
 DTYPE_CHOICES = ("auto", "fp16", "bf16", "fp32")
 
+# Settings are pydantic dataclasses: the environment's text is parsed and bounded by their types.
+from typing import Annotated, Literal  # noqa: E402
 
-def _env_bool(env: dict, name: str, default: bool) -> bool:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise SettingsError(f"{name} must be true or false, got {raw!r}")
-
-
-def _env_int(env: dict, name: str, default: int, minimum: int = 0) -> int:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise SettingsError(f"{name} must be an integer, got {raw!r}") from None
-    if value < minimum:
-        raise SettingsError(f"{name} must be at least {minimum}, got {value}")
-    return value
-
-
-def _env_choice(env: dict, name: str, default: str, choices: Iterable[str]) -> str:
-    value = (env.get(name) or default).strip().lower()
-    if value not in choices:
-        raise SettingsError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-    return value
+import pydantic.dataclasses  # noqa: E402
+from pydantic import BeforeValidator  # noqa: E402
 
 
 class SettingsError(RuntimeError):
     """A deployment setting is wrong: the operator's mistake, reported at load time."""
 
 
-@dataclasses.dataclass(frozen=True)
+def _from_env(cls, env: dict, names: dict[str, str]):
+    """`cls` from the environment variables `names` maps its fields to (blank: the default); a bad
+    value raises SettingsError naming the variable."""
+    values = {field: env[name].strip() for field, name in names.items() if (env.get(name) or "").strip()}
+    try:
+        return cls(**values)
+    except ValidationError as error:
+        first = error.errors(include_url=False)[0]
+        name = names[first["loc"][0]]
+        raise SettingsError(f"{name}={env[name]!r}: {first['msg']}") from None
+
+
+_Lower = BeforeValidator(lambda value: value.lower() if isinstance(value, str) else value)
+_Count = Annotated[int, Field(ge=0)]
+_Positive = Annotated[int, Field(ge=1)]
+_Seconds = Annotated[float, Field(gt=0, le=600)]
+
+
+@pydantic.dataclasses.dataclass(frozen=True)
 class Settings:
     model: str = DEFAULT_MODEL
-    quantize: str = "none"
-    dtype: str = "auto"
+    quantize: Annotated[Literal[QUANTIZE_CHOICES], _Lower] = "none"
+    dtype: Annotated[Literal[DTYPE_CHOICES], _Lower] = "auto"
     device_map: str = "auto"
     trust_remote_code: bool = True
     allow_any: bool = False
-    max_new_tokens_cap: int = 2048
-    default_max_new_tokens: int = 256
-    max_batch_size: int = 16  # rows decoding together (continuous batching)
-    max_concurrency: int = 32  # jobs this worker takes at once (RunPod concurrency_modifier)
-    sync_interval: int = 8  # decode steps between looks at the tokens (admission, stops, streaming)
-    stream_interval_ms: int = 50  # streamed jobs post at most this often
+    max_new_tokens_cap: _Positive = 2048  # VLM_MAX_NEW_TOKENS; every other field is VLM_<NAME>
+    default_max_new_tokens: _Positive = 256
+    max_batch_size: _Positive = 16  # rows decoding together (continuous batching)
+    max_concurrency: _Positive = 32  # jobs this worker takes at once (RunPod concurrency_modifier)
+    sync_interval: _Positive = 8  # decode steps between looks at the tokens (admission, stops, streaming)
+    stream_interval_ms: _Count = 50  # streamed jobs post at most this often
     load_at_boot: bool = True  # load and warm up before taking jobs; off: the first request loads
-    max_batch_requests: int = 64  # items in one {"requests": [...]} call
-    max_images: int = 16  # per request
-    max_total_pixels: int = 64_000_000  # decoded pixels per request, all images together
-    max_text_chars: int = 32_000  # all text of a request together
-    max_messages: int = 64
-    min_pixels: int = 0  # Qwen processors' visual-token bounds; 0 keeps the model's own
-    max_pixels: int = 0
+    max_batch_requests: _Positive = 64  # items in one {"requests": [...]} call
+    max_images: _Positive = 16  # per request
+    max_total_pixels: _Positive = 64_000_000  # decoded pixels per request, all images together
+    max_text_chars: _Positive = 32_000  # all text of a request together
+    max_messages: _Positive = 64
+    min_pixels: _Count = 0  # Qwen processors' visual-token bounds; 0 keeps the model's own
+    max_pixels: _Count = 0
     compile: bool = True  # torch.compile + CUDA graphs for decoding (CUDA only, never bitsandbytes)
-    cache_len: int = 2048  # KV-cache length compiled at warm-up; a longer request doubles it
+    cache_len: Annotated[int, Field(ge=256)] = 2048  # KV-cache length compiled at warm-up; a longer request doubles it
     compile_cache_dir: str = ""  # compiled kernels kept here are reused by a restarted worker
 
     @classmethod
     def from_env(cls, env: Optional[dict] = None) -> "Settings":
         env = dict(os.environ if env is None else env)
-        return cls(
-            model=(env.get("VLM_MODEL") or DEFAULT_MODEL).strip(),
-            quantize=_env_choice(env, "VLM_QUANTIZE", "none", QUANTIZE_CHOICES),
-            dtype=_env_choice(env, "VLM_DTYPE", "auto", DTYPE_CHOICES),
-            device_map=(env.get("VLM_DEVICE_MAP") or "auto").strip(),
-            trust_remote_code=_env_bool(env, "VLM_TRUST_REMOTE_CODE", True),
-            allow_any=_env_bool(env, "VLM_ALLOW_ANY", False),
-            max_new_tokens_cap=_env_int(env, "VLM_MAX_NEW_TOKENS", 2048, 1),
-            default_max_new_tokens=_env_int(env, "VLM_DEFAULT_MAX_NEW_TOKENS", 256, 1),
-            max_batch_size=_env_int(env, "VLM_MAX_BATCH_SIZE", 16, 1),
-            max_concurrency=_env_int(env, "VLM_MAX_CONCURRENCY", 32, 1),
-            sync_interval=_env_int(env, "VLM_SYNC_INTERVAL", 8, 1),
-            stream_interval_ms=_env_int(env, "VLM_STREAM_INTERVAL_MS", 50, 0),
-            load_at_boot=_env_bool(env, "VLM_LOAD_AT_BOOT", True),
-            max_batch_requests=_env_int(env, "VLM_MAX_BATCH_REQUESTS", 64, 1),
-            max_images=_env_int(env, "VLM_MAX_IMAGES", 16, 1),
-            max_total_pixels=_env_int(env, "VLM_MAX_TOTAL_PIXELS", 64_000_000, 1),
-            max_text_chars=_env_int(env, "VLM_MAX_TEXT_CHARS", 32_000, 1),
-            max_messages=_env_int(env, "VLM_MAX_MESSAGES", 64, 1),
-            min_pixels=_env_int(env, "VLM_MIN_PIXELS", 0),
-            max_pixels=_env_int(env, "VLM_MAX_PIXELS", 0),
-            compile=_env_bool(env, "VLM_COMPILE", True),
-            cache_len=_env_int(env, "VLM_CACHE_LEN", 2048, 256),
-            compile_cache_dir=env.get("VLM_COMPILE_CACHE_DIR")
-            or (os.path.join(env["HF_HOME"], "compile-cache") if env.get("HF_HOME") else ""),
-        )
+        if not env.get("VLM_COMPILE_CACHE_DIR") and env.get("HF_HOME"):
+            env["VLM_COMPILE_CACHE_DIR"] = os.path.join(env["HF_HOME"], "compile-cache")
+        names = {f.name: f"VLM_{f.name.upper()}" for f in dataclasses.fields(cls)}
+        return _from_env(cls, env, {**names, "max_new_tokens_cap": "VLM_MAX_NEW_TOKENS"})
 
 
 # =================================================================================================
 # Errors
 # =================================================================================================
 
-# Caller text quoted back in an error (a field name, a value) is cut to a short prefix, so an error
-# answer stays a few KB whatever the request held, and made encodable as UTF-8: the SDK never posts
-# an answer that holds a lone surrogate, so the job would be lost.
+# Caller text quoted back in an error is cut short, so an error answer stays a few KB whatever the
+# request held, and made encodable as UTF-8: the SDK never posts an answer holding a lone surrogate.
 MAX_ECHO_CHARS = 64  # one quoted name or value
 MAX_PARAM_CHARS = 256  # a whole field path
 MAX_MESSAGE_CHARS = 1024
 
 
 def _cut(text: str, limit: int = MAX_ECHO_CHARS) -> str:
-    """`text` fit to quote in an answer: at most `limit` characters then '…'; a lone surrogate
-    becomes its escape (\\udc80)."""
+    """At most `limit` characters then '…'; a lone surrogate becomes its escape (\\udc80)."""
     if len(text) > limit:
         text = text[:limit] + "…"
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
@@ -229,63 +197,39 @@ def _join(param: Optional[str], child: str) -> str:
 MAX_URL_CHARS = 16 * 1024
 MAX_REDIRECTS = 3
 IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
-_REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 _BLOCKED_NAMES = ("localhost", "localhost.localdomain", "metadata.google.internal")
 _BLOCKED_SUFFIXES = (".localhost", ".local", ".internal", ".localdomain", ".home.arpa")
 _URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*):")
 _HOST_LABELS = re.compile(r"[a-z0-9_]([a-z0-9_\-]{0,61}[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_\-]{0,61}[a-z0-9_])?)*")
+_NUMERIC_LAST_LABEL = re.compile(r"(.*\.)?([0-9]+|0x[0-9a-f]*)")  # WHATWG: such a host is an IPv4 address
 _AUTHORITY = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^\[\]:@]+)(?::(\d{1,5}))?")
+_Domains = BeforeValidator(
+    lambda value: tuple(d.strip().strip(".").lower() for d in value.split(",") if d.strip().strip("."))
+    if isinstance(value, str) else value
+)
 
 
-@dataclasses.dataclass(frozen=True)
+@pydantic.dataclasses.dataclass(frozen=True)
 class MediaPolicy:
     """How images may reach the worker. Read from the environment at each resolve (cheap)."""
 
     allow_internal: bool = False  # VLM_ALLOW_INTERNAL_URLS: http:// and internal addresses too
-    allow_http: bool = False  # plain http:// (opened by allow_internal; code may set it alone)
-    allowed_domains: tuple[str, ...] = ()  # VLM_URL_ALLOWED_DOMAINS: suffix match, narrows further
-    trust_env_proxy: bool = False  # VLM_TRUST_ENV_PROXY: use HTTP(S)_PROXY / NO_PROXY
-    fetch_timeout: float = 20.0  # VLM_FETCH_TIMEOUT: seconds for a whole fetch, all hops
-    fetch_deadline: float = 30.0  # VLM_FETCH_DEADLINE: seconds for all the fetches of one request
-    max_image_bytes: int = 64 * 1024 * 1024  # VLM_MAX_IMAGE_BYTES: downloaded or local file bytes
-    max_base64_bytes: int = 16 * 1024 * 1024  # VLM_MAX_BASE64_BYTES: encoded length of base64 text
-    max_image_pixels: int = 40_000_000  # VLM_MAX_IMAGE_PIXELS: width*height, from the header
-    min_image_side: int = 8  # VLM_MIN_IMAGE_SIDE: pixels, both sides
-    media_dir: Optional[str] = None  # VLM_MEDIA_DIR: local files only from inside this folder
+    allow_http: bool = False  # plain http:// alone (code only)
+    allowed_domains: Annotated[tuple[str, ...], _Domains] = ()  # VLM_URL_ALLOWED_DOMAINS: suffix match
+    trust_env_proxy: bool = False  # use HTTP(S)_PROXY / NO_PROXY
+    fetch_timeout: _Seconds = 20.0  # a whole fetch, all hops
+    fetch_deadline: _Seconds = 30.0  # all the fetches of one request
+    max_image_bytes: _Positive = 64 * 1024 * 1024  # downloaded or local file bytes
+    max_base64_bytes: _Positive = 16 * 1024 * 1024  # encoded length of base64 text
+    max_image_pixels: _Positive = 40_000_000  # width*height, from the header
+    min_image_side: _Positive = 8  # pixels, both sides
+    media_dir: Optional[str] = None  # local files only from inside this folder
 
     @classmethod
     def from_env(cls, env: Optional[dict] = None) -> "MediaPolicy":
-        env = dict(os.environ if env is None else env)
-        allow_internal = _env_bool(env, "VLM_ALLOW_INTERNAL_URLS", False)
-        domains = tuple(
-            d.strip().strip(".").lower()
-            for d in (env.get("VLM_URL_ALLOWED_DOMAINS") or "").split(",") if d.strip().strip(".")
-        )
-        media_dir = (env.get("VLM_MEDIA_DIR") or "").strip() or None
-        return cls(
-            allow_internal=allow_internal,
-            allow_http=allow_internal,
-            allowed_domains=domains,
-            trust_env_proxy=_env_bool(env, "VLM_TRUST_ENV_PROXY", False),
-            fetch_timeout=_env_seconds(env, "VLM_FETCH_TIMEOUT", 20.0),
-            fetch_deadline=_env_seconds(env, "VLM_FETCH_DEADLINE", 30.0),
-            max_image_bytes=_env_int(env, "VLM_MAX_IMAGE_BYTES", 64 * 1024 * 1024, 1),
-            max_base64_bytes=_env_int(env, "VLM_MAX_BASE64_BYTES", 16 * 1024 * 1024, 1),
-            max_image_pixels=_env_int(env, "VLM_MAX_IMAGE_PIXELS", 40_000_000, 1),
-            min_image_side=_env_int(env, "VLM_MIN_IMAGE_SIDE", 8, 1),
-            media_dir=media_dir,
-        )
-
-
-def _env_seconds(env: dict, name: str, default: float) -> float:
-    raw = (env.get(name) or "").strip()
-    try:
-        value = float(raw) if raw else default
-    except ValueError:
-        raise SettingsError(f"{name} must be a number of seconds, got {raw!r}") from None
-    if not 0 < value <= 600:
-        raise SettingsError(f"{name} must be above 0 and at most 600, got {raw!r}")
-    return value
+        names = {f.name: f"VLM_{f.name.upper()}" for f in dataclasses.fields(cls) if f.name != "allow_http"}
+        names.update(allow_internal="VLM_ALLOW_INTERNAL_URLS", allowed_domains="VLM_URL_ALLOWED_DOMAINS")
+        return _from_env(cls, dict(os.environ if env is None else env), names)
 
 
 def _size_text(n: int) -> str:
@@ -293,8 +237,8 @@ def _size_text(n: int) -> str:
 
 
 def resolve_image(spec: Any, param: str, policy: Optional[MediaPolicy] = None):
-    """Turn one image spec (https URL, data URI, raw base64, local path or {"url": ...}) into an RGB
-    PIL image, or raise RequestError with a fixed message and `param` naming the field at fault."""
+    """One image spec (https URL, data URI, raw base64, local path or {"url": ...}) -> RGB PIL image,
+    or RequestError with a fixed message and `param` naming the field at fault."""
     text, param = image_source(spec, param)
     policy = policy or MediaPolicy.from_env()
     return _decode_image(_image_bytes(text, policy, param), policy, param)
@@ -313,34 +257,30 @@ def image_source(spec: Any, param: str) -> tuple[str, str]:
 
 def _image_bytes(spec: str, policy: MediaPolicy, param: str, deadline: Optional[float] = None) -> bytes:
     """The bytes an image spec names; `deadline` (time.monotonic()) bounds a URL fetch further."""
-    if spec[:5].lower() == "data:":
-        return _data_uri_bytes(spec, policy, param)
     scheme = _URL_SCHEME.match(spec)
+    scheme = scheme.group(1).lower() if scheme else None
+    if scheme == "data":
+        return _data_uri_bytes(spec, policy, param)
+    if scheme in ("http", "https"):
+        return fetch_image_url(spec, policy, param, deadline)
+    if scheme == "file":
+        return _local_file_bytes(spec, True, policy, param)
     if scheme:
-        name = scheme.group(1).lower()
-        if name in ("http", "https"):
-            return fetch_image_url(spec, policy, param, deadline)
-        if name == "file":
-            return _local_file_bytes(spec, True, policy, param)
         raise RequestError(
             "invalid_image_url", "unsupported URL scheme; send an https URL, a data URI or base64", param
         )
-    if _looks_like_path(spec):
+    # Base64 never holds '.' or '~'; it may start with '/' (JPEG: "/9j/"), but no JPEG encodes to
+    # under 128 characters, so a short "/..." is a path. Other paths need file:// or a '.'.
+    if "." in spec or spec.startswith("~") or (spec.startswith("/") and len(spec) < 128):
         return _local_file_bytes(spec, False, policy, param)
     return _base64_bytes(spec, policy, param)
-
-
-def _looks_like_path(spec: str) -> bool:
-    """Base64 never holds '.' or '~'; it may start with '/' (JPEG: "/9j/"), but no JPEG encodes
-    to under 128 characters, so a short "/..." is a path. Other paths need file:// or a '.'."""
-    return "." in spec or spec.startswith("~") or (spec.startswith("/") and len(spec) < 128)
 
 
 # ---- base64 and data URIs -----------------------------------------------------------------------
 
 
 def _data_uri_bytes(spec: str, policy: MediaPolicy, param: str) -> bytes:
-    header, comma, payload = spec[5:1029].partition(",")
+    header, comma, _ = spec[5:1029].partition(",")
     if not comma:
         raise RequestError("invalid_image_url", "a data URI needs a ',' after its header", param)
     fields = [f.strip().lower() for f in header.split(";")]
@@ -352,8 +292,8 @@ def _data_uri_bytes(spec: str, policy: MediaPolicy, param: str) -> bytes:
 
 
 def _base64_bytes(text: str, policy: MediaPolicy, param: str) -> bytes:
-    """Strict base64 with two kind exceptions: line breaks (MIME/`base64` CLI output) and the
-    URL-safe alphabet with or without padding (JWT-style encoders); never both alphabets mixed."""
+    """Strict base64, but line breaks (MIME) and the URL-safe alphabet with or without padding
+    (JWT-style) are accepted; both alphabets mixed are not."""
     if len(text) > policy.max_base64_bytes:
         raise RequestError(
             "image_too_large", f"the base64 image is over {_size_text(policy.max_base64_bytes)} encoded", param
@@ -400,11 +340,11 @@ def _local_file_bytes(spec: str, is_url: bool, policy: MediaPolicy, param: str) 
     if os.path.commonpath([base, real]) != base or real == base:
         raise RequestError("blocked_url", "the path is outside the media directory", param)
     try:  # O_NOFOLLOW|O_NONBLOCK: a symlink swapped in after realpath, or a FIFO, cannot hang or escape
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise RequestError("fetch_failed", "no such file in the media directory", param) from None
-    except OSError:
-        raise RequestError("fetch_failed", "the local image could not be read", param) from None
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        missing = isinstance(error, FileNotFoundError)
+        message = "no such file in the media directory" if missing else "the local image could not be read"
+        raise RequestError("fetch_failed", message, param) from None
     with os.fdopen(fd, "rb") as file:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise RequestError("fetch_failed", "the local path is not a regular file", param)
@@ -436,67 +376,26 @@ class ImageURL:
 
 def ip_is_blocked(ip) -> bool:
     """True for every address a stranger must not make the worker reach (policy's ranges)."""
-    import ipaddress
-
-    if ip.version == 6:
-        if ip.ipv4_mapped is not None or ip.is_site_local:
+    if ip.version == 6:  # is_global misses these; 6to4/Teredo carry an IPv4 inside
+        embedded = [ip.sixtofour, *(ip.teredo or ())]
+        if ip.ipv4_mapped is not None or ip.is_site_local or any(e is not None and ip_is_blocked(e) for e in embedded):
             return True
-        embedded = [ip.sixtofour, *(ip.teredo or ())]  # 6to4/Teredo carry an IPv4 inside
-        if any(e is not None and ip_is_blocked(e) for e in embedded):
-            return True
-    elif ip in ipaddress.ip_network("100.64.0.0/10"):
-        return True
-    return (
-        ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_reserved
-        or ip.is_unspecified or not ip.is_global
-    )
-
-
-def _whatwg_ipv4(host: str) -> Optional[int]:
-    """The WHATWG URL IPv4 parser (what browsers and inet_aton accept: 127.1, 0x7f.1, 0177.0.0.1,
-    2130706433); no library exposes it, and getaddrinfo would quietly accept these spellings."""
-    parts = host.split(".")
-    if len(parts) > 1 and parts[-1] == "":
-        parts.pop()
-    if not 1 <= len(parts) <= 4:
-        return None
-    numbers = []
-    for part in parts:
-        base, digits = 10, part
-        if part[:2] in ("0x", "0X"):
-            base, digits = 16, part[2:]
-        elif len(part) > 1 and part[0] == "0":
-            base, digits = 8, part[1:]
-        if digits == "":
-            numbers.append(0)
-            continue
-        try:
-            numbers.append(int(digits, base))
-        except ValueError:
-            return None
-    if any(n > 255 for n in numbers[:-1]) or numbers[-1] >= 256 ** (5 - len(numbers)):
-        return None
-    value = numbers[-1]
-    for i, n in enumerate(numbers[:-1]):
-        value += n << (8 * (3 - i))
-    return value
-
-
-def _ends_in_number(host: str) -> bool:
-    last = host.rstrip(".").rsplit(".", 1)[-1] if host.rstrip(".") else ""
-    return bool(re.fullmatch(r"[0-9]+|0[xX][0-9A-Fa-f]*", last))
+    return not ip.is_global or ip.is_multicast or ip.is_reserved  # is_global: private, CGNAT, loopback...
 
 
 def check_image_url(url: str, policy: MediaPolicy, param: str, redirected: bool = False) -> ImageURL:
     """Validate and normalise one URL without touching the network (DNS comes later)."""
     import ipaddress
+    import socket
     import unicodedata
     import urllib.parse
 
-    after = " (after a redirect)" if redirected else ""
-
     def refuse(code: str, message: str):
-        raise RequestError(code, message + after, param)
+        raise RequestError(code, message + (" (after a redirect)" if redirected else ""), param)
+
+    def refuse_blocked(ip):
+        if ip is not None and not policy.allow_internal and ip_is_blocked(ip):
+            refuse("blocked_url", "the image URL points at an internal or reserved address")
 
     if len(url) > MAX_URL_CHARS:
         refuse("invalid_image_url", f"the image URL is over {MAX_URL_CHARS} characters")
@@ -529,24 +428,22 @@ def check_image_url(url: str, policy: MediaPolicy, param: str, redirected: bool 
         host = str(ip)
     else:
         try:
-            host = raw_host.encode("idna").decode("ascii").lower() if not raw_host.isascii() else raw_host.lower()
+            host = raw_host.lower() if raw_host.isascii() else raw_host.encode("idna").decode("ascii").lower()
         except UnicodeError:
             refuse("invalid_image_url", "the image URL has an invalid host name")
         if host.endswith(".") and not host.endswith(".."):
             host = host[:-1]
-        if _ends_in_number(host):
-            value = _whatwg_ipv4(host)
-            if value is None:
+        if _NUMERIC_LAST_LABEL.fullmatch(host):
+            try:  # inet_aton parses what browsers do (127.1, 0x7f.1, 0177.0.0.1, 2130706433)
+                ip = ipaddress.IPv4Address(socket.inet_aton(host))
+            except OSError:
                 refuse("invalid_image_url", "the image URL has an invalid numeric host")
-            ip = ipaddress.IPv4Address(value)
-            if not policy.allow_internal and ip_is_blocked(ip):
-                refuse("blocked_url", "the image URL points at an internal or reserved address")
+            refuse_blocked(ip)
             if host != str(ip):
                 refuse("invalid_image_url", "write a numeric host as four decimal parts (a.b.c.d)")
         elif not _HOST_LABELS.fullmatch(host) or len(host) > 253:
             refuse("invalid_image_url", "the image URL has an invalid host name")
-    if ip is not None and not policy.allow_internal and ip_is_blocked(ip):
-        refuse("blocked_url", "the image URL points at an internal or reserved address")
+    refuse_blocked(ip)
     if ip is None and not policy.allow_internal:
         if host in _BLOCKED_NAMES or host.endswith(_BLOCKED_SUFFIXES) or "." not in host:
             refuse("blocked_url", "the image URL names an internal host")
@@ -566,14 +463,13 @@ def _resolve(target: ImageURL, policy: MediaPolicy, deadline: float, param: str,
 
     if target.ip is not None:
         return [target.ip]
-    remaining = deadline - time.monotonic()
     future = _dns_pool().submit(socket.getaddrinfo, target.host, target.port, 0, socket.SOCK_STREAM)
     try:  # getaddrinfo has no timeout of its own: wait on it from here, under the fetch's deadline
-        answers = future.result(timeout=max(remaining, 0.001))
+        answers = future.result(timeout=max(deadline - time.monotonic(), 0.001))
     except TimeoutError:
         raise RequestError("fetch_timeout", "the image URL's host did not resolve in time" + after, param) from None
     except (OSError, UnicodeError):
-        raise RequestError("fetch_failed", "the image URL's host could not be resolved" + after, param) from None
+        answers = []
     addresses = []
     for family, _, _, _, sockaddr in answers:
         if family not in (socket.AF_INET, socket.AF_INET6):
@@ -589,24 +485,15 @@ def _resolve(target: ImageURL, policy: MediaPolicy, deadline: float, param: str,
     return addresses
 
 
-_dns_executor = None
-
-
+@functools.cache
 def _dns_pool():
-    global _dns_executor
-    with _media_lock:
-        if _dns_executor is None:
-            import concurrent.futures
-
-            # Shared by every job in flight: wide enough that a few names whose DNS stalls (a
-            # stranger's own name server can) do not hold up the other jobs' lookups.
-            _dns_executor = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="vlm-dns")
-    return _dns_executor
+    # Shared by every job in flight: wide enough that a few names whose DNS stalls (a stranger's
+    # own name server can) do not hold up the other jobs' lookups.
+    return ThreadPoolExecutor(32, thread_name_prefix="vlm-dns")
 
 
 def _tls_context():
-    """System trust (honours SSL_CERT_FILE / SSL_CERT_DIR); certifi's bundle when it is installed
-    and no override is set, as requests does."""
+    """System trust (honours SSL_CERT_FILE / SSL_CERT_DIR), else certifi's bundle as requests does."""
     return _tls_context_for(os.environ.get("SSL_CERT_FILE") or None, os.environ.get("SSL_CERT_DIR") or None)
 
 
@@ -616,12 +503,10 @@ def _tls_context_for(cafile: Optional[str], cadir: Optional[str]):
     import ssl
 
     if cafile is None and not cadir:
-        try:
+        with contextlib.suppress(ImportError):
             import certifi
 
             cafile = certifi.where()
-        except ImportError:
-            pass
     context = ssl.create_default_context(cafile=cafile)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     return context
@@ -646,54 +531,25 @@ def _connect_pinned(addresses: list, port: int, policy: MediaPolicy, deadline: f
 
 
 def _pinned_connection(target: ImageURL, addresses: list, policy: MediaPolicy, deadline: float, param: str):
-    import functools
+    """An http.client connection whose connect() uses the checked addresses: the Host header, SNI
+    and certificate check keep the name."""
+    import http.client
 
     pin = functools.partial(_connect_pinned, addresses, target.port, policy, deadline, param)
     timeout = max(deadline - time.monotonic(), 0.001)
-    http_class, https_class = _pinned_classes()
     if target.scheme == "http":
-        return http_class(target.host, target.port, pin, timeout=timeout)
-    return https_class(target.host, target.port, pin, _tls_context(), timeout=timeout)
-
-
-_pinned_cache: list = []
-_media_lock = threading.Lock()
-
-
-def _pinned_classes():
-    """http.client connections whose connect() uses the checked addresses: the Host header, SNI and
-    certificate check keep the name. (Built on first use: http.client stays out of import time.)"""
-    with _media_lock:
-        if not _pinned_cache:
-            _pinned_cache.extend(_build_pinned_classes())
-    return _pinned_cache
-
-
-def _build_pinned_classes():
-    import http.client
-
-    class PinnedHTTPConnection(http.client.HTTPConnection):
-        def __init__(self, host, port, pin, **kwargs):
-            super().__init__(host, port, **kwargs)
-            self.pin = pin
-
-        def connect(self):
-            self.sock = self.pin()
-
-    class PinnedHTTPSConnection(http.client.HTTPSConnection):
-        def __init__(self, host, port, pin, context, **kwargs):
-            super().__init__(host, port, context=context, **kwargs)
-            self.pin, self.tls = pin, context
-
-        def connect(self):
-            self.sock = self.tls.wrap_socket(self.pin(), server_hostname=self.host)
-
-    return PinnedHTTPConnection, PinnedHTTPSConnection
+        conn = http.client.HTTPConnection(target.host, target.port, timeout=timeout)
+        conn.connect = lambda: setattr(conn, "sock", pin())
+    else:
+        tls = _tls_context()
+        conn = http.client.HTTPSConnection(target.host, target.port, timeout=timeout, context=tls)
+        conn.connect = lambda: setattr(conn, "sock", tls.wrap_socket(pin(), server_hostname=target.host))
+    return conn
 
 
 def _proxy_connection(target: ImageURL, policy: MediaPolicy, deadline: float):
     """The environment's proxy for this URL, only when the operator trusts it (the proxy resolves
-    names itself, so pinning is the proxy's business then). Returns (connection, request target)."""
+    names itself then). Returns (connection, request target, headers) or None."""
     import http.client
     import urllib.parse
     import urllib.request
@@ -725,21 +581,20 @@ def _proxy_connection(target: ImageURL, policy: MediaPolicy, deadline: float):
 def fetch_image_url(url: str, policy: MediaPolicy, param: str, request_deadline: Optional[float] = None) -> bytes:
     """GET an image under the policy: each hop checked, pinned, capped, all under one deadline
     (VLM_FETCH_TIMEOUT, or the request's own when that comes first)."""
+    import urllib.parse
+
     deadline = time.monotonic() + policy.fetch_timeout
     late = f"the image URL took over {policy.fetch_timeout:g}s"
     if request_deadline is not None and request_deadline < deadline:
         deadline, late = request_deadline, f"the request's images took over {policy.fetch_deadline:g}s to download"
     target = check_image_url(url, policy, param)
     for hop in range(MAX_REDIRECTS + 1):
+        if hop:
+            target = check_image_url(urllib.parse.urljoin(target.url, location), policy, param, redirected=True)
         location = _fetch_once(target, policy, deadline, param, " (after a redirect)" if hop else "", late)
         if isinstance(location, bytes):
             return location
-        if hop == MAX_REDIRECTS:
-            raise RequestError("fetch_failed", f"the image URL redirected more than {MAX_REDIRECTS} times", param)
-        import urllib.parse
-
-        target = check_image_url(urllib.parse.urljoin(target.url, location), policy, param, redirected=True)
-    raise AssertionError("unreachable")
+    raise RequestError("fetch_failed", f"the image URL redirected more than {MAX_REDIRECTS} times", param)
 
 
 def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: str, after: str, late: str):
@@ -758,12 +613,9 @@ def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: s
 
     def abort():  # the deadline covers slow headers too (a per-read timeout never fires on a drip)
         expired.set()
-        sock = conn.sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        if conn.sock is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
 
     watchdog = threading.Timer(max(deadline - time.monotonic(), 0.0), abort)
     watchdog.daemon = True
@@ -771,7 +623,7 @@ def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: s
     try:
         conn.request("GET", request_target, headers=headers)
         response = conn.getresponse()
-        if response.status in _REDIRECT_STATUSES:
+        if response.status in (301, 302, 303, 307, 308):
             location = response.getheader("Location")
             if not location:
                 raise RequestError("fetch_failed", "the image URL redirected without a Location" + after, param)
@@ -781,32 +633,28 @@ def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: s
         content_type = (response.getheader("Content-Type") or "").split(";")[0].strip().lower()
         if content_type == "image/svg+xml":
             raise RequestError("unsupported_image_format", _SVG_MESSAGE, param)
-        declared = response.getheader("Content-Length") or ""
+        declared = (response.getheader("Content-Length") or "").strip()
+        declared = int(declared) if declared.isdigit() else None
         too_large = RequestError("image_too_large", f"the image is over {_size_text(policy.max_image_bytes)}", param)
-        if declared.strip().isdigit() and int(declared) > policy.max_image_bytes:
+        if declared is not None and declared > policy.max_image_bytes:
             raise too_large  # refused early; a smaller Content-Length is never trusted
         chunks, size = [], 0
-        while True:
-            if time.monotonic() > deadline:
-                raise TimeoutError
-            chunk = response.read1(64 * 1024)
-            if not chunk:
-                break
+        while chunk := response.read1(64 * 1024):
             size += len(chunk)
             if size > policy.max_image_bytes:
                 raise too_large
+            if time.monotonic() > deadline:
+                raise TimeoutError
             chunks.append(chunk)
         if expired.is_set():
             raise TimeoutError
-        if declared.strip().isdigit() and size < int(declared):  # read1 returns short bodies quietly
+        if declared is not None and size < declared:  # read1 returns short bodies quietly
             raise RequestError("fetch_failed", "the image download ended early" + after, param)
         return b"".join(chunks)
     except RequestError:
         raise
-    except (TimeoutError, socket.timeout):
-        raise RequestError("fetch_timeout", late + after, param) from None
-    except (OSError, http.client.HTTPException, ValueError):
-        if expired.is_set():
+    except (OSError, http.client.HTTPException, ValueError) as error:
+        if expired.is_set() or isinstance(error, TimeoutError):  # socket.timeout is TimeoutError
             raise RequestError("fetch_timeout", late + after, param) from None
         log.info("image fetch for %s failed", param, exc_info=log.isEnabledFor(logging.DEBUG))
         raise RequestError("fetch_failed", "the image URL could not be fetched" + after, param) from None
