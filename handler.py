@@ -286,9 +286,8 @@ def _data_uri_bytes(spec: str, policy: MediaPolicy, param: str) -> bytes:
 def _base64_bytes(text: str, policy: MediaPolicy, param: str) -> bytes:
     """Strict base64; line breaks and the URL-safe alphabet (padded or not) pass, mixed alphabets do not."""
     if len(text) > policy.max_base64_bytes:
-        raise RequestError(
-            "image_too_large", f"the base64 image is over {_size_text(policy.max_base64_bytes)} encoded", param
-        )
+        message = f"the base64 image is over {_size_text(policy.max_base64_bytes)} encoded"
+        raise RequestError("image_too_large", message, param)
     compact = "".join(text.split())
     if "-" in compact or "_" in compact:
         if "+" in compact or "/" in compact:
@@ -315,9 +314,8 @@ def _local_file_bytes(spec: str, is_url: bool, policy: MediaPolicy, param: str) 
     import urllib.parse
 
     if not policy.media_dir:
-        raise RequestError(
-            "blocked_url", "local files are disabled on this worker; send an https URL or base64", param
-        )
+        message = "local files are disabled on this worker; send an https URL or base64"
+        raise RequestError("blocked_url", message, param)
     path = spec
     if is_url:
         parts = urllib.parse.urlsplit(spec)
@@ -469,8 +467,7 @@ def _resolve(target: ImageURL, policy: MediaPolicy, deadline: float, param: str,
 
 @functools.cache
 def _dns_pool():
-    # Shared by every job in flight: wide enough that a few names whose DNS stalls (a stranger's
-    # own name server can) do not hold up the other jobs' lookups.
+    # Shared by all jobs: wide enough that names whose DNS stalls (a stranger's server can) hold up no other.
     return ThreadPoolExecutor(32, thread_name_prefix="vlm-dns")
 
 
@@ -2681,9 +2678,7 @@ def check_strings(raw: Any, param: Optional[str]) -> None:
 
 
 def _field_path(parent: Optional[str], key: Any) -> str:
-    if isinstance(key, int):
-        return f"{parent or ''}[{key}]"
-    return _join(parent, _cut(key if isinstance(key, str) else repr(key)))
+    return _join(parent, f"[{key}]" if isinstance(key, int) else _cut(key if isinstance(key, str) else repr(key)))
 
 
 def _check_text(text: str, where: Optional[str], what: str) -> None:
@@ -2798,11 +2793,9 @@ def _resolve_images(turns: list[Turn], settings: Settings, param: Optional[str])
                 raise RequestError("fetch_timeout", message, where) from None
             remaining = settings.max_total_pixels - used  # decoded as soon as it and those before it arrived
             narrowed = remaining < policy.max_image_pixels
+            budget = dataclasses.replace(policy, max_image_pixels=max(remaining, 1)) if narrowed else policy
             try:
-                image = _decode_image(
-                    data, dataclasses.replace(policy, max_image_pixels=max(remaining, 1)) if narrowed else policy,
-                    where,
-                )
+                image = _decode_image(data, budget, where)
             except RequestError as error:
                 if narrowed and error.code == "image_too_large":
                     message = f"the request's images hold over {settings.max_total_pixels} pixels together"
