@@ -77,125 +77,86 @@ CURATED_MODELS: dict[str, CuratedModel] = {
 QUANTIZE_CHOICES = ("none", "4bit", "8bit")
 DTYPE_CHOICES = ("auto", "fp16", "bf16", "fp32")
 
+# Settings are pydantic dataclasses: the environment's text is parsed and bounded by their types.
+from typing import Annotated, Literal  # noqa: E402
 
-def _env_bool(env: dict, name: str, default: bool) -> bool:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    value = raw.strip().lower()
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise SettingsError(f"{name} must be true or false, got {raw!r}")
-
-
-def _env_int(env: dict, name: str, default: int, minimum: int = 0) -> int:
-    raw = env.get(name)
-    if raw is None or raw.strip() == "":
-        return default
-    try:
-        value = int(raw)
-    except ValueError:
-        raise SettingsError(f"{name} must be an integer, got {raw!r}") from None
-    if value < minimum:
-        raise SettingsError(f"{name} must be at least {minimum}, got {value}")
-    return value
-
-
-def _env_choice(env: dict, name: str, default: str, choices: Iterable[str]) -> str:
-    value = (env.get(name) or default).strip().lower()
-    if value not in choices:
-        raise SettingsError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-    return value
+import pydantic.dataclasses  # noqa: E402
+from pydantic import BeforeValidator  # noqa: E402
 
 
 class SettingsError(RuntimeError):
     """A deployment setting is wrong: the operator's mistake, reported at load time."""
 
 
-@dataclasses.dataclass(frozen=True)
+def _from_env(cls, env: dict, names: dict[str, str]):
+    """`cls` from the variables `names` maps its fields to (blank: the default); errors name the variable."""
+    values = {field: env[name].strip() for field, name in names.items() if (env.get(name) or "").strip()}
+    try:
+        return cls(**values)
+    except ValidationError as error:
+        first = error.errors(include_url=False)[0]
+        name = names[first["loc"][0]]
+        raise SettingsError(f"{name}={env[name]!r}: {first['msg']}") from None
+
+
+_Lower = BeforeValidator(lambda value: value.lower() if isinstance(value, str) else value)
+_Count = Annotated[int, Field(ge=0)]
+_Positive = Annotated[int, Field(ge=1)]
+_Seconds = Annotated[float, Field(gt=0, le=600)]
+
+
+@pydantic.dataclasses.dataclass(frozen=True)
 class Settings:
     model: str = DEFAULT_MODEL
-    quantize: str = "none"
-    dtype: str = "auto"
+    quantize: Annotated[Literal[QUANTIZE_CHOICES], _Lower] = "none"
+    dtype: Annotated[Literal[DTYPE_CHOICES], _Lower] = "auto"
     device_map: str = "auto"
     trust_remote_code: bool = True
     allow_any: bool = False
-    max_new_tokens_cap: int = 2048
-    default_max_new_tokens: int = 256
-    max_batch_size: int = 16  # rows decoding together (continuous batching)
-    max_concurrency: int = 32  # jobs this worker takes at once (RunPod concurrency_modifier)
-    sync_interval: int = 8  # decode steps between looks at the tokens (admission, stops, streaming)
-    stream_interval_ms: int = 50  # streamed jobs post at most this often
+    max_new_tokens_cap: _Positive = 2048  # VLM_MAX_NEW_TOKENS; every other field is VLM_<NAME>
+    default_max_new_tokens: _Positive = 256
+    max_batch_size: _Positive = 16  # rows decoding together (continuous batching)
+    max_concurrency: _Positive = 32  # jobs this worker takes at once (RunPod concurrency_modifier)
+    sync_interval: _Positive = 8  # decode steps between looks at the tokens (admission, stops, streaming)
+    stream_interval_ms: _Count = 50  # streamed jobs post at most this often
     load_at_boot: bool = True  # load and warm up before taking jobs; off: the first request loads
-    shutdown_grace: int = 10  # seconds jobs in flight may still run after SIGTERM
-    max_batch_requests: int = 64  # items in one {"requests": [...]} call
-    max_images: int = 16  # per request
-    max_total_pixels: int = 64_000_000  # decoded pixels per request, all images together
-    max_text_chars: int = 32_000  # all text of a request together
-    max_messages: int = 64
-    min_pixels: int = 0  # Qwen processors' visual-token bounds; 0 keeps the model's own
-    max_pixels: int = 0
+    shutdown_grace: _Count = 10  # seconds jobs in flight may still run after SIGTERM
+    max_batch_requests: _Positive = 64  # items in one {"requests": [...]} call
+    max_images: _Positive = 16  # per request
+    max_total_pixels: _Positive = 64_000_000  # decoded pixels per request, all images together
+    max_text_chars: _Positive = 32_000  # all text of a request together
+    max_messages: _Positive = 64
+    min_pixels: _Count = 0  # Qwen processors' visual-token bounds; 0 keeps the model's own
+    max_pixels: _Count = 0
     compile: bool = True  # torch.compile + CUDA graphs for decoding (CUDA only, never bitsandbytes)
-    cache_len: int = 2048  # KV-cache length compiled at warm-up; a longer request doubles it
+    cache_len: Annotated[int, Field(ge=256)] = 2048  # KV-cache length compiled at warm-up; a longer request doubles it
     compile_cache_dir: str = ""  # compiled kernels kept here are reused by a restarted worker
 
     @classmethod
-    def from_env(cls, env: Optional[dict] = None) -> "Settings":
+    def from_env(cls, env: Optional[dict] = None) -> Settings:
         env = dict(os.environ if env is None else env)
-        return cls(
-            model=(env.get("VLM_MODEL") or DEFAULT_MODEL).strip(),
-            quantize=_env_choice(env, "VLM_QUANTIZE", "none", QUANTIZE_CHOICES),
-            dtype=_env_choice(env, "VLM_DTYPE", "auto", DTYPE_CHOICES),
-            device_map=(env.get("VLM_DEVICE_MAP") or "auto").strip(),
-            trust_remote_code=_env_bool(env, "VLM_TRUST_REMOTE_CODE", True),
-            allow_any=_env_bool(env, "VLM_ALLOW_ANY", False),
-            max_new_tokens_cap=_env_int(env, "VLM_MAX_NEW_TOKENS", 2048, 1),
-            default_max_new_tokens=_env_int(env, "VLM_DEFAULT_MAX_NEW_TOKENS", 256, 1),
-            max_batch_size=_env_int(env, "VLM_MAX_BATCH_SIZE", 16, 1),
-            max_concurrency=_env_int(env, "VLM_MAX_CONCURRENCY", 32, 1),
-            sync_interval=_env_int(env, "VLM_SYNC_INTERVAL", 8, 1),
-            stream_interval_ms=_env_int(env, "VLM_STREAM_INTERVAL_MS", 50, 0),
-            load_at_boot=_env_bool(env, "VLM_LOAD_AT_BOOT", True),
-            shutdown_grace=_env_int(env, "VLM_SHUTDOWN_GRACE", 10),
-            max_batch_requests=_env_int(env, "VLM_MAX_BATCH_REQUESTS", 64, 1),
-            max_images=_env_int(env, "VLM_MAX_IMAGES", 16, 1),
-            max_total_pixels=_env_int(env, "VLM_MAX_TOTAL_PIXELS", 64_000_000, 1),
-            max_text_chars=_env_int(env, "VLM_MAX_TEXT_CHARS", 32_000, 1),
-            max_messages=_env_int(env, "VLM_MAX_MESSAGES", 64, 1),
-            min_pixels=_env_int(env, "VLM_MIN_PIXELS", 0),
-            max_pixels=_env_int(env, "VLM_MAX_PIXELS", 0),
-            compile=_env_bool(env, "VLM_COMPILE", True),
-            cache_len=_env_int(env, "VLM_CACHE_LEN", 2048, 256),
-            compile_cache_dir=env.get("VLM_COMPILE_CACHE_DIR")
-            or (os.path.join(env["HF_HOME"], "compile-cache") if env.get("HF_HOME") else ""),
-        )
+        if not env.get("VLM_COMPILE_CACHE_DIR") and env.get("HF_HOME"):
+            env["VLM_COMPILE_CACHE_DIR"] = os.path.join(env["HF_HOME"], "compile-cache")
+        names = {f.name: f"VLM_{f.name.upper()}" for f in dataclasses.fields(cls)}
+        return _from_env(cls, env, {**names, "max_new_tokens_cap": "VLM_MAX_NEW_TOKENS"})
 
 
 # =================================================================================================
 # Errors
 # =================================================================================================
 
-# Caller text quoted back in an error (a field name, a value) is cut to a short prefix, so an error
-# answer stays a few KB whatever the request held, and made encodable as UTF-8: the SDK never posts
-# an answer that holds a lone surrogate, so the job would be lost.
+# Caller text quoted back in an error is cut short, so an error answer stays a few KB whatever the
+# request held, and made encodable as UTF-8: the SDK never posts an answer holding a lone surrogate.
 MAX_ECHO_CHARS = 64  # one quoted name or value
 MAX_PARAM_CHARS = 256  # a whole field path
 MAX_MESSAGE_CHARS = 1024
 
 
 def _cut(text: str, limit: int = MAX_ECHO_CHARS) -> str:
-    """`text` fit to quote in an answer: at most `limit` characters then '…'; a lone surrogate
-    becomes its escape (\\udc80)."""
+    """At most `limit` characters then '…'; a lone surrogate becomes its escape (\\udc80)."""
     if len(text) > limit:
         text = text[:limit] + "…"
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
-
-
-def _quote(value: Any) -> str:
-    """A caller's value quoted in a message, cut: 'abc…'."""
-    return repr(_cut(value if isinstance(value, str) else repr(value)))
 
 
 class RequestError(Exception):
@@ -223,80 +184,54 @@ def _join(param: Optional[str], child: str) -> str:
 # Images
 # =================================================================================================
 
-# Images come from strangers: the worker fetches URLs from inside the datacenter (SSRF) and decodes
-# whatever bytes arrive (bombs, broken files). Policy (after NVIDIA Dynamo's media URL policy, see
-# README "Security"): https and base64/data URIs only; no internal addresses; pinned DNS; redirects
-# re-checked by hand; one deadline; byte and pixel caps; fixed error messages that echo nothing.
+# Images come from strangers (SSRF, bombs, broken files). Policy, after NVIDIA Dynamo's (README
+# "Security"): https and base64/data URIs only; no internal addresses; pinned DNS; redirects re-checked
+# by hand; one deadline; byte and pixel caps; fixed error messages that echo nothing.
 
 MAX_URL_CHARS = 16 * 1024
 MAX_REDIRECTS = 3
 IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
-_REDIRECT_STATUSES = (301, 302, 303, 307, 308)
 _BLOCKED_NAMES = ("localhost", "localhost.localdomain", "metadata.google.internal")
 _BLOCKED_SUFFIXES = (".localhost", ".local", ".internal", ".localdomain", ".home.arpa")
 _URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*):")
 _HOST_LABELS = re.compile(r"[a-z0-9_]([a-z0-9_\-]{0,61}[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_\-]{0,61}[a-z0-9_])?)*")
+_NUMERIC_LAST_LABEL = re.compile(r"(.*\.)?([0-9]+|0x[0-9a-f]*)")  # WHATWG: such a host is an IPv4 address
 _AUTHORITY = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^\[\]:@]+)(?::(\d{1,5}))?")
+_Domains = BeforeValidator(
+    lambda value: tuple(d.strip().strip(".").lower() for d in value.split(",") if d.strip().strip("."))
+    if isinstance(value, str) else value
+)
 
 
-@dataclasses.dataclass(frozen=True)
+@pydantic.dataclasses.dataclass(frozen=True)
 class MediaPolicy:
     """How images may reach the worker. Read from the environment at each resolve (cheap)."""
 
     allow_internal: bool = False  # VLM_ALLOW_INTERNAL_URLS: http:// and internal addresses too
-    allow_http: bool = False  # plain http:// (opened by allow_internal; code may set it alone)
-    allowed_domains: tuple[str, ...] = ()  # VLM_URL_ALLOWED_DOMAINS: suffix match, narrows further
-    trust_env_proxy: bool = False  # VLM_TRUST_ENV_PROXY: use HTTP(S)_PROXY / NO_PROXY
-    fetch_timeout: float = 20.0  # VLM_FETCH_TIMEOUT: seconds for a whole fetch, all hops
-    fetch_deadline: float = 30.0  # VLM_FETCH_DEADLINE: seconds for all the fetches of one request
-    max_image_bytes: int = 64 * 1024 * 1024  # VLM_MAX_IMAGE_BYTES: downloaded or local file bytes
-    max_base64_bytes: int = 16 * 1024 * 1024  # VLM_MAX_BASE64_BYTES: encoded length of base64 text
-    max_image_pixels: int = 40_000_000  # VLM_MAX_IMAGE_PIXELS: width*height, from the header
-    min_image_side: int = 8  # VLM_MIN_IMAGE_SIDE: pixels, both sides
-    media_dir: Optional[str] = None  # VLM_MEDIA_DIR: local files only from inside this folder
+    allow_http: bool = False  # plain http:// alone (code only)
+    allowed_domains: Annotated[tuple[str, ...], _Domains] = ()  # VLM_URL_ALLOWED_DOMAINS: suffix match
+    trust_env_proxy: bool = False  # use HTTP(S)_PROXY / NO_PROXY
+    fetch_timeout: _Seconds = 20.0  # a whole fetch, all hops
+    fetch_deadline: _Seconds = 30.0  # all the fetches of one request
+    max_image_bytes: _Positive = 64 * 1024 * 1024  # downloaded or local file bytes
+    max_base64_bytes: _Positive = 16 * 1024 * 1024  # encoded length of base64 text
+    max_image_pixels: _Positive = 40_000_000  # width*height, from the header
+    min_image_side: _Positive = 8  # pixels, both sides
+    media_dir: Optional[str] = None  # local files only from inside this folder
 
     @classmethod
-    def from_env(cls, env: Optional[dict] = None) -> "MediaPolicy":
-        env = dict(os.environ if env is None else env)
-        allow_internal = _env_bool(env, "VLM_ALLOW_INTERNAL_URLS", False)
-        domains = tuple(
-            d.strip().strip(".").lower()
-            for d in (env.get("VLM_URL_ALLOWED_DOMAINS") or "").split(",") if d.strip().strip(".")
-        )
-        media_dir = (env.get("VLM_MEDIA_DIR") or "").strip() or None
-        return cls(
-            allow_internal=allow_internal,
-            allow_http=allow_internal,
-            allowed_domains=domains,
-            trust_env_proxy=_env_bool(env, "VLM_TRUST_ENV_PROXY", False),
-            fetch_timeout=_env_seconds(env, "VLM_FETCH_TIMEOUT", 20.0),
-            fetch_deadline=_env_seconds(env, "VLM_FETCH_DEADLINE", 30.0),
-            max_image_bytes=_env_int(env, "VLM_MAX_IMAGE_BYTES", 64 * 1024 * 1024, 1),
-            max_base64_bytes=_env_int(env, "VLM_MAX_BASE64_BYTES", 16 * 1024 * 1024, 1),
-            max_image_pixels=_env_int(env, "VLM_MAX_IMAGE_PIXELS", 40_000_000, 1),
-            min_image_side=_env_int(env, "VLM_MIN_IMAGE_SIDE", 8, 1),
-            media_dir=media_dir,
-        )
-
-
-def _env_seconds(env: dict, name: str, default: float) -> float:
-    raw = (env.get(name) or "").strip()
-    try:
-        value = float(raw) if raw else default
-    except ValueError:
-        raise SettingsError(f"{name} must be a number of seconds, got {raw!r}") from None
-    if not 0 < value <= 600:
-        raise SettingsError(f"{name} must be above 0 and at most 600, got {raw!r}")
-    return value
+    def from_env(cls, env: Optional[dict] = None) -> MediaPolicy:
+        names = {f.name: f"VLM_{f.name.upper()}" for f in dataclasses.fields(cls) if f.name != "allow_http"}
+        names.update(allow_internal="VLM_ALLOW_INTERNAL_URLS", allowed_domains="VLM_URL_ALLOWED_DOMAINS")
+        return _from_env(cls, dict(os.environ if env is None else env), names)
 
 
 def _size_text(n: int) -> str:
-    return f"{n // (1024 * 1024)} MiB" if n >= 1024 * 1024 and n % (1024 * 1024) == 0 else f"{n} bytes"
+    return f"{n >> 20} MiB" if n >= 1 << 20 and n % (1 << 20) == 0 else f"{n} bytes"
 
 
 def resolve_image(spec: Any, param: str, policy: Optional[MediaPolicy] = None):
-    """Turn one image spec (https URL, data URI, raw base64, local path or {"url": ...}) into an RGB
-    PIL image, or raise RequestError with a fixed message and `param` naming the field at fault."""
+    """An image spec (URL, data URI, base64, local path or {"url": ...}) -> RGB PIL image, or RequestError."""
     text, param = image_source(spec, param)
     policy = policy or MediaPolicy.from_env()
     return _decode_image(_image_bytes(text, policy, param), policy, param)
@@ -315,51 +250,45 @@ def image_source(spec: Any, param: str) -> tuple[str, str]:
 
 def _image_bytes(spec: str, policy: MediaPolicy, param: str, deadline: Optional[float] = None) -> bytes:
     """The bytes an image spec names; `deadline` (time.monotonic()) bounds a URL fetch further."""
-    if spec[:5].lower() == "data:":
-        return _data_uri_bytes(spec, policy, param)
     scheme = _URL_SCHEME.match(spec)
+    scheme = scheme.group(1).lower() if scheme else None
+    if scheme == "data":
+        return _data_uri_bytes(spec, policy, param)
+    if scheme in ("http", "https"):
+        return fetch_image_url(spec, policy, param, deadline)
+    if scheme == "file":
+        return _local_file_bytes(spec, True, policy, param)
     if scheme:
-        name = scheme.group(1).lower()
-        if name in ("http", "https"):
-            return fetch_image_url(spec, policy, param, deadline)
-        if name == "file":
-            return _local_file_bytes(spec, True, policy, param)
-        raise RequestError(
-            "invalid_image_url", "unsupported URL scheme; send an https URL, a data URI or base64", param
-        )
-    if _looks_like_path(spec):
+        message = "unsupported URL scheme; send an https URL, a data URI or base64"
+        raise RequestError("invalid_image_url", message, param)
+    # Base64 never holds '.' or '~'; it may start with '/' (JPEG: "/9j/"), but no JPEG encodes to
+    # under 128 characters, so a short "/..." is a path. Other paths need file:// or a '.'.
+    if "." in spec or spec.startswith("~") or (spec.startswith("/") and len(spec) < 128):
         return _local_file_bytes(spec, False, policy, param)
     return _base64_bytes(spec, policy, param)
-
-
-def _looks_like_path(spec: str) -> bool:
-    """Base64 never holds '.' or '~'; it may start with '/' (JPEG: "/9j/"), but no JPEG encodes
-    to under 128 characters, so a short "/..." is a path. Other paths need file:// or a '.'."""
-    return "." in spec or spec.startswith("~") or (spec.startswith("/") and len(spec) < 128)
 
 
 # ---- base64 and data URIs -----------------------------------------------------------------------
 
 
 def _data_uri_bytes(spec: str, policy: MediaPolicy, param: str) -> bytes:
-    header, comma, payload = spec[5:1029].partition(",")
+    header, comma, _ = spec[5:1029].partition(",")
     if not comma:
         raise RequestError("invalid_image_url", "a data URI needs a ',' after its header", param)
     fields = [f.strip().lower() for f in header.split(";")]
     if fields[0] == "image/svg+xml":
         raise RequestError("unsupported_image_format", _SVG_MESSAGE, param)
     if "base64" not in fields[1:]:
-        raise RequestError("invalid_image_url", "only base64 data URIs are supported (data:image/png;base64,...)", param)
+        message = "only base64 data URIs are supported (data:image/png;base64,...)"
+        raise RequestError("invalid_image_url", message, param)
     return _base64_bytes(spec[5 + len(header) + 1:], policy, param)
 
 
 def _base64_bytes(text: str, policy: MediaPolicy, param: str) -> bytes:
-    """Strict base64 with two kind exceptions: line breaks (MIME/`base64` CLI output) and the
-    URL-safe alphabet with or without padding (JWT-style encoders); never both alphabets mixed."""
+    """Strict base64; line breaks and the URL-safe alphabet (padded or not) pass, mixed alphabets do not."""
     if len(text) > policy.max_base64_bytes:
-        raise RequestError(
-            "image_too_large", f"the base64 image is over {_size_text(policy.max_base64_bytes)} encoded", param
-        )
+        message = f"the base64 image is over {_size_text(policy.max_base64_bytes)} encoded"
+        raise RequestError("image_too_large", message, param)
     compact = "".join(text.split())
     if "-" in compact or "_" in compact:
         if "+" in compact or "/" in compact:
@@ -386,9 +315,8 @@ def _local_file_bytes(spec: str, is_url: bool, policy: MediaPolicy, param: str) 
     import urllib.parse
 
     if not policy.media_dir:
-        raise RequestError(
-            "blocked_url", "local files are disabled on this worker; send an https URL or base64", param
-        )
+        message = "local files are disabled on this worker; send an https URL or base64"
+        raise RequestError("blocked_url", message, param)
     path = spec
     if is_url:
         parts = urllib.parse.urlsplit(spec)
@@ -402,11 +330,11 @@ def _local_file_bytes(spec: str, is_url: bool, policy: MediaPolicy, param: str) 
     if os.path.commonpath([base, real]) != base or real == base:
         raise RequestError("blocked_url", "the path is outside the media directory", param)
     try:  # O_NOFOLLOW|O_NONBLOCK: a symlink swapped in after realpath, or a FIFO, cannot hang or escape
-        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except FileNotFoundError:
-        raise RequestError("fetch_failed", "no such file in the media directory", param) from None
-    except OSError:
-        raise RequestError("fetch_failed", "the local image could not be read", param) from None
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        missing = isinstance(error, FileNotFoundError)
+        message = "no such file in the media directory" if missing else "the local image could not be read"
+        raise RequestError("fetch_failed", message, param) from None
     with os.fdopen(fd, "rb") as file:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise RequestError("fetch_failed", "the local path is not a regular file", param)
@@ -438,67 +366,22 @@ class ImageURL:
 
 def ip_is_blocked(ip) -> bool:
     """True for every address a stranger must not make the worker reach (policy's ranges)."""
-    import ipaddress
-
-    if ip.version == 6:
-        if ip.ipv4_mapped is not None or ip.is_site_local:
+    if ip.version == 6:  # is_global misses these; 6to4/Teredo carry an IPv4 inside
+        embedded = [ip.sixtofour, *(ip.teredo or ())]
+        if ip.ipv4_mapped is not None or ip.is_site_local or any(e is not None and ip_is_blocked(e) for e in embedded):
             return True
-        embedded = [ip.sixtofour, *(ip.teredo or ())]  # 6to4/Teredo carry an IPv4 inside
-        if any(e is not None and ip_is_blocked(e) for e in embedded):
-            return True
-    elif ip in ipaddress.ip_network("100.64.0.0/10"):
-        return True
-    return (
-        ip.is_private or ip.is_loopback or ip.is_link_local or ip.is_multicast or ip.is_reserved
-        or ip.is_unspecified or not ip.is_global
-    )
-
-
-def _whatwg_ipv4(host: str) -> Optional[int]:
-    """The WHATWG URL IPv4 parser (what browsers and inet_aton accept: 127.1, 0x7f.1, 0177.0.0.1,
-    2130706433); no library exposes it, and getaddrinfo would quietly accept these spellings."""
-    parts = host.split(".")
-    if len(parts) > 1 and parts[-1] == "":
-        parts.pop()
-    if not 1 <= len(parts) <= 4:
-        return None
-    numbers = []
-    for part in parts:
-        base, digits = 10, part
-        if part[:2] in ("0x", "0X"):
-            base, digits = 16, part[2:]
-        elif len(part) > 1 and part[0] == "0":
-            base, digits = 8, part[1:]
-        if digits == "":
-            numbers.append(0)
-            continue
-        try:
-            numbers.append(int(digits, base))
-        except ValueError:
-            return None
-    if any(n > 255 for n in numbers[:-1]) or numbers[-1] >= 256 ** (5 - len(numbers)):
-        return None
-    value = numbers[-1]
-    for i, n in enumerate(numbers[:-1]):
-        value += n << (8 * (3 - i))
-    return value
-
-
-def _ends_in_number(host: str) -> bool:
-    last = host.rstrip(".").rsplit(".", 1)[-1] if host.rstrip(".") else ""
-    return bool(re.fullmatch(r"[0-9]+|0[xX][0-9A-Fa-f]*", last))
+    return not ip.is_global or ip.is_multicast or ip.is_reserved  # is_global: private, CGNAT, loopback...
 
 
 def check_image_url(url: str, policy: MediaPolicy, param: str, redirected: bool = False) -> ImageURL:
     """Validate and normalise one URL without touching the network (DNS comes later)."""
     import ipaddress
+    import socket
     import unicodedata
     import urllib.parse
 
-    after = " (after a redirect)" if redirected else ""
-
     def refuse(code: str, message: str):
-        raise RequestError(code, message + after, param)
+        raise RequestError(code, message + (" (after a redirect)" if redirected else ""), param)
 
     if len(url) > MAX_URL_CHARS:
         refuse("invalid_image_url", f"the image URL is over {MAX_URL_CHARS} characters")
@@ -531,24 +414,21 @@ def check_image_url(url: str, policy: MediaPolicy, param: str, redirected: bool 
         host = str(ip)
     else:
         try:
-            host = raw_host.encode("idna").decode("ascii").lower() if not raw_host.isascii() else raw_host.lower()
+            host = raw_host.lower() if raw_host.isascii() else raw_host.encode("idna").decode("ascii").lower()
         except UnicodeError:
             refuse("invalid_image_url", "the image URL has an invalid host name")
-        if host.endswith(".") and not host.endswith(".."):
-            host = host[:-1]
-        if _ends_in_number(host):
-            value = _whatwg_ipv4(host)
-            if value is None:
+        host = host[:-1] if host.endswith(".") and not host.endswith("..") else host
+        if _NUMERIC_LAST_LABEL.fullmatch(host):
+            try:  # inet_aton parses what browsers do (127.1, 0x7f.1, 0177.0.0.1, 2130706433)
+                ip = ipaddress.IPv4Address(socket.inet_aton(host))
+            except OSError:
                 refuse("invalid_image_url", "the image URL has an invalid numeric host")
-            ip = ipaddress.IPv4Address(value)
-            if not policy.allow_internal and ip_is_blocked(ip):
-                refuse("blocked_url", "the image URL points at an internal or reserved address")
-            if host != str(ip):
-                refuse("invalid_image_url", "write a numeric host as four decimal parts (a.b.c.d)")
         elif not _HOST_LABELS.fullmatch(host) or len(host) > 253:
             refuse("invalid_image_url", "the image URL has an invalid host name")
     if ip is not None and not policy.allow_internal and ip_is_blocked(ip):
         refuse("blocked_url", "the image URL points at an internal or reserved address")
+    if ip is not None and host != str(ip):  # a blocked address is refused as such first, above
+        refuse("invalid_image_url", "write a numeric host as four decimal parts (a.b.c.d)")
     if ip is None and not policy.allow_internal:
         if host in _BLOCKED_NAMES or host.endswith(_BLOCKED_SUFFIXES) or "." not in host:
             refuse("blocked_url", "the image URL names an internal host")
@@ -563,139 +443,86 @@ def check_image_url(url: str, policy: MediaPolicy, param: str, redirected: bool 
 
 def _resolve(target: ImageURL, policy: MediaPolicy, deadline: float, param: str, after: str) -> list:
     """Every DNS answer, each checked: one blocked answer refuses the URL (no racing A/AAAA)."""
+    import concurrent.futures
     import ipaddress
     import socket
 
     if target.ip is not None:
         return [target.ip]
-    remaining = deadline - time.monotonic()
     future = _dns_pool().submit(socket.getaddrinfo, target.host, target.port, 0, socket.SOCK_STREAM)
     try:  # getaddrinfo has no timeout of its own: wait on it from here, under the fetch's deadline
-        answers = future.result(timeout=max(remaining, 0.001))
-    except TimeoutError:
+        answers = future.result(timeout=max(deadline - time.monotonic(), 0.001))
+    except concurrent.futures.TimeoutError:
         raise RequestError("fetch_timeout", "the image URL's host did not resolve in time" + after, param) from None
     except (OSError, UnicodeError):
-        raise RequestError("fetch_failed", "the image URL's host could not be resolved" + after, param) from None
-    addresses = []
-    for family, _, _, _, sockaddr in answers:
-        if family not in (socket.AF_INET, socket.AF_INET6):
-            continue
-        ip = ipaddress.ip_address(sockaddr[0].split("%")[0])
-        if not policy.allow_internal and ip_is_blocked(ip):
-            log.warning("image fetch refused: the host of %s resolves to a blocked address", param)
-            raise RequestError("blocked_url", "the image URL's host resolves to an internal address" + after, param)
-        if ip not in addresses:
-            addresses.append(ip)
+        answers = []
+    inet = (socket.AF_INET, socket.AF_INET6)
+    addresses = list(dict.fromkeys(ipaddress.ip_address(a[4][0].split("%")[0]) for a in answers if a[0] in inet))
+    if not policy.allow_internal and any(ip_is_blocked(ip) for ip in addresses):
+        log.warning("image fetch refused: the host of %s resolves to a blocked address", param)
+        raise RequestError("blocked_url", "the image URL's host resolves to an internal address" + after, param)
     if not addresses:
         raise RequestError("fetch_failed", "the image URL's host could not be resolved" + after, param)
     return addresses
 
 
-_dns_executor = None
-
-
+@functools.cache
 def _dns_pool():
-    global _dns_executor
-    with _media_lock:
-        if _dns_executor is None:
-            import concurrent.futures
-
-            # Shared by every job in flight: wide enough that a few names whose DNS stalls (a
-            # stranger's own name server can) do not hold up the other jobs' lookups.
-            _dns_executor = concurrent.futures.ThreadPoolExecutor(32, thread_name_prefix="vlm-dns")
-    return _dns_executor
+    # Shared by all jobs: wide enough that names whose DNS stalls (a stranger's server can) hold up no other.
+    return ThreadPoolExecutor(32, thread_name_prefix="vlm-dns")
 
 
 def _tls_context():
-    """System trust (honours SSL_CERT_FILE / SSL_CERT_DIR); certifi's bundle when it is installed
-    and no override is set, as requests does."""
+    """System trust (honours SSL_CERT_FILE / SSL_CERT_DIR), else certifi's bundle as requests does."""
     return _tls_context_for(os.environ.get("SSL_CERT_FILE") or None, os.environ.get("SSL_CERT_DIR") or None)
 
 
-@functools.lru_cache(maxsize=4)
+@functools.lru_cache(maxsize=4)  # loading a CA bundle takes tens of milliseconds
 def _tls_context_for(cafile: Optional[str], cadir: Optional[str]):
-    """Built once per trust setting: loading a CA bundle takes tens of milliseconds."""
     import ssl
 
     if cafile is None and not cadir:
-        try:
+        with contextlib.suppress(ImportError):
             import certifi
 
             cafile = certifi.where()
-        except ImportError:
-            pass
     context = ssl.create_default_context(cafile=cafile)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
     return context
 
 
-def _connect_pinned(addresses: list, port: int, policy: MediaPolicy, deadline: float, param: str):
-    """Connect to an address that passed the checks, never to a fresh DNS answer (DNS rebinding)."""
+def _pinned_connection(target: ImageURL, addresses: list, policy: MediaPolicy, deadline: float, param: str):
+    """An http.client connection to the checked addresses, never to a fresh DNS answer (DNS
+    rebinding); the Host header, SNI and certificate check keep the name."""
+    import http.client
     import socket
 
-    last: Optional[OSError] = None
-    for ip in addresses:
-        if not policy.allow_internal and ip_is_blocked(ip):  # checked again at connect time
-            raise RequestError("blocked_url", "the image URL points at an internal address", param)
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            raise TimeoutError
-        try:
-            return socket.create_connection((str(ip), port), timeout=remaining)
-        except OSError as error:
-            last = error
-    raise last or OSError("no address")
+    def pin():
+        last: Optional[OSError] = None
+        for ip in addresses:
+            if not policy.allow_internal and ip_is_blocked(ip):  # checked again at connect time
+                raise RequestError("blocked_url", "the image URL points at an internal address", param)
+            if (remaining := deadline - time.monotonic()) <= 0:
+                raise TimeoutError
+            try:
+                return socket.create_connection((str(ip), target.port), timeout=remaining)
+            except OSError as error:
+                last = error
+        raise last or OSError("no address")
 
-
-def _pinned_connection(target: ImageURL, addresses: list, policy: MediaPolicy, deadline: float, param: str):
-    import functools
-
-    pin = functools.partial(_connect_pinned, addresses, target.port, policy, deadline, param)
     timeout = max(deadline - time.monotonic(), 0.001)
-    http_class, https_class = _pinned_classes()
     if target.scheme == "http":
-        return http_class(target.host, target.port, pin, timeout=timeout)
-    return https_class(target.host, target.port, pin, _tls_context(), timeout=timeout)
-
-
-_pinned_cache: list = []
-_media_lock = threading.Lock()
-
-
-def _pinned_classes():
-    """http.client connections whose connect() uses the checked addresses: the Host header, SNI and
-    certificate check keep the name. (Built on first use: http.client stays out of import time.)"""
-    with _media_lock:
-        if not _pinned_cache:
-            _pinned_cache.extend(_build_pinned_classes())
-    return _pinned_cache
-
-
-def _build_pinned_classes():
-    import http.client
-
-    class PinnedHTTPConnection(http.client.HTTPConnection):
-        def __init__(self, host, port, pin, **kwargs):
-            super().__init__(host, port, **kwargs)
-            self.pin = pin
-
-        def connect(self):
-            self.sock = self.pin()
-
-    class PinnedHTTPSConnection(http.client.HTTPSConnection):
-        def __init__(self, host, port, pin, context, **kwargs):
-            super().__init__(host, port, context=context, **kwargs)
-            self.pin, self.tls = pin, context
-
-        def connect(self):
-            self.sock = self.tls.wrap_socket(self.pin(), server_hostname=self.host)
-
-    return PinnedHTTPConnection, PinnedHTTPSConnection
+        conn = http.client.HTTPConnection(target.host, target.port, timeout=timeout)
+        conn.connect = lambda: setattr(conn, "sock", pin())
+        return conn
+    tls = _tls_context()
+    conn = http.client.HTTPSConnection(target.host, target.port, timeout=timeout, context=tls)
+    conn.connect = lambda: setattr(conn, "sock", tls.wrap_socket(pin(), server_hostname=target.host))
+    return conn
 
 
 def _proxy_connection(target: ImageURL, policy: MediaPolicy, deadline: float):
-    """The environment's proxy for this URL, only when the operator trusts it (the proxy resolves
-    names itself, so pinning is the proxy's business then). Returns (connection, request target)."""
+    """(connection, request target, headers) through the environment's proxy when trusted, else None."""
     import http.client
     import urllib.parse
     import urllib.request
@@ -711,37 +538,33 @@ def _proxy_connection(target: ImageURL, policy: MediaPolicy, deadline: float):
         raise SettingsError("the environment's proxy must be an http:// URL")
     headers = {}
     if parts.username is not None:
-        token = base64.b64encode(
-            f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}".encode()
-        ).decode()
-        headers["Proxy-Authorization"] = f"Basic {token}"
+        credentials = f"{urllib.parse.unquote(parts.username)}:{urllib.parse.unquote(parts.password or '')}"
+        headers["Proxy-Authorization"] = "Basic " + base64.b64encode(credentials.encode()).decode()
     timeout = max(deadline - time.monotonic(), 0.001)
     if target.scheme == "https":
         conn = http.client.HTTPSConnection(parts.hostname, parts.port or 8080, timeout=timeout, context=_tls_context())
         conn.set_tunnel(target.host, target.port, headers=headers)
         return conn, target.target, {}
-    conn = http.client.HTTPConnection(parts.hostname, parts.port or 8080, timeout=timeout)
-    return conn, target.url, headers
+    return http.client.HTTPConnection(parts.hostname, parts.port or 8080, timeout=timeout), target.url, headers
 
 
 def fetch_image_url(url: str, policy: MediaPolicy, param: str, request_deadline: Optional[float] = None) -> bytes:
-    """GET an image under the policy: each hop checked, pinned, capped, all under one deadline
-    (VLM_FETCH_TIMEOUT, or the request's own when that comes first)."""
+    """GET an image: each hop checked, pinned and capped, under one deadline (the fetch's or the request's)."""
+    import urllib.parse
+
     deadline = time.monotonic() + policy.fetch_timeout
     late = f"the image URL took over {policy.fetch_timeout:g}s"
     if request_deadline is not None and request_deadline < deadline:
         deadline, late = request_deadline, f"the request's images took over {policy.fetch_deadline:g}s to download"
     target = check_image_url(url, policy, param)
     for hop in range(MAX_REDIRECTS + 1):
-        location = _fetch_once(target, policy, deadline, param, " (after a redirect)" if hop else "", late)
-        if isinstance(location, bytes):
-            return location
-        if hop == MAX_REDIRECTS:
-            raise RequestError("fetch_failed", f"the image URL redirected more than {MAX_REDIRECTS} times", param)
-        import urllib.parse
-
-        target = check_image_url(urllib.parse.urljoin(target.url, location), policy, param, redirected=True)
-    raise AssertionError("unreachable")
+        body_or_location = _fetch_once(target, policy, deadline, param, " (after a redirect)" if hop else "", late)
+        if isinstance(body_or_location, bytes):
+            return body_or_location
+        if hop < MAX_REDIRECTS:
+            location = urllib.parse.urljoin(target.url, body_or_location)
+            target = check_image_url(location, policy, param, redirected=True)
+    raise RequestError("fetch_failed", f"the image URL redirected more than {MAX_REDIRECTS} times", param)
 
 
 def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: str, after: str, late: str):
@@ -751,21 +574,17 @@ def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: s
 
     via_proxy = _proxy_connection(target, policy, deadline)
     addresses = _resolve(target, policy, deadline, param, after)
-    if via_proxy:
-        conn, request_target, headers = via_proxy
-    else:
-        conn, request_target, headers = _pinned_connection(target, addresses, policy, deadline, param), target.target, {}
+    conn, request_target, headers = via_proxy or (
+        _pinned_connection(target, addresses, policy, deadline, param), target.target, {}
+    )
     headers.update({"User-Agent": "runpod-vlm image fetch", "Accept": "image/*", "Accept-Encoding": "identity"})
     expired = threading.Event()
 
     def abort():  # the deadline covers slow headers too (a per-read timeout never fires on a drip)
         expired.set()
-        sock = conn.sock
-        if sock is not None:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        if conn.sock is not None:
+            with contextlib.suppress(OSError):
+                conn.sock.shutdown(socket.SHUT_RDWR)
 
     watchdog = threading.Timer(max(deadline - time.monotonic(), 0.0), abort)
     watchdog.daemon = True
@@ -773,42 +592,36 @@ def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: s
     try:
         conn.request("GET", request_target, headers=headers)
         response = conn.getresponse()
-        if response.status in _REDIRECT_STATUSES:
+        if response.status in (301, 302, 303, 307, 308):
             location = response.getheader("Location")
             if not location:
                 raise RequestError("fetch_failed", "the image URL redirected without a Location" + after, param)
             return location.strip()
         if response.status != 200:
             raise RequestError("fetch_failed", f"the image URL answered HTTP {response.status}" + after, param)
-        content_type = (response.getheader("Content-Type") or "").split(";")[0].strip().lower()
-        if content_type == "image/svg+xml":
+        if response.headers.get_content_type() == "image/svg+xml":
             raise RequestError("unsupported_image_format", _SVG_MESSAGE, param)
-        declared = response.getheader("Content-Length") or ""
+        declared = response.length  # the Content-Length, parsed by http.client
         too_large = RequestError("image_too_large", f"the image is over {_size_text(policy.max_image_bytes)}", param)
-        if declared.strip().isdigit() and int(declared) > policy.max_image_bytes:
+        if declared is not None and declared > policy.max_image_bytes:
             raise too_large  # refused early; a smaller Content-Length is never trusted
         chunks, size = [], 0
-        while True:
-            if time.monotonic() > deadline:
-                raise TimeoutError
-            chunk = response.read1(64 * 1024)
-            if not chunk:
-                break
+        while chunk := response.read1(64 * 1024):
             size += len(chunk)
             if size > policy.max_image_bytes:
                 raise too_large
+            if time.monotonic() > deadline:
+                raise TimeoutError
             chunks.append(chunk)
         if expired.is_set():
             raise TimeoutError
-        if declared.strip().isdigit() and size < int(declared):  # read1 returns short bodies quietly
+        if declared is not None and size < declared:  # read1 returns short bodies quietly
             raise RequestError("fetch_failed", "the image download ended early" + after, param)
         return b"".join(chunks)
     except RequestError:
         raise
-    except (TimeoutError, socket.timeout):
-        raise RequestError("fetch_timeout", late + after, param) from None
-    except (OSError, http.client.HTTPException, ValueError):
-        if expired.is_set():
+    except (OSError, http.client.HTTPException, ValueError) as error:
+        if expired.is_set() or isinstance(error, TimeoutError):  # socket.timeout is TimeoutError
             raise RequestError("fetch_timeout", late + after, param) from None
         log.info("image fetch for %s failed", param, exc_info=log.isEnabledFor(logging.DEBUG))
         raise RequestError("fetch_failed", "the image URL could not be fetched" + after, param) from None
@@ -841,41 +654,35 @@ def _decode_image(data: bytes, policy: MediaPolicy, param: str):
     from PIL import Image, ImageOps
 
     allowed = ", ".join(IMAGE_FORMATS[:-1]) + " or " + IMAGE_FORMATS[-1]
-    other = _sniff_other(data)
-    if other == "SVG":
-        raise RequestError("unsupported_image_format", _SVG_MESSAGE, param)
-    if other:
-        raise RequestError("unsupported_image_format", f"{other} images are not supported; send {allowed}", param)
+    if other := _sniff_other(data):
+        message = _SVG_MESSAGE if other == "SVG" else f"{other} images are not supported; send {allowed}"
+        raise RequestError("unsupported_image_format", message, param)
     if not data:
         raise RequestError("invalid_image_format", "the image is empty", param)
+    too_large = RequestError("image_too_large", f"the image is over {policy.max_image_pixels} pixels", param)
     try:
         image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
     except Image.DecompressionBombError:
-        raise RequestError("image_too_large", f"the image is over {policy.max_image_pixels} pixels", param) from None
+        raise too_large from None
     except Exception:  # UnidentifiedImageError and the plugins' own errors alike
         raise RequestError("invalid_image_format", f"the data is not a {allowed} image", param) from None
     with image:
         width, height = image.size
         if width * height > policy.max_image_pixels:
-            raise RequestError(
-                "image_too_large",
-                f"the image is {width}x{height}, over {policy.max_image_pixels} pixels", param,
-            )
+            message = f"the image is {width}x{height}, over {policy.max_image_pixels} pixels"
+            raise RequestError("image_too_large", message, param)
         if min(width, height) < policy.min_image_side:
-            raise RequestError(
-                "image_too_small",
-                f"the image is {width}x{height}; each side must be at least {policy.min_image_side} pixels", param,
-            )
+            message = f"the image is {width}x{height}; each side must be at least {policy.min_image_side} pixels"
+            raise RequestError("image_too_small", message, param)
         try:
             image.seek(0)  # frame 0 of animations
             image.load()
-            try:
+            oriented = image
+            with contextlib.suppress(Exception):  # a broken EXIF block costs the orientation, not the request
                 oriented = ImageOps.exif_transpose(image)
-            except Exception:  # a broken EXIF block costs the orientation, not the request
-                oriented = image
             return _to_rgb(oriented)
         except Image.DecompressionBombError:
-            raise RequestError("image_too_large", f"the image is over {policy.max_image_pixels} pixels", param) from None
+            raise too_large from None
         except MemoryError:
             raise RequestError("image_too_large", "the image is too large to decode", param) from None
         except Exception:
@@ -905,12 +712,8 @@ def _to_rgb(image):
 
         transform = ImageCms.buildTransform(ImageCms.createProfile("LAB"), ImageCms.createProfile("sRGB"), "LAB", "RGB")
         return ImageCms.applyTransform(image, transform)
-    has_alpha = mode in ("RGBA", "LA", "PA", "RGBa") or "transparency" in image.info
-    if has_alpha:
-        rgba = image.convert("RGBA")
-        background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        background.alpha_composite(rgba)
-        return background.convert("RGB")
+    if mode in ("RGBA", "LA", "PA", "RGBa") or "transparency" in image.info:
+        return Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA")).convert("RGB")
     return image.convert("RGB")
 
 
@@ -2503,11 +2306,11 @@ class RequestModel(BaseModel):
     messages: Optional[Any] = None
     image_url: Optional[Any] = None
     image_b64: Optional[Any] = None
-    images: Optional[Any] = None
+    images: Optional[list] = None
     question: Optional[str] = None
     target: Optional[str] = None
     model: Optional[str] = None
-    quantize: Optional[str] = None
+    quantize: Optional[Literal[QUANTIZE_CHOICES]] = None
     max_new_tokens: Optional[int] = Field(default=None, ge=1)
     min_new_tokens: int = Field(default=0, ge=0)
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
@@ -2521,23 +2324,14 @@ class RequestModel(BaseModel):
     @classmethod
     def _known_task(cls, value):
         if value is not None and value not in TASKS:
-            raise ValueError(f"unknown task {_quote(value)}; use one of {', '.join(TASKS)}")
-        return value
-
-    @field_validator("quantize")
-    @classmethod
-    def _known_quantize(cls, value):
-        if value is not None and value not in QUANTIZE_CHOICES:
-            raise ValueError(f"must be one of {', '.join(QUANTIZE_CHOICES)}")
+            raise ValueError(f"unknown task {_cut(value)!r}; use one of {', '.join(TASKS)}")
         return value
 
 
 def _pydantic_error(error: ValidationError, param: Optional[str]) -> RequestError:
     first = error.errors(include_input=False, include_url=False)[0]
     location = ".".join(_cut(str(p)) for p in first["loc"])  # an unknown field's name is the caller's
-    message = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "extra_forbidden":
-        message = "unknown field"
+    message = "unknown field" if first["type"] == "extra_forbidden" else first["msg"].removeprefix("Value error, ")
     return RequestError("invalid_request", message, _join(param, location) if location else param)
 
 
@@ -2550,69 +2344,44 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
         request = RequestModel.model_validate(raw)
     except ValidationError as error:
         raise _pydantic_error(error, param) from None
+
+    def refuse(field: str, message: str, code: str = "invalid_request"):
+        raise RequestError(code, message, _join(param, field))
+
     task = request.task or ("chat" if request.messages is not None else None)
     if task is None:
-        raise RequestError(
-            "invalid_request", f"missing; use one of {', '.join(TASKS)} (or send messages)",
-            _join(param, "task"),
-        )
+        refuse("task", f"missing; use one of {', '.join(TASKS)} (or send messages)")
     # The default never exceeds the cap: a request that sets nothing must not be refused.
     max_new_tokens = request.max_new_tokens or min(settings.default_max_new_tokens, settings.max_new_tokens_cap)
     if max_new_tokens > settings.max_new_tokens_cap:
-        raise RequestError(
-            "invalid_request",
-            f"must be at most {settings.max_new_tokens_cap} on this worker",
-            _join(param, "max_new_tokens"),
-        )
+        refuse("max_new_tokens", f"must be at most {settings.max_new_tokens_cap} on this worker")
     if request.do_sample and request.temperature == 0:
-        raise RequestError(
-            "invalid_request", "must be above 0 when do_sample is true", _join(param, "temperature")
-        )
-    params = GenerationParams(
-        max_new_tokens=max_new_tokens,
-        temperature=request.temperature,
-        top_p=request.top_p,
-        do_sample=request.do_sample,
-        min_new_tokens=min(request.min_new_tokens, max_new_tokens),
-    )
+        refuse("temperature", "must be above 0 when do_sample is true")
     if request.annotate and task != "grounding":
-        raise RequestError("invalid_request", "only used by the grounding task", _join(param, "annotate"))
-    loose_images = _loose_images(request, param)
+        refuse("annotate", "only used by the grounding task")
+    params = GenerationParams(
+        max_new_tokens=max_new_tokens, temperature=request.temperature, top_p=request.top_p,
+        do_sample=request.do_sample, min_new_tokens=min(request.min_new_tokens, max_new_tokens),
+    )
+    loose_images, target = _loose_images(request, param), None
     if task == "chat":
         if request.messages is None:
-            raise RequestError("invalid_request", "required for the chat task", _join(param, "messages"))
+            refuse("messages", "required for the chat task")
         turns = parse_messages(request.messages, settings, _join(param, "messages"))
-        if loose_images:
-            first_user = next((t for t in turns if t.role == "user"), None)
-            if first_user is None:
-                raise RequestError(
-                    "invalid_request", "images need a user message to attach to", _join(param, "messages")
-                )
-            first_user.parts[:0] = loose_images
-        prepared = GenerationRequest(task, turns, params, param=param)
+        next(t for t in turns if t.role == "user").parts[:0] = loose_images  # the last turn is a user's
     else:
         if request.messages is not None:
-            raise RequestError(
-                "invalid_request", f"not used by the {task} task; send task 'chat' instead",
-                _join(param, "messages"),
-            )
+            refuse("messages", f"not used by the {task} task; send task 'chat' instead")
         if not loose_images:
-            raise RequestError(
-                "missing_image", f"the {task} task needs an image (image_url, image_b64 or images)",
-                _join(param, "image_url"),
-            )
-        if task == "vqa":
-            text = _required_text(request.question, _join(param, "question"), "the vqa task")
-        elif task == "grounding":
-            target = _required_text(request.target, _join(param, "target"), "the grounding task")
+            refuse("image_url", f"the {task} task needs an image (image_url, image_b64 or images)", "missing_image")
+        if task == "grounding":  # its prompt is the family's own: the adapter adds it (FamilyAdapter.request_turns)
+            target, parts = _required_text(request.target, _join(param, "target"), "the grounding task"), loose_images
+        elif task == "vqa":
+            parts = [*loose_images, _required_text(request.question, _join(param, "question"), "the vqa task")]
         else:
-            text = TASK_PROMPTS[task]
-        # A grounding prompt is the family's own: its adapter adds it (FamilyAdapter.request_turns).
-        turn = Turn("user", loose_images if task == "grounding" else [*loose_images, text])
-        prepared = GenerationRequest(
-            task, [turn], params, grounding_target=target if task == "grounding" else None,
-            annotate=request.annotate, param=param,
-        )
+            parts = [*loose_images, TASK_PROMPTS[task]]
+        turns = [Turn("user", parts)]
+    prepared = GenerationRequest(task, turns, params, grounding_target=target, annotate=request.annotate, param=param)
     _check_text_length(prepared, settings, param)
     _resolve_images(prepared.turns, settings, param)
     return request, prepared
@@ -2622,32 +2391,26 @@ MAX_NESTING = 32  # a real request nests 7 levels deep (requests[i].messages[j].
 
 
 def check_strings(raw: Any, param: Optional[str]) -> None:
-    """Refuse, naming the field, what no tokenizer or URL parser should meet: a lone surrogate
-    (invalid Unicode that JSON's \\ud800 escape can carry) or a NUL in any string, keys included,
-    and nesting deeper than MAX_NESTING. Iterative: a deep request cannot exhaust the stack."""
-    stack: list[tuple[Any, Optional[str], Any, int]] = [(raw, None, None, 0)]  # value, parent, key, depth
+    """Refuse, naming the field, a NUL or a lone surrogate (JSON's \\ud800) in any string or key, and
+    nesting deeper than MAX_NESTING. Iterative: a deep request cannot exhaust the stack."""
+    stack: list[tuple[Any, Optional[str], int]] = [(raw, param, 0)]  # value, its field, depth
     while stack:
-        value, parent, key, depth = stack.pop()
-        if not isinstance(value, (str, dict, list)):
-            continue
-        where = param if depth == 0 else _field_path(parent, key)
+        value, where, depth = stack.pop()
         if isinstance(value, str):
             _check_text(value, where, "value")
-        elif depth >= MAX_NESTING:
-            raise RequestError("invalid_request", f"nested deeper than {MAX_NESTING} levels", where or "input")
-        elif isinstance(value, list):
-            stack.extend((value[i], where, i, depth + 1) for i in reversed(range(len(value))))
-        else:
-            for name in value:
-                if isinstance(name, str):
-                    _check_text(name, _field_path(where, name), "field name")
-            stack.extend((value[name], where, name, depth + 1) for name in reversed(value))
+        elif isinstance(value, (dict, list)):
+            if depth >= MAX_NESTING:
+                raise RequestError("invalid_request", f"nested deeper than {MAX_NESTING} levels", where or "input")
+            if isinstance(value, dict):
+                for name in value:
+                    if isinstance(name, str):
+                        _check_text(name, _field_path(where, name), "field name")
+            keys = range(len(value)) if isinstance(value, list) else list(value)
+            stack.extend((value[key], _field_path(where, key), depth + 1) for key in reversed(keys))
 
 
 def _field_path(parent: Optional[str], key: Any) -> str:
-    if isinstance(key, int):
-        return f"{parent or ''}[{key}]"
-    return _join(parent, _cut(key if isinstance(key, str) else repr(key)))
+    return _join(parent, f"[{key}]" if isinstance(key, int) else _cut(key if isinstance(key, str) else repr(key)))
 
 
 def _check_text(text: str, where: Optional[str], what: str) -> None:
@@ -2657,9 +2420,8 @@ def _check_text(text: str, where: Optional[str], what: str) -> None:
         try:
             text.encode("utf-8")
         except UnicodeEncodeError:
-            raise RequestError(
-                "invalid_request", f"the {what} holds invalid Unicode (a lone surrogate)", where or "input"
-            ) from None
+            message = f"the {what} holds invalid Unicode (a lone surrogate)"
+            raise RequestError("invalid_request", message, where or "input") from None
 
 
 def _required_text(value: Optional[str], param: str, what: str) -> str:
@@ -2668,53 +2430,39 @@ def _required_text(value: Optional[str], param: str, what: str) -> str:
     return value.strip()
 
 
-def _loose_images(request: RequestModel, param: Optional[str]) -> list["ImageSpec"]:
+def _loose_images(request: RequestModel, param: Optional[str]) -> list[ImageSpec]:
     """Images given beside the prompt: image_url, image_b64 and images[...], in that order."""
-    specs: list[ImageSpec] = []
-    if request.image_url is not None:
-        specs.append(ImageSpec(request.image_url, _join(param, "image_url")))
-    if request.image_b64 is not None:
-        specs.append(ImageSpec(request.image_b64, _join(param, "image_b64")))
-    if request.images is not None:
-        if not isinstance(request.images, list):
-            raise RequestError("invalid_request", "must be a list of images", _join(param, "images"))
-        specs.extend(ImageSpec(spec, _join(param, f"images[{i}]")) for i, spec in enumerate(request.images))
+    fields = ("image_url", "image_b64")
+    specs = [ImageSpec(getattr(request, f), _join(param, f)) for f in fields if getattr(request, f) is not None]
+    specs.extend(ImageSpec(spec, _join(param, f"images[{i}]")) for i, spec in enumerate(request.images or ()))
     return specs
 
 
 def parse_messages(messages: Any, settings: Settings, param: str) -> list[Turn]:
-    """OpenAI-style messages -> turns; images of every accepted block shape are left as ImageSpec,
-    for `_resolve_images` to fetch under the request's limits."""
+    """OpenAI-style messages -> turns; images stay ImageSpec for `_resolve_images` to fetch."""
     if not isinstance(messages, list) or not messages:
         raise RequestError("invalid_request", "must be a non-empty list of messages", param)
     if len(messages) > settings.max_messages:
-        raise RequestError(
-            "invalid_request", f"at most {settings.max_messages} messages per request", param
-        )
+        raise RequestError("invalid_request", f"at most {settings.max_messages} messages per request", param)
     turns = []
     for i, message in enumerate(messages):
         where = f"{param}[{i}]"
         if not isinstance(message, dict):
             raise RequestError("invalid_request", "must be an object with role and content", where)
-        role = message.get("role")
+        role, content = message.get("role"), message.get("content")
         if role not in ("system", "user", "assistant"):
-            raise RequestError(
-                "invalid_request", "must be system, user or assistant", f"{where}.role"
-            )
-        content = message.get("content")
+            raise RequestError("invalid_request", "must be system, user or assistant", f"{where}.role")
         if isinstance(content, str):
             parts = [content]
         elif isinstance(content, list) and content:
             parts = [_parse_block(block, f"{where}.content[{j}]") for j, block in enumerate(content)]
         else:
-            raise RequestError(
-                "invalid_request", "must be a string or a non-empty list of blocks", f"{where}.content"
-            )
+            raise RequestError("invalid_request", "must be a string or a non-empty list of blocks", f"{where}.content")
         if role != "user" and any(not isinstance(p, str) for p in parts):
             raise RequestError("invalid_request", "images are allowed in user messages only", f"{where}.content")
         turns.append(Turn(role, parts))
     if turns[-1].role != "user":
-        raise RequestError("invalid_request", "the last message must come from the user", f"{param}[{len(turns) - 1}].role")
+        raise RequestError("invalid_request", "the last message must come from the user", f"{where}.role")
     return turns
 
 
@@ -2723,18 +2471,13 @@ def _parse_block(block: Any, where: str):
         raise RequestError("invalid_request", "a content block must be an object with a type", where)
     kind = block.get("type")
     if kind == "text":
-        text = block.get("text")
-        if not isinstance(text, str):
+        if not isinstance(block.get("text"), str):
             raise RequestError("invalid_request", "a text block needs a string 'text'", f"{where}.text")
-        return text
-    if kind == "image_url":
-        if "image_url" not in block:
-            raise RequestError("invalid_request", "an image_url block needs 'image_url'", f"{where}.image_url")
-        return ImageSpec(block["image_url"], f"{where}.image_url")
-    if kind == "image":
-        if "image" not in block:
-            raise RequestError("invalid_request", "an image block needs 'image'", f"{where}.image")
-        return ImageSpec(block["image"], f"{where}.image")
+        return block["text"]
+    if kind in ("image_url", "image"):
+        if kind not in block:
+            raise RequestError("invalid_request", f"an {kind} block needs '{kind}'", f"{where}.{kind}")
+        return ImageSpec(block[kind], f"{where}.{kind}")
     raise RequestError("invalid_request", "type must be text, image_url or image", f"{where}.type")
 
 
@@ -2742,9 +2485,8 @@ def _check_text_length(item: GenerationRequest, settings: Settings, param: Optio
     text = sum(len(p) for t in item.turns for p in t.parts if isinstance(p, str))
     text += len(item.grounding_target or "")  # becomes part of the prompt when the batch runs
     if text > settings.max_text_chars:
-        raise RequestError(
-            "text_too_long", f"the request's text is over {settings.max_text_chars} characters", param or "input"
-        )
+        message = f"the request's text is over {settings.max_text_chars} characters"
+        raise RequestError("text_too_long", message, param or "input")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2759,70 +2501,42 @@ MAX_PARALLEL_FETCHES = 8  # threads fetching the images of one request
 
 
 def _resolve_images(turns: list[Turn], settings: Settings, param: Optional[str]) -> None:
-    """Fetch and decode a request's images in place, in order, under its limits: the count is
-    checked before anything is fetched, all fetches share one deadline (VLM_FETCH_DEADLINE), and
-    the pixel budget is checked from each image's header before it is decoded."""
+    """Fetch (side by side, under one deadline) and decode a request's images in place, in order: the
+    count is checked before any fetch, the pixel budget from each header before decoding; the first
+    failure in order is raised and the fetches not yet started are dropped."""
+    import concurrent.futures
+
     pending = [(turn, k) for turn in turns for k, part in enumerate(turn.parts) if isinstance(part, ImageSpec)]
     if len(pending) > settings.max_images:
         turn, k = pending[settings.max_images]
-        raise RequestError(
-            "too_many_images", f"at most {settings.max_images} images per request", turn.parts[k].param
-        )
+        message = f"at most {settings.max_images} images per request"
+        raise RequestError("too_many_images", message, turn.parts[k].param)
     policy, used = MediaPolicy.from_env(), 0
     sources = [image_source(turn.parts[k].spec, turn.parts[k].param) for turn, k in pending]
-    fetched = _fetch_all(sources, policy)
-    try:  # each image is decoded as soon as it and those before it have arrived
-        for (turn, k), (data, where) in zip(pending, fetched):
-            remaining = settings.max_total_pixels - used
+    deadline = time.monotonic() + policy.fetch_deadline
+    pool = ThreadPoolExecutor(max(min(MAX_PARALLEL_FETCHES, len(sources)), 1), thread_name_prefix="vlm-fetch")
+    try:
+        futures = [pool.submit(_image_bytes, text, policy, where, deadline) for text, where in sources]
+        for (turn, k), future, (_, where) in zip(pending, futures, sources):
+            try:  # each fetch stops itself at the deadline; the margin only guards against a stuck thread
+                data = future.result(timeout=max(deadline - time.monotonic(), 0) + 2)
+            except concurrent.futures.TimeoutError:
+                message = f"the request's images took over {policy.fetch_deadline:g}s to download"
+                raise RequestError("fetch_timeout", message, where) from None
+            remaining = settings.max_total_pixels - used  # decoded as soon as it and those before it arrived
             narrowed = remaining < policy.max_image_pixels
+            budget = dataclasses.replace(policy, max_image_pixels=max(remaining, 1)) if narrowed else policy
             try:
-                image = _decode_image(
-                    data, dataclasses.replace(policy, max_image_pixels=max(remaining, 1)) if narrowed else policy,
-                    where,
-                )
+                image = _decode_image(data, budget, where)
             except RequestError as error:
                 if narrowed and error.code == "image_too_large":
-                    raise RequestError(
-                        "image_too_large",
-                        f"the request's images hold over {settings.max_total_pixels} pixels together",
-                        turn.parts[k].param,
-                    ) from None
+                    message = f"the request's images hold over {settings.max_total_pixels} pixels together"
+                    raise RequestError("image_too_large", message, turn.parts[k].param) from None
                 raise
             used += image.width * image.height
             turn.parts[k] = image
     finally:
-        fetched.close()  # drops the fetches not yet started
-
-
-def _fetch_all(sources: list[tuple[str, str]], policy: MediaPolicy) -> Iterable[tuple[bytes, str]]:
-    """(bytes, field) of each (text, field), in order. URLs download side by side, at most
-    MAX_PARALLEL_FETCHES at once, all under one request-wide deadline; the first failure in order
-    is raised and the fetches not yet started are dropped."""
-    deadline = time.monotonic() + policy.fetch_deadline
-    if len(sources) == 1 or sum(1 for text, _ in sources if _is_url(text)) <= 1:
-        for text, where in sources:  # nothing to overlap: no threads
-            yield _image_bytes(text, policy, where, deadline), where
-        return
-    import concurrent.futures
-
-    pool = concurrent.futures.ThreadPoolExecutor(min(MAX_PARALLEL_FETCHES, len(sources)), thread_name_prefix="vlm-fetch")
-    try:
-        futures = [pool.submit(_image_bytes, text, policy, where, deadline) for text, where in sources]
-        for future, (_, where) in zip(futures, sources):
-            try:  # each fetch stops itself at the deadline; the margin only guards against a stuck thread
-                data = future.result(timeout=max(deadline - time.monotonic(), 0) + 2)
-            except concurrent.futures.TimeoutError:
-                raise RequestError(
-                    "fetch_timeout", f"the request's images took over {policy.fetch_deadline:g}s to download", where
-                ) from None
-            yield data, where
-    finally:
         pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _is_url(text: str) -> bool:
-    scheme = _URL_SCHEME.match(text)
-    return bool(scheme) and scheme.group(1).lower() in ("http", "https")
 
 
 # ---- parsing boxes ------------------------------------------------------------------------------
