@@ -1,12 +1,26 @@
 """runpod-vlm: a RunPod serverless worker that serves one vision-language model.
 
-Sections, top to bottom: settings -> errors -> images -> family adapters -> model -> tasks ->
-batching -> entry point. Importing this module is cheap: torch, transformers and runpod are imported
-where they are used, and the model loads on the first job (or at boot under `python handler.py`).
+The path of a request, in the order of this file's sections:
+
+  handler(job)                       Entry point: an async generator, one asyncio task per job
+    read_request -> parse_request    Requests: fields checked, turns built (a worker thread)
+      _resolve_images                Images: fetched and decoded under the media policy
+    Engine.submit                    Model: queued for the engine thread
+      Engine._admit -> _place        ... at a step boundary: FamilyAdapter.batch_inputs (prompt and
+                                         pixels as the model card builds them), SlotDecoder.prefill
+      Engine._decode_interval        ... SlotDecoder.step for every row at once; _accept hands each
+                                         row its tokens and frees it at its end
+    stream_generation / generate_all Answers: the engine's events back to the job
+    format_output, grounding_fields  ... the output fields, boxes in original pixels
+  openai_answers                     OpenAI route: RunPod's /openai/v1 jobs, same path
+
+Importing this module is cheap: torch, transformers and runpod are imported where they are used,
+and the model loads at boot under `python handler.py` (or on the first job).
 """
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import contextlib
@@ -18,22 +32,22 @@ import io
 import json
 import logging
 import os
-import asyncio
 import re
 import signal
 import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 log = logging.getLogger("runpod-vlm")
 
 # =================================================================================================
-# Settings
+# Settings: the deployment, read from VLM_* environment variables
 # =================================================================================================
 
 DEFAULT_MODEL = "Qwen/Qwen2-VL-2B-Instruct"
@@ -142,7 +156,7 @@ class Settings:
 
 
 # =================================================================================================
-# Errors
+# Vocabulary: errors, turns, requests, generations
 # =================================================================================================
 
 # Caller text quoted back in an error is cut short, so an error answer stays a few KB whatever the
@@ -180,8 +194,318 @@ def _join(param: Optional[str], child: str) -> str:
     return f"{param}{child}" if child.startswith("[") else f"{param}.{child}"
 
 
+# A request, once validated, is a list of turns; each turn holds text and PIL images in order.
+
+
+@dataclasses.dataclass
+class Turn:
+    role: str
+    parts: list  # str or PIL.Image.Image, in order
+
+
+@dataclasses.dataclass
+class GenerationParams:
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+    do_sample: bool
+    min_new_tokens: int = 0
+
+
+@dataclasses.dataclass
+class GenerationRequest:
+    """One validated item, ready for the engine."""
+
+    task: str
+    turns: list[Turn]
+    params: GenerationParams
+    grounding_target: Optional[str] = None
+    annotate: bool = False  # grounding: return the image with its boxes drawn
+    param: Optional[str] = None  # where the request sits in the job, e.g. "requests[3]"
+
+    @property
+    def images(self) -> list:
+        return [p for t in self.turns for p in t.parts if not isinstance(p, str)]
+
+
+@dataclasses.dataclass
+class Generation:
+    text: str
+    finish_reason: str  # "stop" | "length"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    raw_text: Optional[str] = None  # with special tokens, for box parsing
+    image_input_size: Optional[tuple[int, int]] = None  # first image as the model saw it (boxes)
+
+
+@dataclasses.dataclass
+class StreamDelta:
+    """A piece of an answer as it is produced."""
+
+    text: str  # new text since the previous delta
+    completion_tokens: int  # tokens generated so far
+
+
+Outcome = Generation | RequestError  # what the engine gives back for one item
+
+
 # =================================================================================================
-# Images
+# Requests: a job's input validated into GenerationRequests
+# =================================================================================================
+
+TASK_PROMPTS = {
+    "caption": "Describe this image in one sentence.",
+    "caption_long": "Describe this image in detail: the scene, the objects, their colours and any text.",
+}
+TASKS = ("chat", "caption", "caption_long", "vqa", "grounding")
+
+
+class RequestModel(BaseModel):
+    """The fields of one request; messages and images are checked by hand for precise paths."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)  # 1.0 is no token count, "yes" no bool
+
+    task: Optional[str] = None
+    messages: Optional[Any] = None
+    image_url: Optional[Any] = None
+    image_b64: Optional[Any] = None
+    images: Optional[list] = None
+    question: Optional[str] = None
+    target: Optional[str] = None
+    model: Optional[str] = None
+    quantize: Optional[Literal[QUANTIZE_CHOICES]] = None
+    max_new_tokens: Optional[int] = Field(default=None, ge=1)
+    min_new_tokens: int = Field(default=0, ge=0)
+    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    do_sample: bool = False
+    stream: bool = False
+    batch_images: Optional[bool] = None
+    annotate: bool = False  # grounding: also return the image with the boxes drawn
+
+    @field_validator("task")
+    @classmethod
+    def _known_task(cls, value):
+        if value is not None and value not in TASKS:
+            raise ValueError(f"unknown task {_cut(value)!r}; use one of {', '.join(TASKS)}")
+        return value
+
+
+def _pydantic_error(error: ValidationError, param: Optional[str]) -> RequestError:
+    first = error.errors(include_input=False, include_url=False)[0]
+    location = ".".join(_cut(str(p)) for p in first["loc"])  # an unknown field's name is the caller's
+    message = "unknown field" if first["type"] == "extra_forbidden" else first["msg"].removeprefix("Value error, ")
+    return RequestError("invalid_request", message, _join(param, location) if location else param)
+
+
+def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> tuple[RequestModel, GenerationRequest]:
+    """Validate one request dict into its fields and a GenerationRequest (images decoded)."""
+    if not isinstance(raw, dict):
+        raise RequestError("invalid_request", "must be a JSON object", param or "input")
+    check_strings(raw, param)
+    try:
+        request = RequestModel.model_validate(raw)
+    except ValidationError as error:
+        raise _pydantic_error(error, param) from None
+
+    def refuse(field: str, message: str, code: str = "invalid_request"):
+        raise RequestError(code, message, _join(param, field))
+
+    task = request.task or ("chat" if request.messages is not None else None)
+    if task is None:
+        refuse("task", f"missing; use one of {', '.join(TASKS)} (or send messages)")
+    # The default never exceeds the cap: a request that sets nothing must not be refused.
+    max_new_tokens = request.max_new_tokens or min(settings.default_max_new_tokens, settings.max_new_tokens_cap)
+    if max_new_tokens > settings.max_new_tokens_cap:
+        refuse("max_new_tokens", f"must be at most {settings.max_new_tokens_cap} on this worker")
+    if request.do_sample and request.temperature == 0:
+        refuse("temperature", "must be above 0 when do_sample is true")
+    if request.annotate and task != "grounding":
+        refuse("annotate", "only used by the grounding task")
+    params = GenerationParams(
+        max_new_tokens=max_new_tokens, temperature=request.temperature, top_p=request.top_p,
+        do_sample=request.do_sample, min_new_tokens=min(request.min_new_tokens, max_new_tokens),
+    )
+    loose_images, target = _loose_images(request, param), None
+    if task == "chat":
+        if request.messages is None:
+            refuse("messages", "required for the chat task")
+        turns = parse_messages(request.messages, settings, _join(param, "messages"))
+        next(t for t in turns if t.role == "user").parts[:0] = loose_images  # the last turn is a user's
+    else:
+        if request.messages is not None:
+            refuse("messages", f"not used by the {task} task; send task 'chat' instead")
+        if not loose_images:
+            refuse("image_url", f"the {task} task needs an image (image_url, image_b64 or images)", "missing_image")
+        if task == "grounding":  # its prompt is the family's own: the adapter adds it (FamilyAdapter.request_turns)
+            target, parts = _required_text(request.target, _join(param, "target"), "the grounding task"), loose_images
+        elif task == "vqa":
+            parts = [*loose_images, _required_text(request.question, _join(param, "question"), "the vqa task")]
+        else:
+            parts = [*loose_images, TASK_PROMPTS[task]]
+        turns = [Turn("user", parts)]
+    prepared = GenerationRequest(task, turns, params, grounding_target=target, annotate=request.annotate, param=param)
+    _check_text_length(prepared, settings, param)
+    _resolve_images(prepared.turns, settings, param)
+    return request, prepared
+
+
+MAX_NESTING = 32  # a real request nests 7 levels deep (requests[i].messages[j].content[k].image_url.url)
+
+
+def check_strings(raw: Any, param: Optional[str]) -> None:
+    """Refuse, naming the field, a NUL or a lone surrogate (JSON's \\ud800) in any string or key, and
+    nesting deeper than MAX_NESTING. Iterative: a deep request cannot exhaust the stack."""
+    stack: list[tuple[Any, Optional[str], int]] = [(raw, param, 0)]  # value, its field, depth
+    while stack:
+        value, where, depth = stack.pop()
+        if isinstance(value, str):
+            _check_text(value, where, "value")
+        elif isinstance(value, (dict, list)):
+            if depth >= MAX_NESTING:
+                raise RequestError("invalid_request", f"nested deeper than {MAX_NESTING} levels", where or "input")
+            if isinstance(value, dict):
+                for name in value:
+                    if isinstance(name, str):
+                        _check_text(name, _field_path(where, name), "field name")
+            keys = range(len(value)) if isinstance(value, list) else list(value)
+            stack.extend((value[key], _field_path(where, key), depth + 1) for key in reversed(keys))
+
+
+def _field_path(parent: Optional[str], key: Any) -> str:
+    return _join(parent, f"[{key}]" if isinstance(key, int) else _cut(key if isinstance(key, str) else repr(key)))
+
+
+def _check_text(text: str, where: Optional[str], what: str) -> None:
+    if "\x00" in text:
+        raise RequestError("invalid_request", f"the {what} holds a NUL character", where or "input")
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            message = f"the {what} holds invalid Unicode (a lone surrogate)"
+            raise RequestError("invalid_request", message, where or "input") from None
+
+
+def _required_text(value: Optional[str], param: str, what: str) -> str:
+    if value is None or not value.strip():
+        raise RequestError("invalid_request", f"required for {what}", param)
+    return value.strip()
+
+
+def _loose_images(request: RequestModel, param: Optional[str]) -> list[ImageSpec]:
+    """Images given beside the prompt: image_url, image_b64 and images[...], in that order."""
+    fields = ("image_url", "image_b64")
+    specs = [ImageSpec(getattr(request, f), _join(param, f)) for f in fields if getattr(request, f) is not None]
+    specs.extend(ImageSpec(spec, _join(param, f"images[{i}]")) for i, spec in enumerate(request.images or ()))
+    return specs
+
+
+def parse_messages(messages: Any, settings: Settings, param: str) -> list[Turn]:
+    """OpenAI-style messages -> turns; images stay ImageSpec for `_resolve_images` to fetch."""
+    if not isinstance(messages, list) or not messages:
+        raise RequestError("invalid_request", "must be a non-empty list of messages", param)
+    if len(messages) > settings.max_messages:
+        raise RequestError("invalid_request", f"at most {settings.max_messages} messages per request", param)
+    turns = []
+    for i, message in enumerate(messages):
+        where = f"{param}[{i}]"
+        if not isinstance(message, dict):
+            raise RequestError("invalid_request", "must be an object with role and content", where)
+        role, content = message.get("role"), message.get("content")
+        if role not in ("system", "user", "assistant"):
+            raise RequestError("invalid_request", "must be system, user or assistant", f"{where}.role")
+        if isinstance(content, str):
+            parts = [content]
+        elif isinstance(content, list) and content:
+            parts = [_parse_block(block, f"{where}.content[{j}]") for j, block in enumerate(content)]
+        else:
+            raise RequestError("invalid_request", "must be a string or a non-empty list of blocks", f"{where}.content")
+        if role != "user" and any(not isinstance(p, str) for p in parts):
+            raise RequestError("invalid_request", "images are allowed in user messages only", f"{where}.content")
+        turns.append(Turn(role, parts))
+    if turns[-1].role != "user":
+        raise RequestError("invalid_request", "the last message must come from the user", f"{where}.role")
+    return turns
+
+
+def _parse_block(block: Any, where: str):
+    if not isinstance(block, dict):
+        raise RequestError("invalid_request", "a content block must be an object with a type", where)
+    kind = block.get("type")
+    if kind == "text":
+        if not isinstance(block.get("text"), str):
+            raise RequestError("invalid_request", "a text block needs a string 'text'", f"{where}.text")
+        return block["text"]
+    if kind in ("image_url", "image"):
+        if kind not in block:
+            raise RequestError("invalid_request", f"an {kind} block needs '{kind}'", f"{where}.{kind}")
+        return ImageSpec(block[kind], f"{where}.{kind}")
+    raise RequestError("invalid_request", "type must be text, image_url or image", f"{where}.type")
+
+
+def _check_text_length(item: GenerationRequest, settings: Settings, param: Optional[str]) -> None:
+    text = sum(len(p) for t in item.turns for p in t.parts if isinstance(p, str))
+    text += len(item.grounding_target or "")  # becomes part of the prompt when the batch runs
+    if text > settings.max_text_chars:
+        message = f"the request's text is over {settings.max_text_chars} characters"
+        raise RequestError("text_too_long", message, param or "input")
+
+
+@dataclasses.dataclass(frozen=True)
+class ImageSpec:
+    """An image named by a request and not yet fetched or decoded; `param` is where it was given."""
+
+    spec: Any
+    param: str
+
+
+MAX_PARALLEL_FETCHES = 8  # threads fetching the images of one request
+
+
+def _resolve_images(turns: list[Turn], settings: Settings, param: Optional[str]) -> None:
+    """Fetch (side by side, under one deadline) and decode a request's images in place, in order: the
+    count is checked before any fetch, the pixel budget from each header before decoding; the first
+    failure in order is raised and the fetches not yet started are dropped."""
+    import concurrent.futures
+
+    pending = [(turn, k) for turn in turns for k, part in enumerate(turn.parts) if isinstance(part, ImageSpec)]
+    if len(pending) > settings.max_images:
+        turn, k = pending[settings.max_images]
+        message = f"at most {settings.max_images} images per request"
+        raise RequestError("too_many_images", message, turn.parts[k].param)
+    policy, used = MediaPolicy.from_env(), 0
+    sources = [image_source(turn.parts[k].spec, turn.parts[k].param) for turn, k in pending]
+    deadline = time.monotonic() + policy.fetch_deadline
+    pool = ThreadPoolExecutor(max(min(MAX_PARALLEL_FETCHES, len(sources)), 1), thread_name_prefix="vlm-fetch")
+    try:
+        futures = [pool.submit(_image_bytes, text, policy, where, deadline) for text, where in sources]
+        for (turn, k), future, (_, where) in zip(pending, futures, sources):
+            try:  # each fetch stops itself at the deadline; the margin only guards against a stuck thread
+                data = future.result(timeout=max(deadline - time.monotonic(), 0) + 2)
+            except concurrent.futures.TimeoutError:
+                message = f"the request's images took over {policy.fetch_deadline:g}s to download"
+                raise RequestError("fetch_timeout", message, where) from None
+            remaining = settings.max_total_pixels - used  # decoded as soon as it and those before it arrived
+            narrowed = remaining < policy.max_image_pixels
+            budget = dataclasses.replace(policy, max_image_pixels=max(remaining, 1)) if narrowed else policy
+            try:
+                image = _decode_image(data, budget, where)
+            except RequestError as error:
+                if narrowed and error.code == "image_too_large":
+                    message = f"the request's images hold over {settings.max_total_pixels} pixels together"
+                    raise RequestError("image_too_large", message, turn.parts[k].param) from None
+                raise
+            used += image.width * image.height
+            turn.parts[k] = image
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+# ---- parsing boxes ------------------------------------------------------------------------------
+
+# =================================================================================================
+# Images: fetched and decoded under the media policy
 # =================================================================================================
 
 # Images come from strangers (SSRF, bombs, broken files). Policy, after NVIDIA Dynamo's (README
@@ -718,52 +1042,8 @@ def _to_rgb(image):
 
 
 # =================================================================================================
-# Family adapters
+# Family adapters: prompts and processor inputs as each model card writes them
 # =================================================================================================
-
-# A request, once validated, is a list of turns; each turn holds text and PIL images in order.
-
-
-@dataclasses.dataclass
-class Turn:
-    role: str
-    parts: list  # str or PIL.Image.Image, in order
-
-
-@dataclasses.dataclass
-class GenerationParams:
-    max_new_tokens: int
-    temperature: float
-    top_p: float
-    do_sample: bool
-    min_new_tokens: int = 0
-
-
-@dataclasses.dataclass
-class GenerationRequest:
-    """One validated item, ready for the engine."""
-
-    task: str
-    turns: list[Turn]
-    params: GenerationParams
-    grounding_target: Optional[str] = None
-    annotate: bool = False  # grounding: return the image with its boxes drawn
-    param: Optional[str] = None  # where the request sits in the job, e.g. "requests[3]"
-
-    @property
-    def images(self) -> list:
-        return [p for t in self.turns for p in t.parts if not isinstance(p, str)]
-
-
-@dataclasses.dataclass
-class Generation:
-    text: str
-    finish_reason: str  # "stop" | "length"
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    raw_text: Optional[str] = None  # with special tokens, for box parsing
-    image_input_size: Optional[tuple[int, int]] = None  # first image as the model saw it (boxes)
-
 
 class FamilyAdapter:
     """The model cards' generic recipe for prompting a family; a FAMILIES row or a subclass adjusts it."""
@@ -1161,7 +1441,7 @@ def unquantized_module_names(model_type: str) -> tuple[str, ...]:
 
 
 # =================================================================================================
-# Compile cache and weights
+# Compile cache and weights: what a new worker can reuse
 # =================================================================================================
 
 # README "Cold start". The compile artifacts are torch's "mega-cache" bundle, in a file named by the
@@ -1341,7 +1621,7 @@ def save_compile_artifacts(settings: Settings, key: str, env: Optional[dict] = N
 
 
 # =================================================================================================
-# Model
+# Model: the engine thread, continuous batching over one static KV cache
 # =================================================================================================
 
 
@@ -1356,6 +1636,7 @@ def _trimmed_length(ids: list[int], eos: set) -> int:
     return len(ids)
 
 
+GENERATION_FAILED = RequestError("generation_failed", "the model could not answer this request")
 WORKER_STOPPING = RequestError("worker_stopping", "the worker was stopped before this request finished: retry it")
 GPU_FAILURE = RequestError("gpu_failure", "the GPU of this worker failed; it is being replaced: retry the request")
 _RUNPOD_CONFIG: dict = {}  # the runpod SDK's config (main() fills it): a fatal GPU error sets refresh_worker
@@ -1370,7 +1651,7 @@ def _is_fatal_gpu_error(error: Exception) -> bool:
     text = str(error)
     return not _is_out_of_memory(error) and (
         type(error).__name__ == "AcceleratorError"
-        or any(s in text for s in ("illegal memory access", "device-side assert", "ECC error", "CUDA error: unspecified"))
+        or any(s in text for s in ("illegal memory access", "device-side assert", "ECC error", "unspecified launch"))
     )
 
 
@@ -1824,10 +2105,6 @@ class Engine:
             self._decoder = self._new_decoder(self.settings.cache_len)
         return self._decoder
 
-    @decoder.setter
-    def decoder(self, decoder: SlotDecoder) -> None:
-        self._decoder = decoder
-
     def _eos_ids(self) -> set:
         config_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
         return set(_token_ids(config_eos)) | set(_token_ids(getattr(self.tokenizer, "eos_token_id", None)))
@@ -1846,14 +2123,6 @@ class Engine:
             and str(self.model.device).startswith("cuda")
         )
 
-        return bool(
-            self.settings.compile
-            and self.quantize == "none"
-            and self.adapter.native
-            and torch.cuda.is_available()
-            and str(self.model.device).startswith("cuda")
-        )
-
     # ---- generation: the engine thread ------------------------------------------------------
 
     def sampling_kwargs(self, params: GenerationParams) -> dict:
@@ -1866,18 +2135,16 @@ class Engine:
             kwargs["min_new_tokens"] = params.min_new_tokens
         return kwargs
 
-    def submit(self, item: GenerationRequest, listener: Callable[[Any], None], stream: bool = False) -> "Ticket":
+    def submit(self, item: GenerationRequest, listener: Callable[[Any], None], stream: bool = False) -> Ticket:
         """Queue an item. `listener` is called from the engine thread with StreamDelta events (when
         `stream`) and then exactly once with the final Generation or RequestError."""
         return self.submit_all([item], [listener], stream)[0]
 
-    def submit_all(self, items: list[GenerationRequest], listeners: list, stream: bool = False) -> list["Ticket"]:
+    def submit_all(self, items: list[GenerationRequest], listeners: list, stream: bool = False) -> list[Ticket]:
         """Queue items together (a batch call's): they are admitted together when rows allow."""
         tickets = [Ticket(item, listener, stream) for item, listener in zip(items, listeners)]
         if self.broken:
-            for ticket in tickets:
-                ticket.finish(RequestError(GPU_FAILURE.code, GPU_FAILURE.message, ticket.item.param))
-            return tickets
+            return [ticket.fail(GPU_FAILURE) for ticket in tickets]
         with self._wake:
             self._queue.extend(tickets)
             self._wake.notify()
@@ -1922,27 +2189,26 @@ class Engine:
                     self._gpu_failed()
                     continue
                 log.exception("the engine failed a step; failing the items in flight")
-                self._fail_all(RequestError("generation_failed", "the model could not answer this request"))
+                self._fail_all(GENERATION_FAILED)
 
-    def _take(self, tickets: list["Ticket"]) -> None:
+    def _take(self, tickets: list[Ticket]) -> None:
         with self._wake:
             for ticket in tickets:
                 self._queue.remove(ticket)
 
-    def _run_alone(self, ticket: "Ticket") -> None:
+    def _run_alone(self, ticket: Ticket) -> None:
         """Families outside continuous batching (remote code, sliding-window caches): one at a time."""
         item = ticket.item
         try:
             if self.adapter.native:
-                result = self._generate_with_generate(item)
+                ticket.finish(self._generate_with_generate(item))
             else:
-                result = self.adapter.run(self.model, self.processor, item, self.sampling_kwargs(item.params))
+                ticket.finish(self.adapter.run(self.model, self.processor, item, self.sampling_kwargs(item.params)))
         except RequestError as error:
-            result = error
+            ticket.finish(error)
         except Exception:
             log.exception("generation failed")
-            result = RequestError("generation_failed", "the model could not answer this request", item.param)
-        ticket.finish(result)
+            ticket.fail(GENERATION_FAILED)
 
     def _generate_with_generate(self, item: GenerationRequest):
         import torch
@@ -1957,9 +2223,8 @@ class Engine:
         ids = out[0, inputs["input_ids"].shape[1]:].tolist()
         return self._generation(item, ids, prompt_tokens, input_sizes[0])
 
-    def _admit(self, waiting: list["Ticket"]) -> None:
+    def _admit(self, waiting: list[Ticket]) -> None:
         """Prefill as many waiting items as fit (in arrival order) and give them rows."""
-        import torch
 
         decoder = self.decoder
         free = decoder.free_rows()
@@ -1972,17 +2237,13 @@ class Engine:
             self._place(group, free)
         except Exception as error:
             fatal = _is_fatal_gpu_error(error)
-            if not fatal:
-                log.exception("could not admit %d items", len(group))
-            else:
-                self._gpu_failed()
-            failure = GPU_FAILURE if fatal else RequestError("generation_failed", "the model could not answer this request")
+            self._gpu_failed() if fatal else log.exception("could not admit %d items", len(group))
             with self._wake:
                 lost = [t for t in group if t.row is None and t not in self._queue]
             for ticket in lost:
-                ticket.finish(RequestError(failure.code, failure.message, ticket.item.param))
+                ticket.fail(GPU_FAILURE if fatal else GENERATION_FAILED)
 
-    def _place(self, group: list["Ticket"], free: list[int]) -> None:
+    def _place(self, group: list[Ticket], free: list[int]) -> None:
         import torch
 
         decoder = self.decoder
@@ -2016,7 +2277,7 @@ class Engine:
                 length = self._cache_length(prompt_length + longest + decoder.interval)
                 if self.max_slots is not None and length > self.max_slots:
                     return self._run_alone(group[0])  # past the sliding window: generate() handles it
-                self.decoder = self._new_decoder(length)
+                self._decoder = self._new_decoder(length)
                 return self._requeue(group)
             return self._requeue(group)  # waits for rows to finish
         decoder.shift(shift)
@@ -2045,7 +2306,7 @@ class Engine:
             self._rows[row] = ticket
             self._accept(ticket, [token])
 
-    def _requeue(self, tickets: list["Ticket"], limit: Optional[int] = None) -> None:
+    def _requeue(self, tickets: list[Ticket], limit: Optional[int] = None) -> None:
         """Back to the front of the queue; `limit`: admitted in groups of at most that many."""
         with self._wake:
             for ticket in reversed(tickets):
@@ -2053,12 +2314,11 @@ class Engine:
                     ticket.group_limit = min(limit, ticket.group_limit or limit)
                 self._queue.insert(0, ticket)
 
-    def _admit_failed(self, ticket: "Ticket") -> None:
+    def _admit_failed(self, ticket: Ticket) -> None:
         log.exception("could not prepare an item")
-        ticket.finish(RequestError("generation_failed", "the model could not answer this request", ticket.item.param))
+        ticket.fail(GENERATION_FAILED)
 
     def _decode_interval(self) -> None:
-        import torch
 
         decoder = self.decoder
         remaining = max(t.item.params.max_new_tokens - len(t.ids) for t in self._rows.values())
@@ -2066,7 +2326,7 @@ class Engine:
         for row, ticket in list(self._rows.items()):
             self._accept(ticket, tokens[row])
 
-    def _accept(self, ticket: "Ticket", tokens: list[int]) -> None:
+    def _accept(self, ticket: Ticket, tokens: list[int]) -> None:
         """New tokens for a row: stream them, and finish the row at its end token or length."""
         item, done = ticket.item, ticket.cancelled
         for token in tokens:
@@ -2088,10 +2348,10 @@ class Engine:
             waiting, self._queue = (self._queue, []) if queued else ([], self._queue)
         for row, ticket in list(self._rows.items()):
             self.decoder.release(row)
-            ticket.finish(RequestError(error.code, error.message, ticket.item.param))
+            ticket.fail(error)
         self._rows.clear()
         for ticket in waiting:
-            ticket.finish(RequestError(error.code, error.message, ticket.item.param))
+            ticket.fail(error)
 
     def _gpu_failed(self) -> None:
         """A fatal CUDA error (illegal access, device-side assert, ECC): the context is unusable. Every
@@ -2260,6 +2520,11 @@ class Ticket:
             delta, self.sent = text[len(self.sent):], text
         self.listener(StreamDelta(delta, len(kept)))
 
+    def fail(self, error: RequestError) -> Ticket:
+        """Finish with `error`, naming this item's place in its job."""
+        self.finish(RequestError(error.code, error.message, self.item.param))
+        return self
+
     def finish(self, result) -> None:
         if not self.done:
             self.done = True
@@ -2287,259 +2552,77 @@ def reset_engine() -> None:
 
 
 # =================================================================================================
-# Tasks
+# Answers: engine results for the handler, boxes, output fields
 # =================================================================================================
 
-TASK_PROMPTS = {
-    "caption": "Describe this image in one sentence.",
-    "caption_long": "Describe this image in detail: the scene, the objects, their colours and any text.",
-}
-TASKS = ("chat", "caption", "caption_long", "vqa", "grounding")
+
+def generate_all(engine: Engine, items: list[GenerationRequest]) -> list[Outcome]:
+    """Answer items through the engine, beside every other job's items; results in input order.
+    Blocks the calling thread (never the engine's)."""
+    results: list[Optional[Outcome]] = [None] * len(items)
+    finished = threading.Semaphore(0)
+
+    def listener(index: int):
+        def on_event(event) -> None:
+            if not isinstance(event, StreamDelta):
+                results[index] = event
+                finished.release()
+
+        return on_event
+
+    engine.submit_all(items, [listener(index) for index in range(len(items))])
+    for _ in items:
+        finished.acquire()
+    return results  # type: ignore[return-value]
 
 
-class RequestModel(BaseModel):
-    """The fields of one request; messages and images are checked by hand for precise paths."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)  # 1.0 is no token count, "yes" no bool
-
-    task: Optional[str] = None
-    messages: Optional[Any] = None
-    image_url: Optional[Any] = None
-    image_b64: Optional[Any] = None
-    images: Optional[list] = None
-    question: Optional[str] = None
-    target: Optional[str] = None
-    model: Optional[str] = None
-    quantize: Optional[Literal[QUANTIZE_CHOICES]] = None
-    max_new_tokens: Optional[int] = Field(default=None, ge=1)
-    min_new_tokens: int = Field(default=0, ge=0)
-    temperature: float = Field(default=0.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    do_sample: bool = False
-    stream: bool = False
-    batch_images: Optional[bool] = None
-    annotate: bool = False  # grounding: also return the image with the boxes drawn
-
-    @field_validator("task")
-    @classmethod
-    def _known_task(cls, value):
-        if value is not None and value not in TASKS:
-            raise ValueError(f"unknown task {_cut(value)!r}; use one of {', '.join(TASKS)}")
-        return value
-
-
-def _pydantic_error(error: ValidationError, param: Optional[str]) -> RequestError:
-    first = error.errors(include_input=False, include_url=False)[0]
-    location = ".".join(_cut(str(p)) for p in first["loc"])  # an unknown field's name is the caller's
-    message = "unknown field" if first["type"] == "extra_forbidden" else first["msg"].removeprefix("Value error, ")
-    return RequestError("invalid_request", message, _join(param, location) if location else param)
-
-
-def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> tuple[RequestModel, GenerationRequest]:
-    """Validate one request dict into its fields and a GenerationRequest (images decoded)."""
-    if not isinstance(raw, dict):
-        raise RequestError("invalid_request", "must be a JSON object", param or "input")
-    check_strings(raw, param)
+async def stream_generation(engine: Engine, item: GenerationRequest, stream: bool = True):
+    """Yields StreamDelta events as tokens are produced (when `stream`), then the final Generation
+    or RequestError. Leaving early (break, aclose, a cancelled task) cancels the item."""
+    loop = asyncio.get_running_loop()
+    events: asyncio.Queue = asyncio.Queue()
+    ticket = engine.submit(item, lambda event: loop.call_soon_threadsafe(events.put_nowait, event), stream)
     try:
-        request = RequestModel.model_validate(raw)
-    except ValidationError as error:
-        raise _pydantic_error(error, param) from None
-
-    def refuse(field: str, message: str, code: str = "invalid_request"):
-        raise RequestError(code, message, _join(param, field))
-
-    task = request.task or ("chat" if request.messages is not None else None)
-    if task is None:
-        refuse("task", f"missing; use one of {', '.join(TASKS)} (or send messages)")
-    # The default never exceeds the cap: a request that sets nothing must not be refused.
-    max_new_tokens = request.max_new_tokens or min(settings.default_max_new_tokens, settings.max_new_tokens_cap)
-    if max_new_tokens > settings.max_new_tokens_cap:
-        refuse("max_new_tokens", f"must be at most {settings.max_new_tokens_cap} on this worker")
-    if request.do_sample and request.temperature == 0:
-        refuse("temperature", "must be above 0 when do_sample is true")
-    if request.annotate and task != "grounding":
-        refuse("annotate", "only used by the grounding task")
-    params = GenerationParams(
-        max_new_tokens=max_new_tokens, temperature=request.temperature, top_p=request.top_p,
-        do_sample=request.do_sample, min_new_tokens=min(request.min_new_tokens, max_new_tokens),
-    )
-    loose_images, target = _loose_images(request, param), None
-    if task == "chat":
-        if request.messages is None:
-            refuse("messages", "required for the chat task")
-        turns = parse_messages(request.messages, settings, _join(param, "messages"))
-        next(t for t in turns if t.role == "user").parts[:0] = loose_images  # the last turn is a user's
-    else:
-        if request.messages is not None:
-            refuse("messages", f"not used by the {task} task; send task 'chat' instead")
-        if not loose_images:
-            refuse("image_url", f"the {task} task needs an image (image_url, image_b64 or images)", "missing_image")
-        if task == "grounding":  # its prompt is the family's own: the adapter adds it (FamilyAdapter.request_turns)
-            target, parts = _required_text(request.target, _join(param, "target"), "the grounding task"), loose_images
-        elif task == "vqa":
-            parts = [*loose_images, _required_text(request.question, _join(param, "question"), "the vqa task")]
-        else:
-            parts = [*loose_images, TASK_PROMPTS[task]]
-        turns = [Turn("user", parts)]
-    prepared = GenerationRequest(task, turns, params, grounding_target=target, annotate=request.annotate, param=param)
-    _check_text_length(prepared, settings, param)
-    _resolve_images(prepared.turns, settings, param)
-    return request, prepared
-
-
-MAX_NESTING = 32  # a real request nests 7 levels deep (requests[i].messages[j].content[k].image_url.url)
-
-
-def check_strings(raw: Any, param: Optional[str]) -> None:
-    """Refuse, naming the field, a NUL or a lone surrogate (JSON's \\ud800) in any string or key, and
-    nesting deeper than MAX_NESTING. Iterative: a deep request cannot exhaust the stack."""
-    stack: list[tuple[Any, Optional[str], int]] = [(raw, param, 0)]  # value, its field, depth
-    while stack:
-        value, where, depth = stack.pop()
-        if isinstance(value, str):
-            _check_text(value, where, "value")
-        elif isinstance(value, (dict, list)):
-            if depth >= MAX_NESTING:
-                raise RequestError("invalid_request", f"nested deeper than {MAX_NESTING} levels", where or "input")
-            if isinstance(value, dict):
-                for name in value:
-                    if isinstance(name, str):
-                        _check_text(name, _field_path(where, name), "field name")
-            keys = range(len(value)) if isinstance(value, list) else list(value)
-            stack.extend((value[key], _field_path(where, key), depth + 1) for key in reversed(keys))
-
-
-def _field_path(parent: Optional[str], key: Any) -> str:
-    return _join(parent, f"[{key}]" if isinstance(key, int) else _cut(key if isinstance(key, str) else repr(key)))
-
-
-def _check_text(text: str, where: Optional[str], what: str) -> None:
-    if "\x00" in text:
-        raise RequestError("invalid_request", f"the {what} holds a NUL character", where or "input")
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            message = f"the {what} holds invalid Unicode (a lone surrogate)"
-            raise RequestError("invalid_request", message, where or "input") from None
-
-
-def _required_text(value: Optional[str], param: str, what: str) -> str:
-    if value is None or not value.strip():
-        raise RequestError("invalid_request", f"required for {what}", param)
-    return value.strip()
-
-
-def _loose_images(request: RequestModel, param: Optional[str]) -> list[ImageSpec]:
-    """Images given beside the prompt: image_url, image_b64 and images[...], in that order."""
-    fields = ("image_url", "image_b64")
-    specs = [ImageSpec(getattr(request, f), _join(param, f)) for f in fields if getattr(request, f) is not None]
-    specs.extend(ImageSpec(spec, _join(param, f"images[{i}]")) for i, spec in enumerate(request.images or ()))
-    return specs
-
-
-def parse_messages(messages: Any, settings: Settings, param: str) -> list[Turn]:
-    """OpenAI-style messages -> turns; images stay ImageSpec for `_resolve_images` to fetch."""
-    if not isinstance(messages, list) or not messages:
-        raise RequestError("invalid_request", "must be a non-empty list of messages", param)
-    if len(messages) > settings.max_messages:
-        raise RequestError("invalid_request", f"at most {settings.max_messages} messages per request", param)
-    turns = []
-    for i, message in enumerate(messages):
-        where = f"{param}[{i}]"
-        if not isinstance(message, dict):
-            raise RequestError("invalid_request", "must be an object with role and content", where)
-        role, content = message.get("role"), message.get("content")
-        if role not in ("system", "user", "assistant"):
-            raise RequestError("invalid_request", "must be system, user or assistant", f"{where}.role")
-        if isinstance(content, str):
-            parts = [content]
-        elif isinstance(content, list) and content:
-            parts = [_parse_block(block, f"{where}.content[{j}]") for j, block in enumerate(content)]
-        else:
-            raise RequestError("invalid_request", "must be a string or a non-empty list of blocks", f"{where}.content")
-        if role != "user" and any(not isinstance(p, str) for p in parts):
-            raise RequestError("invalid_request", "images are allowed in user messages only", f"{where}.content")
-        turns.append(Turn(role, parts))
-    if turns[-1].role != "user":
-        raise RequestError("invalid_request", "the last message must come from the user", f"{where}.role")
-    return turns
-
-
-def _parse_block(block: Any, where: str):
-    if not isinstance(block, dict):
-        raise RequestError("invalid_request", "a content block must be an object with a type", where)
-    kind = block.get("type")
-    if kind == "text":
-        if not isinstance(block.get("text"), str):
-            raise RequestError("invalid_request", "a text block needs a string 'text'", f"{where}.text")
-        return block["text"]
-    if kind in ("image_url", "image"):
-        if kind not in block:
-            raise RequestError("invalid_request", f"an {kind} block needs '{kind}'", f"{where}.{kind}")
-        return ImageSpec(block[kind], f"{where}.{kind}")
-    raise RequestError("invalid_request", "type must be text, image_url or image", f"{where}.type")
-
-
-def _check_text_length(item: GenerationRequest, settings: Settings, param: Optional[str]) -> None:
-    text = sum(len(p) for t in item.turns for p in t.parts if isinstance(p, str))
-    text += len(item.grounding_target or "")  # becomes part of the prompt when the batch runs
-    if text > settings.max_text_chars:
-        message = f"the request's text is over {settings.max_text_chars} characters"
-        raise RequestError("text_too_long", message, param or "input")
-
-
-@dataclasses.dataclass(frozen=True)
-class ImageSpec:
-    """An image named by a request and not yet fetched or decoded; `param` is where it was given."""
-
-    spec: Any
-    param: str
-
-
-MAX_PARALLEL_FETCHES = 8  # threads fetching the images of one request
-
-
-def _resolve_images(turns: list[Turn], settings: Settings, param: Optional[str]) -> None:
-    """Fetch (side by side, under one deadline) and decode a request's images in place, in order: the
-    count is checked before any fetch, the pixel budget from each header before decoding; the first
-    failure in order is raised and the fetches not yet started are dropped."""
-    import concurrent.futures
-
-    pending = [(turn, k) for turn in turns for k, part in enumerate(turn.parts) if isinstance(part, ImageSpec)]
-    if len(pending) > settings.max_images:
-        turn, k = pending[settings.max_images]
-        message = f"at most {settings.max_images} images per request"
-        raise RequestError("too_many_images", message, turn.parts[k].param)
-    policy, used = MediaPolicy.from_env(), 0
-    sources = [image_source(turn.parts[k].spec, turn.parts[k].param) for turn, k in pending]
-    deadline = time.monotonic() + policy.fetch_deadline
-    pool = ThreadPoolExecutor(max(min(MAX_PARALLEL_FETCHES, len(sources)), 1), thread_name_prefix="vlm-fetch")
-    try:
-        futures = [pool.submit(_image_bytes, text, policy, where, deadline) for text, where in sources]
-        for (turn, k), future, (_, where) in zip(pending, futures, sources):
-            try:  # each fetch stops itself at the deadline; the margin only guards against a stuck thread
-                data = future.result(timeout=max(deadline - time.monotonic(), 0) + 2)
-            except concurrent.futures.TimeoutError:
-                message = f"the request's images took over {policy.fetch_deadline:g}s to download"
-                raise RequestError("fetch_timeout", message, where) from None
-            remaining = settings.max_total_pixels - used  # decoded as soon as it and those before it arrived
-            narrowed = remaining < policy.max_image_pixels
-            budget = dataclasses.replace(policy, max_image_pixels=max(remaining, 1)) if narrowed else policy
-            try:
-                image = _decode_image(data, budget, where)
-            except RequestError as error:
-                if narrowed and error.code == "image_too_large":
-                    message = f"the request's images hold over {settings.max_total_pixels} pixels together"
-                    raise RequestError("image_too_large", message, turn.parts[k].param) from None
-                raise
-            used += image.width * image.height
-            turn.parts[k] = image
+        while True:
+            event = await events.get()
+            yield event
+            if not isinstance(event, StreamDelta):
+                return
     finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+        ticket.cancel()  # no effect once finished; otherwise frees its row at the next step
 
 
-# ---- parsing boxes ------------------------------------------------------------------------------
+async def generate_one(engine: Engine, item: GenerationRequest) -> Outcome:
+    """The final Generation or RequestError of one item."""
+    async for event in stream_generation(engine, item, stream=False):
+        result = event
+    return result
+
+
+def format_output(engine: Engine, item: GenerationRequest, generation: Generation, request: RequestModel) -> dict:
+    output = {
+        "response": generation.text,
+        "model": engine.model_id,
+        "task": item.task,
+        "image_count": len(item.images),
+        "finish_reason": generation.finish_reason,
+        "usage": {
+            "prompt_tokens": generation.prompt_tokens,
+            "completion_tokens": generation.completion_tokens,
+        },
+    }
+    if item.task == "grounding":
+        output.update(grounding_fields(item, generation, engine.adapter))
+    if request.batch_images is not None:
+        output["batch_images"] = request.batch_images
+    if request.quantize is not None and request.quantize != engine.quantize:
+        output["quantize"] = engine.quantize
+        output["quantize_warning"] = (
+            f"the model was loaded as {engine.quantize!r}; the requested {request.quantize!r} "
+            "applies only when a request loads the model (VLM_LOAD_AT_BOOT=false)"
+        )
+    return output
+
 
 # Each family answers boxes in its own words and its own coordinates (`FamilyAdapter.grounding`):
 #   qwen-1000        Qwen2-VL: <|object_ref_start|>dog<|object_ref_end|><|box_start|>(x1,y1),(x2,y2)<|box_end|>;
@@ -2641,100 +2724,7 @@ def annotated_image(image, boxes: list[dict]) -> str:
 
 
 # =================================================================================================
-# Batching
-# =================================================================================================
-
-
-@dataclasses.dataclass
-class StreamDelta:
-    """A piece of an answer as it is produced."""
-
-    text: str  # new text since the previous delta
-    completion_tokens: int  # tokens generated so far
-
-
-Outcome = Union[Generation, RequestError]  # what the engine gives back for one item
-
-
-def generate_all(engine: Engine, items: list[GenerationRequest]) -> list[Outcome]:
-    """Answer items through the engine, beside every other job's items; results in input order.
-    Blocks the calling thread (never the engine's)."""
-    results: list[Optional[Outcome]] = [None] * len(items)
-    finished = threading.Semaphore(0)
-
-    def listener(index: int):
-        def on_event(event) -> None:
-            if not isinstance(event, StreamDelta):
-                results[index] = event
-                finished.release()
-
-        return on_event
-
-    engine.submit_all(items, [listener(index) for index in range(len(items))])
-    for _ in items:
-        finished.acquire()
-    return results  # type: ignore[return-value]
-
-
-async def stream_generation(engine: Engine, item: GenerationRequest, stream: bool = True):
-    """Yields StreamDelta events as tokens are produced (when `stream`), then the final Generation
-    or RequestError. Leaving early (break, aclose, a cancelled task) cancels the item."""
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue = asyncio.Queue()
-    ticket = engine.submit(item, lambda event: loop.call_soon_threadsafe(events.put_nowait, event), stream)
-    try:
-        while True:
-            event = await events.get()
-            yield event
-            if not isinstance(event, StreamDelta):
-                return
-    finally:
-        ticket.cancel()  # no effect once finished; otherwise frees its row at the next step
-
-
-async def generate_one(engine: Engine, item: GenerationRequest) -> Outcome:
-    """The final Generation or RequestError of one item."""
-    async for event in stream_generation(engine, item, stream=False):
-        result = event
-    return result
-
-
-def format_output(engine: Engine, item: GenerationRequest, generation: Generation, request: RequestModel) -> dict:
-    output = {
-        "response": generation.text,
-        "model": engine.model_id,
-        "task": item.task,
-        "image_count": len(item.images),
-        "finish_reason": generation.finish_reason,
-        "usage": {
-            "prompt_tokens": generation.prompt_tokens,
-            "completion_tokens": generation.completion_tokens,
-        },
-    }
-    if item.task == "grounding":
-        output.update(grounding_fields(item, generation, engine.adapter))
-    if request.batch_images is not None:
-        output["batch_images"] = request.batch_images
-    if request.quantize is not None and request.quantize != engine.quantize:
-        output["quantize"] = engine.quantize
-        output["quantize_warning"] = (
-            f"the model was loaded as {engine.quantize!r}; the requested {request.quantize!r} "
-            "applies only when a request loads the model (VLM_LOAD_AT_BOOT=false)"
-        )
-    return output
-
-
-def _check_model(request: RequestModel, model_id: str, param: Optional[str]) -> None:
-    if request.model is not None and request.model != model_id:
-        raise RequestError(
-            "model_mismatch",
-            f"this worker serves {model_id}; it cannot switch to {request.model!r}",
-            _join(param, "model"),
-        )
-
-
-# =================================================================================================
-# OpenAI route
+# OpenAI route: RunPod's /openai/v1 jobs
 # =================================================================================================
 
 # RunPod's gateway turns calls to https://api.runpod.ai/v2/<endpoint>/openai/v1/... into jobs whose
@@ -2964,7 +2954,7 @@ async def openai_answers(engine_getter, job_input: dict):
 
 
 # =================================================================================================
-# Entry point
+# Entry point: the RunPod handler and `python handler.py`
 # =================================================================================================
 
 
@@ -3023,7 +3013,7 @@ async def stream_chunks(engine: Engine, item: GenerationRequest, request: Reques
             sent, pending, last = sent + pending, "", time.monotonic()
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bound_the_shutdown() -> None:
     """On SIGTERM the runpod SDK stops taking jobs and waits for those in flight, however long they
     take; this bounds the wait (VLM_SHUTDOWN_GRACE). Installed by the first job, in the SDK's loop
@@ -3049,22 +3039,13 @@ def served_model() -> tuple[Settings, str]:
     return settings, settings.model
 
 
-def read_request(raw: Any, settings: Settings, model_id: str, param: Optional[str]) -> tuple[RequestModel, GenerationRequest]:
+def read_request(raw: Any, settings: Settings, model_id: str, param: Optional[str]) -> tuple[RequestModel, Any]:
+    """A request validated against the served model (images fetched: call off the event loop)."""
     request, item = parse_request(raw, settings, param)
-    _check_model(request, model_id, param)
+    if request.model is not None and request.model != model_id:
+        message = f"this worker serves {model_id}; it cannot switch to {_cut(request.model)!r}"
+        raise RequestError("model_mismatch", message, _join(param, "model"))
     return request, item
-
-
-def answer_requests(parsed: list[tuple[RequestModel, GenerationRequest]]) -> list[dict]:
-    """Outputs (or error dicts) for validated requests; the first request to ask for a
-    quantization decides it if this call loads the model."""
-    engine = get_engine(next((request.quantize for request, _ in parsed if request.quantize), None))
-    generations = generate_all(engine, [item for _, item in parsed])
-    return [
-        generation.to_dict() if isinstance(generation, RequestError)
-        else format_output(engine, item, generation, request)
-        for (request, item), generation in zip(parsed, generations)
-    ]
 
 
 def answer_batch(job: dict, payload: dict) -> dict:
@@ -3077,9 +3058,7 @@ def answer_batch(job: dict, payload: dict) -> dict:
     if not isinstance(raw_items, list) or not raw_items:
         raise RequestError("invalid_request", "must be a non-empty list of requests", "requests")
     if len(raw_items) > settings.max_batch_requests:
-        raise RequestError(
-            "too_many_requests", f"at most {settings.max_batch_requests} requests per call", "requests"
-        )
+        raise RequestError("too_many_requests", f"at most {settings.max_batch_requests} requests per call", "requests")
 
     def read_item(index: int, raw: Any):
         param = f"requests[{index}]"
@@ -3102,10 +3081,12 @@ def answer_batch(job: dict, payload: dict) -> dict:
         if isinstance(outcome, SettingsError):
             raise outcome
     results = [outcome.to_dict() if isinstance(outcome, RequestError) else None for outcome in outcomes]
-    readable = [index for index, outcome in enumerate(outcomes) if not isinstance(outcome, RequestError)]
-    if readable:
-        for index, answer in zip(readable, answer_requests([outcomes[i] for i in readable])):
-            results[index] = answer
+    parsed = [(index, outcome) for index, outcome in enumerate(outcomes) if not isinstance(outcome, RequestError)]
+    if parsed:  # the first request asking for a quantization decides it if this call loads the model
+        engine = get_engine(next((request.quantize for _, (request, _) in parsed if request.quantize), None))
+        for (index, (request, item)), result in zip(parsed, generate_all(engine, [item for _, (_, item) in parsed])):
+            results[index] = result.to_dict() if isinstance(result, RequestError) else format_output(
+                engine, item, result, request)
     return {"model": model_id, "count": len(results), "id": job.get("id"), "results": results}
 
 
@@ -3130,7 +3111,7 @@ def main() -> None:
     _RUNPOD_CONFIG.update({
         "handler": answer if local_test else handler,
         "return_aggregate_stream": True,
-        "concurrency_modifier": lambda current: 0 if _engine is not None and _engine.broken else settings.max_concurrency,
+        "concurrency_modifier": lambda current: 0 if _engine and _engine.broken else settings.max_concurrency,
     })
     runpod.serverless.start(_RUNPOD_CONFIG)
 

@@ -215,7 +215,8 @@ def child_cold_start() -> None:
     out = {"load_s": loaded, "process_start_to_first_answer_s": time.time() - spawned}
     out["speed_before_compiled"] = speed(handler)
     rounds, answers = [], {}
-    traffic = [{"id": f"t{i}", "input": {"task": "vqa", "question": QUESTIONS[i % 5], "image_url": data_uri(448, 448, 100 + i),
+    traffic = [{"id": f"t{i}", "input": {"task": "vqa", "question": QUESTIONS[i % 5],
+                                         "image_url": data_uri(448, 448, 100 + i),
                                          "max_new_tokens": 192}} for i in range(4)]
     while engine.compile and not engine.wait_until_compiled(0) and time.time() - spawned < 600:
         records = asyncio.run(concurrent_records(handler, traffic))
@@ -252,8 +253,9 @@ def main() -> None:
     import logging
 
     import torch
-    import tiny_models
     import transformers
+
+    import tiny_models
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     skip = set(filter(None, args.skip.split(",")))

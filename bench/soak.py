@@ -21,8 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tools")]
 
-from runpod_queue import JobQueue, worker
-from sample_images import data_uri, plain, striped
+from runpod_queue import JobQueue, worker  # noqa: E402
+from sample_images import data_uri, plain, striped  # noqa: E402
 
 
 def jobs(count: int, max_new_tokens: int) -> list[dict]:

@@ -19,9 +19,10 @@ from typing import Any, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import handler  # noqa: E402
 from fastapi import FastAPI, Request  # noqa: E402
 from fastapi.responses import JSONResponse, StreamingResponse  # noqa: E402
+
+import handler  # noqa: E402
 
 app = FastAPI(title="runpod-vlm, OpenAI-compatible (local)")
 

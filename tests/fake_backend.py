@@ -1584,8 +1584,8 @@ def hub(monkeypatch):
     monkeypatch.setattr(handler, "SlotDecoder", FakeSlotDecoder)
     # The compile-artifact file is torch's (tests/test_compile_cache.py runs it for real): here the
     # engine's use of it is recorded.
-    monkeypatch.setattr(handler, "compile_cache_key", lambda model_id, **parts: f"{model_id}:{sorted(parts['shapes'].items())}")
-    monkeypatch.setattr(handler, "load_compile_artifacts", lambda settings, key: HUB.artifacts.append(("load", key)) or False)
+    monkeypatch.setattr(handler, "compile_cache_key", lambda model_id, **parts: f"{model_id}:{parts['shapes']}")
+    monkeypatch.setattr(handler, "load_compile_artifacts", lambda s, key: HUB.artifacts.append(("load", key)) or False)
     monkeypatch.setattr(handler, "save_compile_artifacts", lambda settings, key: HUB.artifacts.append(("save", key)))
     yield HUB
     handler.reset_engine()

@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from sample_images import data_uri, plain, striped
 
 import handler
+from sample_images import data_uri, plain, striped
 
 # Families whose processor has a chat template (PaliGemma, prompted by task prefixes, is below).
 CHAT_FAMILIES = ["qwen3-vl", "gemma3", "llava-onevision", "smolvlm", "internvl-hf", "mistral3", "llama4", "glm4v"]
@@ -275,7 +275,8 @@ VISION_WORDS = ("vision", "visual", "projector", "connector", "resampler", "merg
 
 
 @pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "llava", "llava-next", "qwen3-vl", "gemma3",
-                                    "llava-onevision", "paligemma", "smolvlm", "internvl-hf", "mistral3", "llama4", "glm4v"])
+                                    "llava-onevision", "paligemma", "smolvlm", "internvl-hf", "mistral3", "llama4",
+                                    "glm4v"])
 def test_quantization_skips_cover_the_vision_side_of_real_module_trees(family, tiny_model):
     model, _ = reference_model(str(tiny_model(family)))
     adapter = handler.adapter_for(model.config.model_type)

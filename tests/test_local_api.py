@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-
 import http.server
 import json
 import os
@@ -204,7 +203,8 @@ def test_the_same_url_is_refused_by_default_and_never_fetched(image_server, monk
     for name in list(os.environ):
         if name.startswith(("VLM_MEDIA", "VLM_URL", "VLM_TRUST_ENV")) or name == "VLM_ALLOW_INTERNAL_URLS":
             monkeypatch.delenv(name)
-    out = asyncio.run(handler.answer({"input": {"task": "caption", "image_url": image_server.url, "max_new_tokens": 3}}))
+    job = {"input": {"task": "caption", "image_url": image_server.url, "max_new_tokens": 3}}
+    out = asyncio.run(handler.answer(job))
     assert out["code"] == "blocked_url" and out["param"] == "image_url", out
     assert "image_url: " in out["error"] and "127.0.0.1" not in out["error"]
     assert image_server.requests == []

@@ -12,7 +12,6 @@ guard's record of connect attempts.
 from __future__ import annotations
 
 import asyncio
-
 import base64
 import datetime
 import http.server

@@ -97,8 +97,7 @@ def test_the_same_body_gives_the_native_route_s_text_and_tokens(engine):
     openai_messages = [{"role": "developer", "content": "Answer briefly."}, *image_message(image)]
     native_messages = [{"role": "system", "content": "Answer briefly."}, *image_message(image)]
     out = completion({"messages": openai_messages, "temperature": 0, "max_completion_tokens": 7})
-    native = handler.answer_requests([handler.read_request(
-        {"messages": native_messages, "max_new_tokens": 7}, engine.settings, engine.model_id, None)])[0]
+    native = asyncio.run(handler.answer({"input": {"messages": native_messages, "max_new_tokens": 7}}))
     assert out["choices"][0]["message"]["content"] == native["response"]
     assert out["usage"]["prompt_tokens"] == native["usage"]["prompt_tokens"]
     assert out["usage"]["completion_tokens"] == native["usage"]["completion_tokens"] == 7

@@ -8,6 +8,7 @@ import json
 import re
 
 import pytest
+
 from runpod_queue import Faults, JobQueue, worker
 from sample_images import data_uri, striped
 

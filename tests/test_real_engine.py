@@ -6,7 +6,6 @@ worker's tokens with the plain transformers recipe (apply_chat_template + proces
 from __future__ import annotations
 
 import asyncio
-
 import functools
 
 import pytest
