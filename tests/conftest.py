@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import socket
+import subprocess
 import sys
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -53,3 +59,42 @@ def serve(monkeypatch):
     if any(special):
         handler.reset_engine()  # an engine loaded with test-only settings must not leak
 
+
+
+STARTUP_LIMIT_S = 180  # a deadline for a server to come up, not a performance assertion
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def running_server(command: list, env: dict, port: int, probe: str, log_path: Path):
+    """Start `command` (a server on 127.0.0.1:`port`), wait until GET `probe` answers, yield its
+    base URL, and stop it afterwards; its output goes to `log_path`, shown if it dies."""
+    log = log_path.open("w+")
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + STARTUP_LIMIT_S
+    try:
+        while True:
+            if process.poll() is not None:
+                log.seek(0)
+                pytest.fail(f"{command[1]} exited with {process.returncode}:\n{log.read()[-4000:]}")
+            try:
+                urllib.request.urlopen(base + probe, timeout=2).close()
+                break
+            except (urllib.error.URLError, ConnectionError):
+                if time.monotonic() > deadline:
+                    pytest.fail(f"{command[1]} did not come up")
+                time.sleep(0.5)
+        yield base
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+        log.close()

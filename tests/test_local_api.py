@@ -6,29 +6,19 @@ import asyncio
 import http.server
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 
 import pytest
 
 import handler
+from conftest import free_port, running_server
 from sample_images import b64, data_uri, encode, plain, striped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STARTUP_LIMIT_S = 180  # a deadline for the server to come up, not a performance assertion
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def worker_env(model_folder, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLM_", "RUNPOD_"))}
     env.update(VLM_MODEL=str(model_folder), VLM_ALLOW_ANY="true", VLM_DEVICE_MAP="cpu",
@@ -49,35 +39,10 @@ def api(tiny_model, tmp_path_factory):
     VLM_ALLOW_INTERNAL_URLS=true lets it fetch from the test's loopback image server; it widens
     only the URL policy, which the data-URI tests here never reach."""
     port = free_port()
-    log = (tmp_path_factory.mktemp("api") / "server.log").open("w+")
-    server = subprocess.Popen(
-        [sys.executable, "handler.py", "--rp_serve_api", "--rp_api_port", str(port),
-         "--rp_api_host", "127.0.0.1"],
-        cwd=ROOT, env=worker_env(tiny_model("qwen2-vl"), VLM_ALLOW_INTERNAL_URLS="true"),
-        stdout=log, stderr=subprocess.STDOUT,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_LIMIT_S
-    try:
-        while True:
-            if server.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"the worker exited with {server.returncode}:\n{log.read()[-4000:]}")
-            try:
-                urllib.request.urlopen(base + "/", timeout=2).close()
-                break
-            except (urllib.error.URLError, ConnectionError):
-                if time.monotonic() > deadline:
-                    pytest.fail("the local API did not come up")
-                time.sleep(0.5)
+    command = [sys.executable, "handler.py", "--rp_serve_api", "--rp_api_port", str(port), "--rp_api_host", "127.0.0.1"]
+    env = worker_env(tiny_model("qwen2-vl"), VLM_ALLOW_INTERNAL_URLS="true")
+    with running_server(command, env, port, "/", tmp_path_factory.mktemp("api") / "server.log") as base:
         yield base
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
 
 
 def runsync(api: str, payload: dict):

@@ -11,11 +11,8 @@ import http.server
 import inspect
 import json
 import os
-import socket
-import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -26,10 +23,10 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.chat.completion_create_params import CompletionCreateParamsBase
 
 import handler
+from conftest import free_port, running_server
 from sample_images import data_uri, encode, striped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STARTUP_LIMIT_S = 180  # a deadline for the server to come up, not a performance assertion
 
 
 @pytest.fixture
@@ -322,12 +319,6 @@ def test_every_openai_field_is_known_to_the_route():
 # ---- the local server and the official client ---------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
     """Base URL of scripts/openai_server.py serving the tiny Qwen2-VL (loopback only). It may fetch
@@ -336,31 +327,10 @@ def server(tiny_model, tmp_path_factory):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLM_", "RUNPOD_"))}
     env.update(VLM_MODEL=str(tiny_model("qwen2-vl")), VLM_ALLOW_ANY="true", VLM_DEVICE_MAP="cpu",
                VLM_ALLOW_INTERNAL_URLS="true", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    log = (tmp_path_factory.mktemp("openai-server") / "server.log").open("w+")
-    process = subprocess.Popen([sys.executable, "scripts/openai_server.py", "--port", str(port)],
-                               cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + STARTUP_LIMIT_S
-    try:
-        while True:
-            if process.poll() is not None:
-                log.seek(0)
-                pytest.fail(f"the server exited with {process.returncode}:\n{log.read()[-4000:]}")
-            try:
-                urllib.request.urlopen(base + "/v1/models", timeout=2).close()
-                break
-            except (urllib.error.URLError, ConnectionError):
-                if time.monotonic() > deadline:
-                    pytest.fail("the OpenAI server did not come up")
-                time.sleep(0.5)
+    command = [sys.executable, "scripts/openai_server.py", "--port", str(port)]
+    log_path = tmp_path_factory.mktemp("openai-server") / "server.log"
+    with running_server(command, env, port, "/v1/models", log_path) as base:
         yield base
-    finally:
-        process.terminate()
-        try:
-            process.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-        log.close()
 
 
 @pytest.fixture(scope="module")
