@@ -369,3 +369,45 @@ def test_4bit_load_quantizes_only_the_language_model(family, tiny_model, serve):
     out = ask({"task": "vqa", "image_url": data_uri(striped()), "question": "What?", "max_new_tokens": 2})
     assert "error" not in out, out
     assert out["usage"]["completion_tokens"] == 2
+
+
+def test_concurrent_jobs_each_get_their_solo_tokens(family, tiny_model, serve):
+    """Separate jobs of different lengths and images run at once through few rows and a short
+    cache: they join and leave the running batch, wait for rows, and shift the cache, and each
+    answer is exactly its solo run's."""
+    serve(tiny_model(family), VLM_MAX_BATCH_SIZE="3", VLM_CACHE_LEN="256", VLM_SYNC_INTERVAL="3")
+    jobs = [
+        {"task": "vqa", "image_url": data_uri(striped((48 + 8 * n, 40))), "question": f"What is {n}?",
+         "max_new_tokens": 4 + 5 * n, "min_new_tokens": 4 + 3 * n}
+        for n in range(5)
+    ] + [{"messages": [{"role": "user", "content": "No image, just text."}], "max_new_tokens": 20}]
+    solo = [ask(job) for job in jobs]
+
+    async def together():
+        return await asyncio.gather(*(handler.answer({"id": str(n), "input": job}) for n, job in enumerate(jobs)))
+
+    assert asyncio.run(together()) == solo
+    streamed = asyncio.run(handler.answer({"input": dict(jobs[4], stream=True)}))
+    assert "".join(chunk["text"] for chunk in streamed) == solo[4]["response"]
+
+
+def test_a_cancelled_job_frees_its_row_for_the_next(tiny_model, serve, monkeypatch):
+    engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_SIZE="1", VLM_SYNC_INTERVAL="2")
+    long_job = {"messages": [{"role": "user", "content": "Talk."}], "max_new_tokens": 200, "min_new_tokens": 200}
+    short_job = {"messages": [{"role": "user", "content": "Hi."}], "max_new_tokens": 3}
+
+    async def cancel_one_then_ask_another():
+        settings, model_id = handler.served_model()
+        _, item = handler.read_request(long_job, settings, model_id, None)
+        stream = handler.stream_generation(engine, item)
+        first = await anext(stream)  # the long item holds the only row
+        await stream.aclose()  # as when RunPod cancels the job's task
+        return first, await handler.generate_one(engine, handler.read_request(short_job, settings, model_id, None)[1])
+
+    steps = []
+    real_step = engine.decoder.step
+    monkeypatch.setattr(engine.decoder, "step", lambda n: steps.append(n) or real_step(n))
+    first, short = asyncio.run(cancel_one_then_ask_another())
+    assert isinstance(first, handler.StreamDelta)
+    assert short.completion_tokens == 3 and short.finish_reason == "length"
+    assert sum(steps) < 20  # the short job did not wait for the long one's 200 tokens
