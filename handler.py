@@ -1678,10 +1678,8 @@ def _use_grouped_query_decode_attention(model) -> None:
 
     AttentionInterface.register("sdpa_gqa_decode", attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa_gqa_decode", sdpa_mask)
-    try:
-        sub_config = next((name for name in getattr(model.config, "sub_configs", {})
-                           if getattr(model.config, name, None) is text_config), None)
-        model.set_attn_implementation({sub_config: "sdpa_gqa_decode"} if sub_config else "sdpa_gqa_decode")
+    try:  # the text model only: the vision tower keeps its own attention
+        model.set_attn_implementation({"text_config": "sdpa_gqa_decode"})
     except Exception:
         log.warning("grouped-query decode attention unavailable; using transformers' SDPA", exc_info=True)
 
@@ -2302,7 +2300,7 @@ class Engine:
                 return self._requeue(group, limit=1)
             return self._admit_failed(group[0])
         for ticket, row, token, prompt, size in zip(group, rows, first, prompt_tokens, input_sizes):
-            ticket.start(row, prompt, size)
+            ticket.row, ticket.prompt_tokens, ticket.input_size = row, prompt, size
             self._rows[row] = ticket
             self._accept(ticket, [token])
 
@@ -2466,14 +2464,13 @@ class Engine:
             self._wake.notify()
         return True
 
-    def warm_up(self) -> float:
-        """Get the decode step's compilation going (in the background). Returns seconds spent here."""
-        started = time.perf_counter()
+    def warm_up(self) -> None:
+        """Start compiling the decode step in the background; the engine thread switches to each
+        compiled shape as it becomes ready."""
         if self.continuous and self.compile:
             self.decoder  # noqa: B018 (creating it queues the compilation of its shapes)
             with self._wake:
-                self._start_thread()  # it switches to each compiled shape as it becomes ready
-        return time.perf_counter() - started
+                self._start_thread()
 
     def stop_after(self, grace: float) -> None:
         """Items still running `grace` seconds from now fail with `worker_stopping` (on SIGTERM)."""
@@ -2502,9 +2499,6 @@ class Ticket:
         self.row: Optional[int] = None
         self.ids: list[int] = []
         self.prompt_tokens, self.input_size, self.sent = 0, None, ""
-
-    def start(self, row: int, prompt_tokens: int, input_size) -> None:
-        self.row, self.prompt_tokens, self.input_size = row, prompt_tokens, input_size
 
     def cancel(self) -> None:
         """Give up on the item: the engine drops it from the queue or frees its row at the next step."""
