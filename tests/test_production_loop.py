@@ -221,3 +221,39 @@ def test_hostile_run_gets_bounded_clear_answers_and_the_worker_keeps_serving(mod
         for body in answers.get(job_id, []):
             assert_error(body, "invalid_request")
     assert "Traceback" not in log and "generation failed" not in log
+
+
+def test_two_hundred_mixed_jobs_through_the_real_loop_each_answered_once(model, tmp_path):
+    """The worker itself in the SDK's loop: plain, streamed, batch-call and invalid jobs, several in
+    flight at once (the SDK takes them in batches), each answered exactly once, streamed ones
+    through /job-stream with their chunks adding up to the aggregate."""
+    with JobQueue() as queue:
+        kinds = {}
+        for n in range(200):
+            kind = ("plain", "streamed", "batch", "invalid")[n % 4]
+            if kind == "batch":
+                job = {"requests": [caption(n, 4), {"task": "vqa", "image_url": IMAGE}]}
+            elif kind == "invalid":
+                job = {"task": "vqa", "image_url": IMAGE, "max_new_tokens": "many"}
+            else:
+                job = dict(caption(n, 6), stream=kind == "streamed")
+            kinds[queue.put(job)] = kind
+        with worker(queue, model, tmp_path / "worker.log") as running:
+            assert queue.wait_answered(kinds, RUN_LIMIT_S), running.log()[-3000:]
+        assert running.process.returncode == 0
+    assert_answered_exactly_once(queue, kinds)
+    assert max(len(take["ids"]) for take in queue.takes) > 1  # more than one job in flight
+    for job_id, kind in kinds.items():
+        (post,) = queue.accepted(job_id)
+        if kind == "invalid":
+            assert_error(post.body, "invalid_request", "max_new_tokens")
+        elif kind == "batch":
+            first, second = output_of(post.body)["results"]
+            assert first["usage"]["completion_tokens"] == 4 and second["code"] == "invalid_request"
+        elif kind == "plain":
+            assert output_of(post.body)["usage"]["completion_tokens"] == 6
+        else:
+            chunks = post.body["output"]
+            streamed = [p.body["output"] for p in queue.stream_posts if p.job_id == job_id]
+            assert streamed == chunks and chunks[-1]["usage"]["completion_tokens"] == 6
+            assert chunks[-1]["finish_reason"] == "length"
