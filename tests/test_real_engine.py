@@ -411,3 +411,47 @@ def test_a_cancelled_job_frees_its_row_for_the_next(tiny_model, serve, monkeypat
     assert isinstance(first, handler.StreamDelta)
     assert short.completion_tokens == 3 and short.finish_reason == "length"
     assert sum(steps) < 20  # the short job did not wait for the long one's 200 tokens
+
+
+def failing_prefills(engine, monkeypatch, error, when):
+    """Make the model raise `error` (a real torch exception) on prompt passes of `when(rows)`."""
+    real_forward = engine.model.forward
+    prefill_rows = []
+
+    @functools.wraps(real_forward)
+    def forward(*args, **kwargs):
+        input_ids = kwargs.get("input_ids")
+        if input_ids is not None and input_ids.shape[1] > 1:
+            prefill_rows.append(input_ids.shape[0])
+            if when(input_ids.shape[0]):
+                raise error
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(engine.model, "forward", forward)
+    return prefill_rows
+
+
+def test_a_prefill_out_of_memory_is_retried_in_halves(tiny_model, serve, monkeypatch):
+    engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_SIZE="4")
+    items = [{"task": "vqa", "image_url": data_uri(striped()), "question": f"Item {n}?", "max_new_tokens": 3}
+             for n in range(4)]
+    solo = [ask(item) for item in items]
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+    prefill_rows = failing_prefills(engine, monkeypatch, oom, lambda rows: rows > 2)
+    assert ask({"requests": items})["results"] == solo
+    assert prefill_rows == [4, 2, 2]  # the whole batch, then its halves
+    failing_prefills(engine, monkeypatch, oom, lambda rows: True)
+    out = ask(items[0])
+    assert out["code"] == "out_of_memory" and out["param"] is None and "prompt tokens" in out["error"]
+    monkeypatch.undo()
+    assert ask(items[0]) == solo[0]  # memory released, the worker goes on
+
+
+def test_a_fatal_cuda_error_fails_requests_and_asks_for_a_new_worker(tiny_model, serve, monkeypatch):
+    engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_SIZE="2")
+    monkeypatch.setattr(handler, "_RUNPOD_CONFIG", {})
+    fatal = torch.AcceleratorError("CUDA error: an illegal memory access was encountered")
+    failing_prefills(engine, monkeypatch, fatal, lambda rows: True)
+    out = ask({"messages": [{"role": "user", "content": "Hello?"}], "max_new_tokens": 3})
+    assert out["code"] == "gpu_failure" and handler._RUNPOD_CONFIG["refresh_worker"] is True
+    assert ask({"messages": [{"role": "user", "content": "Again?"}]})["code"] == "gpu_failure"
