@@ -2267,10 +2267,8 @@ class Engine:
         longest = max(t.item.params.max_new_tokens for t in group)
         shift = decoder.plan(prompt_length, longest)
         if shift is None:
-            if len(group) > 1:  # a smaller group may fit
-                self._requeue(group[1:])
-                self._requeue([group[0]])
-                return
+            if len(group) > 1:  # a smaller group (shorter padding, fewer tokens) may fit
+                return self._requeue(group, limit=len(group) // 2)
             if not self._rows:  # alone and still too long: a decoder with a longer cache
                 length = self._cache_length(prompt_length + longest + decoder.interval)
                 if self.max_slots is not None and length > self.max_slots:

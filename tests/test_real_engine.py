@@ -455,3 +455,16 @@ def test_a_fatal_cuda_error_fails_requests_and_asks_for_a_new_worker(tiny_model,
     out = ask({"messages": [{"role": "user", "content": "Hello?"}], "max_new_tokens": 3})
     assert out["code"] == "gpu_failure" and handler._RUNPOD_CONFIG["refresh_worker"] is True
     assert ask({"messages": [{"role": "user", "content": "Again?"}]})["code"] == "gpu_failure"
+
+
+def test_a_batch_too_long_for_the_cache_together_is_split_until_it_fits(tiny_model, serve):
+    # 256 slots: the two together (padded to the longer prompt, the longer budget) do not fit; the
+    # engine splits the group (and grows the cache for an item too long alone) rather than waiting
+    # for a fit that never comes.
+    serve(tiny_model("qwen2-vl"), VLM_CACHE_LEN="256", VLM_MAX_NEW_TOKENS="400")
+    items = [{"task": "vqa", "image_url": data_uri(striped((336, 336))), "question": "Long prompt?",
+              "max_new_tokens": 20, "min_new_tokens": 20},
+             {"messages": [{"role": "user", "content": "Short."}], "max_new_tokens": 200, "min_new_tokens": 200}]
+    solo = [ask(item) for item in items]
+    assert solo[0]["usage"]["prompt_tokens"] + 200 > 256  # together they cannot fit
+    assert ask({"requests": items})["results"] == solo
