@@ -37,6 +37,7 @@ import signal
 import tempfile
 import threading
 import time
+import types
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -1684,16 +1685,6 @@ def _use_grouped_query_decode_attention(model) -> None:
         log.warning("grouped-query decode attention unavailable; using transformers' SDPA", exc_info=True)
 
 
-class _RowState:
-    """The per-row decoding tensors of some rows: views of the decoder's (the first n rows, one
-    bucket) or copies (rows being admitted)."""
-
-    FIELDS = ("token", "mask", "count", "min_new", "sample", "temperature", "top_p", "seen", "ring")
-
-    def __init__(self, **tensors):
-        self.__dict__.update(tensors)
-
-
 class SlotDecoder:
     """Continuous-batching decoding state: `rows` sequences over one static KV cache of `length` slots.
 
@@ -1731,7 +1722,7 @@ class SlotDecoder:
         self.penalty = penalty if penalty != 1.0 else None
         zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         self.cache_position, self.ring_index = zeros(1), zeros(1)
-        self.state = _RowState(
+        self.state = types.SimpleNamespace(
             token=zeros(rows, 1), mask=zeros(rows, length), count=zeros(rows), min_new=zeros(rows),
             sample=zeros(rows, dtype=torch.bool), temperature=zeros(rows, dtype=torch.float),
             top_p=zeros(rows, dtype=torch.float), ring=zeros(rows, interval),
@@ -1838,7 +1829,7 @@ class SlotDecoder:
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype, device=index.device)
 
-        new = _RowState(
+        new = types.SimpleNamespace(
             count=torch.zeros(count, dtype=torch.long, device=index.device),
             min_new=column([p.min_new_tokens for p in params], torch.long),
             sample=column([p.do_sample for p in params], torch.bool),
@@ -1871,7 +1862,7 @@ class SlotDecoder:
 
     # ---- decoding ---------------------------------------------------------------------------
 
-    def _choose(self, logits, rows: _RowState, any_sample: bool):
+    def _choose(self, logits, rows: types.SimpleNamespace, any_sample: bool):
         """Each row's next token from its logits."""
         import torch
 
@@ -1900,12 +1891,9 @@ class SlotDecoder:
         probs = probs.scatter(1, order, sorted_probs.masked_fill(outside, 0.0))
         return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
 
-    def _rows_of(self, bucket: int) -> _RowState:
-        state = self.state
-        return _RowState(**{
-            name: getattr(state, name)[:bucket] if getattr(state, name) is not None else None
-            for name in _RowState.FIELDS
-        })
+    def _rows_of(self, bucket: int) -> types.SimpleNamespace:
+        """The per-row tensors of the first `bucket` rows, as views."""
+        return types.SimpleNamespace(**{k: v if v is None else v[:bucket] for k, v in vars(self.state).items()})
 
     def _advance(self, bucket: int) -> None:
         """One step of the first `bucket` rows: their last tokens go through the model, the next
