@@ -2536,22 +2536,17 @@ def reset_engine() -> None:
 # Answers: engine results for the handler, boxes, output fields
 # =================================================================================================
 
-
 def generate_all(engine: Engine, items: list[GenerationRequest]) -> list[Outcome]:
-    """Answer items through the engine, beside every other job's items; results in input order.
-    Blocks the calling thread (never the engine's)."""
+    """Answer items through the engine, beside other jobs' items, in input order; blocks the calling thread."""
     results: list[Optional[Outcome]] = [None] * len(items)
     finished = threading.Semaphore(0)
 
-    def listener(index: int):
-        def on_event(event) -> None:
-            if not isinstance(event, StreamDelta):
-                results[index] = event
-                finished.release()
+    def on_event(index: int, event) -> None:
+        if not isinstance(event, StreamDelta):
+            results[index] = event
+            finished.release()
 
-        return on_event
-
-    engine.submit_all(items, [listener(index) for index in range(len(items))])
+    engine.submit_all(items, [functools.partial(on_event, index) for index in range(len(items))])
     for _ in items:
         finished.acquire()
     return results  # type: ignore[return-value]
@@ -2587,10 +2582,7 @@ def format_output(engine: Engine, item: GenerationRequest, generation: Generatio
         "task": item.task,
         "image_count": len(item.images),
         "finish_reason": generation.finish_reason,
-        "usage": {
-            "prompt_tokens": generation.prompt_tokens,
-            "completion_tokens": generation.completion_tokens,
-        },
+        "usage": {"prompt_tokens": generation.prompt_tokens, "completion_tokens": generation.completion_tokens},
     }
     if item.task == "grounding":
         output.update(grounding_fields(item, generation, engine.adapter))
