@@ -1086,9 +1086,7 @@ class FamilyAdapter:
         ]
 
     def batch_inputs(self, processor, items: list[GenerationRequest], device, dtype):
-        """Left-padded prompts and pixels on `device`, and per item its first image's input size (or
-        None). As the cards' `processor.apply_chat_template(..., tokenize=True)`: each item's images
-        are one sample, and a template that already writes BOS gets no second one from the tokenizer."""
+        """Left-padded prompts and pixels on `device`, and per item its first image's input size (or None)."""
         prompts = [
             processor.apply_chat_template(
                 self.chat_messages(self.request_turns(item)), add_generation_prompt=True, tokenize=False)
@@ -1097,7 +1095,7 @@ class FamilyAdapter:
         kwargs: dict = {"text": prompts, "padding": True, "return_tensors": "pt"}
         if any(item.images for item in items):
             kwargs["images"] = [item.images for item in items]
-        bos = getattr(processor.tokenizer, "bos_token", None)
+        bos = getattr(processor.tokenizer, "bos_token", None)  # a template that writes BOS gets no second one
         if isinstance(bos, str) and prompts[0].startswith(bos):
             kwargs["add_special_tokens"] = False
         inputs = processor(**kwargs).to(device)
@@ -1130,8 +1128,7 @@ class QwenVLAdapter(FamilyAdapter):
 
 
 class PaliGemmaAdapter(FamilyAdapter):
-    """PaliGemma (2, mix): no chat template; one image and a task prefix per prompt, which the
-    processor turns into `<image>`s + BOS + prefix + newline. Detection answers <loc> tokens."""
+    """PaliGemma (2, mix): no chat template; one image and a task prefix per prompt, detection in <loc> tokens."""
 
     name, grounding, grounding_template = "paligemma", "paligemma-1024", "detect {}"
     skip_modules = ("model.vision_tower", "model.multi_modal_projector", "lm_head")
@@ -1146,11 +1143,9 @@ class PaliGemmaAdapter(FamilyAdapter):
         text = _text_of(item.turns[-1]).strip()
         prefix = {"caption": "caption en", "caption_long": "describe en", "vqa": f"answer en {text}"}.get(item.task)
         if prefix is None and (len(item.turns) != 1 or item.turns[0].role != "user"):
-            raise RequestError(
-                "invalid_request", "the paligemma family takes one user message (a task prefix such "
-                "as 'caption en', 'answer en <question>' or 'detect <object>'), no system or "
-                "assistant turns", _join(item.param, "messages"),
-            )
+            raise RequestError("invalid_request", "the paligemma family takes one user message (a task prefix such "
+                               "as 'caption en', 'answer en <question>' or 'detect <object>'), no system or "
+                               "assistant turns", _join(item.param, "messages"))
         return prefix or text
 
     def batch_inputs(self, processor, items, device, dtype):
@@ -1180,8 +1175,7 @@ class RemoteCodeAdapter(FamilyAdapter):
         return model, getattr(transformers, self.processor_class).from_pretrained(path, trust_remote_code=True)
 
     def card_sampling(self, sampling: dict) -> dict:
-        """The request's decoding exactly: greedy stays greedy; sampling is temperature and top-p
-        only (top_k=0 turns off the top-k 50 that generate() otherwise takes from its defaults)."""
+        """The request's decoding exactly; top_k=0 turns off generate()'s default top-k 50 when sampling."""
         return {**sampling, "top_k": 0} if sampling.get("do_sample") else dict(sampling)
 
     def run(self, model, tokenizer, item: GenerationRequest, sampling: dict) -> Generation:
@@ -1192,14 +1186,15 @@ class RemoteCodeAdapter(FamilyAdapter):
 
     @contextlib.contextmanager
     def recorded_generation(self, model):
-        """Around a chat() call: the prompt length, generated ids and end tokens of the inner language
-        model's generate(), which chat() APIs do not return. Empty when the model has no such module."""
+        """Records the prompt length, ids and end tokens of the inner model's generate(), which chat() hides."""
+        from unittest import mock
+
         record: dict = {}
         inner = getattr(model, self.inner_language_model, None) if self.inner_language_model else None
         if inner is None or not callable(getattr(inner, "generate", None)):
             yield record
             return
-        real_generate, own = inner.generate, "generate" in vars(inner)
+        real_generate = inner.generate
 
         def generate(*args, **kwargs):
             output = real_generate(*args, **kwargs)
@@ -1208,14 +1203,8 @@ class RemoteCodeAdapter(FamilyAdapter):
                           ids=output[0].tolist(), eos=set(_token_ids(kwargs.get("eos_token_id"))))
             return output
 
-        inner.generate = generate
-        try:
+        with mock.patch.object(inner, "generate", generate):
             yield record
-        finally:
-            if own:
-                inner.generate = real_generate
-            else:
-                del inner.generate  # the class's method again
 
     def end_tokens(self, model, tokenizer) -> set:
         return set(_token_ids(model.generation_config.eos_token_id)) | set(_token_ids(tokenizer.eos_token_id))
@@ -1240,8 +1229,7 @@ def _token_ids(value) -> list[int]:
 
 
 def _leading_system_prompt(turns: list[Turn], family: str, param: Optional[str]) -> tuple[Optional[str], list[Turn]]:
-    """The system prompt (system turns before the conversation) and the turns after it; a chat that
-    then opens with an assistant turn, or a later system turn, is refused as the card cannot say it."""
+    """The leading system turns' text and the turns after them, which must open with a user turn."""
     opening = next((k for k, turn in enumerate(turns) if turn.role != "system"), len(turns))
     system, rest = turns[:opening], turns[opening:]
     if any(turn.role == "system" for turn in rest):
@@ -1272,8 +1260,7 @@ class MiniCPMVAdapter(RemoteCodeAdapter):
         return super().load(path, load_kwargs)
 
     def card_sampling(self, sampling: dict) -> dict:
-        """chat() overrides its own defaults (sampling: top_k 100 and repetition_penalty 1.05; not
-        sampling: num_beams 3 and repetition_penalty 1.2) only with the keys given here."""
+        """Overrides chat()'s defaults (top_k 100 or num_beams 3, repetition_penalty 1.05 or 1.2)."""
         greedy = not sampling.get("do_sample")
         return {**super().card_sampling(sampling), "sampling": not greedy, "repetition_penalty": 1.0,
                 **({"num_beams": 1} if greedy else {})}
@@ -1318,6 +1305,8 @@ class InternVL2Adapter(RemoteCodeAdapter):
         return torch.cat(per_image).to(dtype=dtype, device=device), [len(p) for p in per_image]
 
     def chat(self, model, tokenizer, system, turns, images, sampling) -> str:
+        from unittest import mock
+
         # Its chat() takes one question plus (question, answer) history pairs; a system prompt
         # replaces `model.system_message` for this request, as its card does.
         history, pending = [], None
@@ -1329,15 +1318,9 @@ class InternVL2Adapter(RemoteCodeAdapter):
             elif turn.role == "user":
                 pending = text if pending is None else f"{pending}\n{text}"
         values, num_patches = self.pixel_values(images, model.dtype, model.device)
-        default_system = getattr(model, "system_message", None)
-        if system:
-            model.system_message = system
-        try:
+        with mock.patch.object(model, "system_message", system, create=True) if system else contextlib.nullcontext():
             return model.chat(tokenizer, values, pending or "", sampling,
                               num_patches_list=num_patches or None, history=history or None)
-        finally:
-            if system:  # the next request gets the model's own default again
-                model.system_message = default_system
 
 
 class Phi3VisionAdapter(RemoteCodeAdapter):
@@ -1365,9 +1348,8 @@ class Phi3VisionAdapter(RemoteCodeAdapter):
     def run(self, model, processor, item: GenerationRequest, sampling: dict) -> Generation:
         import torch
 
-        prompt = processor.tokenizer.apply_chat_template(
-            self.chat_messages(self.request_turns(item)), tokenize=False, add_generation_prompt=True
-        )
+        messages = self.chat_messages(self.request_turns(item))
+        prompt = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         inputs = processor(prompt, item.images or None, return_tensors="pt").to(model.device)
         # The card passes the tokenizer's end token; the generation config's (<|end|>) ends turns too.
         eos = self.end_tokens(model, processor.tokenizer)
@@ -1418,8 +1400,7 @@ ADAPTERS: dict[str, FamilyAdapter] = {adapter.name: adapter for adapter in map(a
 
 @functools.cache
 def unquantized_module_names(model_type: str) -> tuple[str, ...]:
-    """The outermost modules named like vision or projector modules, then the output head, read from
-    the model type's default config built on the meta device (no weights; names do not depend on sizes)."""
+    """The outermost vision or projector modules, then the output head, of the type's default model on meta."""
     import torch
     from transformers import AutoConfig, AutoModelForImageTextToText
 
@@ -2535,22 +2516,17 @@ def reset_engine() -> None:
 # Answers: engine results for the handler, boxes, output fields
 # =================================================================================================
 
-
 def generate_all(engine: Engine, items: list[GenerationRequest]) -> list[Outcome]:
-    """Answer items through the engine, beside every other job's items; results in input order.
-    Blocks the calling thread (never the engine's)."""
+    """Answer items through the engine, beside other jobs' items, in input order; blocks the calling thread."""
     results: list[Optional[Outcome]] = [None] * len(items)
     finished = threading.Semaphore(0)
 
-    def listener(index: int):
-        def on_event(event) -> None:
-            if not isinstance(event, StreamDelta):
-                results[index] = event
-                finished.release()
+    def on_event(index: int, event) -> None:
+        if not isinstance(event, StreamDelta):
+            results[index] = event
+            finished.release()
 
-        return on_event
-
-    engine.submit_all(items, [listener(index) for index in range(len(items))])
+    engine.submit_all(items, [functools.partial(on_event, index) for index in range(len(items))])
     for _ in items:
         finished.acquire()
     return results  # type: ignore[return-value]
@@ -2586,10 +2562,7 @@ def format_output(engine: Engine, item: GenerationRequest, generation: Generatio
         "task": item.task,
         "image_count": len(item.images),
         "finish_reason": generation.finish_reason,
-        "usage": {
-            "prompt_tokens": generation.prompt_tokens,
-            "completion_tokens": generation.completion_tokens,
-        },
+        "usage": {"prompt_tokens": generation.prompt_tokens, "completion_tokens": generation.completion_tokens},
     }
     if item.task == "grounding":
         output.update(grounding_fields(item, generation, engine.adapter))
