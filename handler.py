@@ -95,7 +95,7 @@ DTYPE_CHOICES = ("auto", "fp16", "bf16", "fp32")
 from typing import Annotated, Literal  # noqa: E402
 
 import pydantic.dataclasses  # noqa: E402
-from pydantic import BeforeValidator  # noqa: E402
+from pydantic import BeforeValidator, NonNegativeInt, PositiveInt  # noqa: E402
 
 
 class SettingsError(RuntimeError):
@@ -114,8 +114,6 @@ def _from_env(cls, env: dict, names: dict[str, str]):
 
 
 _Lower = BeforeValidator(lambda value: value.lower() if isinstance(value, str) else value)
-_Count = Annotated[int, Field(ge=0)]
-_Positive = Annotated[int, Field(ge=1)]
 _Seconds = Annotated[float, Field(gt=0, le=600)]
 
 
@@ -127,21 +125,21 @@ class Settings:
     device_map: str = "auto"
     trust_remote_code: bool = True
     allow_any: bool = False
-    max_new_tokens_cap: _Positive = 2048  # VLM_MAX_NEW_TOKENS; every other field is VLM_<NAME>
-    default_max_new_tokens: _Positive = 256
-    max_batch_size: _Positive = 16  # rows decoding together (continuous batching)
-    max_concurrency: _Positive = 32  # jobs this worker takes at once (RunPod concurrency_modifier)
-    sync_interval: _Positive = 8  # decode steps between looks at the tokens (admission, stops, streaming)
-    stream_interval_ms: _Count = 50  # streamed jobs post at most this often
+    max_new_tokens_cap: PositiveInt = 2048  # VLM_MAX_NEW_TOKENS; every other field is VLM_<NAME>
+    default_max_new_tokens: PositiveInt = 256
+    max_batch_size: PositiveInt = 16  # rows decoding together (continuous batching)
+    max_concurrency: PositiveInt = 32  # jobs this worker takes at once (RunPod concurrency_modifier)
+    sync_interval: PositiveInt = 8  # decode steps between looks at the tokens (admission, stops, streaming)
+    stream_interval_ms: NonNegativeInt = 50  # streamed jobs post at most this often
     load_at_boot: bool = True  # load and warm up before taking jobs; off: the first request loads
-    shutdown_grace: _Count = 10  # seconds jobs in flight may still run after SIGTERM
-    max_batch_requests: _Positive = 64  # items in one {"requests": [...]} call
-    max_images: _Positive = 16  # per request
-    max_total_pixels: _Positive = 64_000_000  # decoded pixels per request, all images together
-    max_text_chars: _Positive = 32_000  # all text of a request together
-    max_messages: _Positive = 64
-    min_pixels: _Count = 0  # Qwen processors' visual-token bounds; 0 keeps the model's own
-    max_pixels: _Count = 0
+    shutdown_grace: NonNegativeInt = 10  # seconds jobs in flight may still run after SIGTERM
+    max_batch_requests: PositiveInt = 64  # items in one {"requests": [...]} call
+    max_images: PositiveInt = 16  # per request
+    max_total_pixels: PositiveInt = 64_000_000  # decoded pixels per request, all images together
+    max_text_chars: PositiveInt = 32_000  # all text of a request together
+    max_messages: PositiveInt = 64
+    min_pixels: NonNegativeInt = 0  # Qwen processors' visual-token bounds; 0 keeps the model's own
+    max_pixels: NonNegativeInt = 0
     compile: bool = True  # torch.compile + CUDA graphs for decoding (CUDA only, never bitsandbytes)
     cache_len: Annotated[int, Field(ge=256)] = 2048  # KV-cache length compiled at warm-up; a longer request doubles it
     compile_cache_dir: str = ""  # compiled kernels kept here are reused by a restarted worker
@@ -194,9 +192,6 @@ def _join(param: Optional[str], child: str) -> str:
     return f"{param}{child}" if child.startswith("[") else f"{param}.{child}"
 
 
-# A request, once validated, is a list of turns; each turn holds text and PIL images in order.
-
-
 @dataclasses.dataclass
 class Turn:
     role: str
@@ -214,8 +209,6 @@ class GenerationParams:
 
 @dataclasses.dataclass
 class GenerationRequest:
-    """One validated item, ready for the engine."""
-
     task: str
     turns: list[Turn]
     params: GenerationParams
@@ -240,8 +233,6 @@ class Generation:
 
 @dataclasses.dataclass
 class StreamDelta:
-    """A piece of an answer as it is produced."""
-
     text: str  # new text since the previous delta
     completion_tokens: int  # tokens generated so far
 
@@ -464,9 +455,8 @@ MAX_PARALLEL_FETCHES = 8  # threads fetching the images of one request
 
 
 def _resolve_images(turns: list[Turn], settings: Settings, param: Optional[str]) -> None:
-    """Fetch (side by side, under one deadline) and decode a request's images in place, in order: the
-    count is checked before any fetch, the pixel budget from each header before decoding; the first
-    failure in order is raised and the fetches not yet started are dropped."""
+    """Fetch (side by side, under one deadline) and decode a request's images in place, in order: the count
+    is checked before any fetch, the pixel budget before each decode; the first failure in order is raised."""
     import concurrent.futures
 
     pending = [(turn, k) for turn in turns for k, part in enumerate(turn.parts) if isinstance(part, ImageSpec)]
@@ -477,7 +467,7 @@ def _resolve_images(turns: list[Turn], settings: Settings, param: Optional[str])
     policy, used = MediaPolicy.from_env(), 0
     sources = [image_source(turn.parts[k].spec, turn.parts[k].param) for turn, k in pending]
     deadline = time.monotonic() + policy.fetch_deadline
-    pool = ThreadPoolExecutor(max(min(MAX_PARALLEL_FETCHES, len(sources)), 1), thread_name_prefix="vlm-fetch")
+    pool = ThreadPoolExecutor(MAX_PARALLEL_FETCHES, thread_name_prefix="vlm-fetch")  # threads start as needed
     try:
         futures = [pool.submit(_image_bytes, text, policy, where, deadline) for text, where in sources]
         for (turn, k), future, (_, where) in zip(pending, futures, sources):
@@ -501,8 +491,6 @@ def _resolve_images(turns: list[Turn], settings: Settings, param: Optional[str])
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
 
-
-# ---- parsing boxes ------------------------------------------------------------------------------
 
 # =================================================================================================
 # Images: fetched and decoded under the media policy
@@ -537,10 +525,10 @@ class MediaPolicy:
     trust_env_proxy: bool = False  # use HTTP(S)_PROXY / NO_PROXY
     fetch_timeout: _Seconds = 20.0  # a whole fetch, all hops
     fetch_deadline: _Seconds = 30.0  # all the fetches of one request
-    max_image_bytes: _Positive = 64 * 1024 * 1024  # downloaded or local file bytes
-    max_base64_bytes: _Positive = 16 * 1024 * 1024  # encoded length of base64 text
-    max_image_pixels: _Positive = 40_000_000  # width*height, from the header
-    min_image_side: _Positive = 8  # pixels, both sides
+    max_image_bytes: PositiveInt = 64 * 1024 * 1024  # downloaded or local file bytes
+    max_base64_bytes: PositiveInt = 16 * 1024 * 1024  # encoded length of base64 text
+    max_image_pixels: PositiveInt = 40_000_000  # width*height, from the header
+    min_image_side: PositiveInt = 8  # pixels, both sides
     media_dir: Optional[str] = None  # local files only from inside this folder
 
     @classmethod
@@ -592,9 +580,6 @@ def _image_bytes(spec: str, policy: MediaPolicy, param: str, deadline: Optional[
     return _base64_bytes(spec, policy, param)
 
 
-# ---- base64 and data URIs -----------------------------------------------------------------------
-
-
 def _data_uri_bytes(spec: str, policy: MediaPolicy, param: str) -> bytes:
     header, comma, _ = spec[5:1029].partition(",")
     if not comma:
@@ -631,9 +616,6 @@ def _base64_bytes(text: str, policy: MediaPolicy, param: str) -> bytes:
     return data
 
 
-# ---- local files --------------------------------------------------------------------------------
-
-
 def _local_file_bytes(spec: str, is_url: bool, policy: MediaPolicy, param: str) -> bytes:
     import stat
     import urllib.parse
@@ -666,9 +648,6 @@ def _local_file_bytes(spec: str, is_url: bool, policy: MediaPolicy, param: str) 
     if len(data) > policy.max_image_bytes:
         raise RequestError("image_too_large", f"the image is over {_size_text(policy.max_image_bytes)}", param)
     return data
-
-
-# ---- URL policy ---------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -942,8 +921,6 @@ def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: s
         if declared is not None and size < declared:  # read1 returns short bodies quietly
             raise RequestError("fetch_failed", "the image download ended early" + after, param)
         return b"".join(chunks)
-    except RequestError:
-        raise
     except (OSError, http.client.HTTPException, ValueError) as error:
         if expired.is_set() or isinstance(error, TimeoutError):  # socket.timeout is TimeoutError
             raise RequestError("fetch_timeout", late + after, param) from None
@@ -953,8 +930,6 @@ def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: s
         watchdog.cancel()
         conn.close()
 
-
-# ---- decoding -----------------------------------------------------------------------------------
 
 _SVG_MESSAGE = "SVG images are not supported; send PNG, JPEG, WEBP, GIF, BMP or TIFF"
 _OTHER_FORMATS = (
@@ -999,8 +974,7 @@ def _decode_image(data: bytes, policy: MediaPolicy, param: str):
             message = f"the image is {width}x{height}; each side must be at least {policy.min_image_side} pixels"
             raise RequestError("image_too_small", message, param)
         try:
-            image.seek(0)  # frame 0 of animations
-            image.load()
+            image.load()  # frame 0 of an animation
             oriented = image
             with contextlib.suppress(Exception):  # a broken EXIF block costs the orientation, not the request
                 oriented = ImageOps.exif_transpose(image)
