@@ -794,7 +794,7 @@ def _tls_context_for(cafile: Optional[str], cadir: Optional[str]):
     return context
 
 
-def _pinned_connection(target: ImageURL, addresses: list, policy: MediaPolicy, deadline: float, param: str):
+def _pinned_connection(target: ImageURL, addresses: list, deadline: float):
     """An http.client connection to the checked addresses, never to a fresh DNS answer (DNS
     rebinding); the Host header, SNI and certificate check keep the name."""
     import http.client
@@ -802,9 +802,7 @@ def _pinned_connection(target: ImageURL, addresses: list, policy: MediaPolicy, d
 
     def pin():
         last: Optional[OSError] = None
-        for ip in addresses:
-            if not policy.allow_internal and ip_is_blocked(ip):  # checked again at connect time
-                raise RequestError("blocked_url", "the image URL points at an internal address", param)
+        for ip in addresses:  # each already checked by _resolve or check_image_url
             if (remaining := deadline - time.monotonic()) <= 0:
                 raise TimeoutError
             try:
@@ -813,13 +811,12 @@ def _pinned_connection(target: ImageURL, addresses: list, policy: MediaPolicy, d
                 last = error
         raise last or OSError("no address")
 
-    timeout = max(deadline - time.monotonic(), 0.001)
-    if target.scheme == "http":
-        conn = http.client.HTTPConnection(target.host, target.port, timeout=timeout)
+    if target.scheme == "http":  # connect is pin(), under the deadline: no timeout of http.client's own
+        conn = http.client.HTTPConnection(target.host, target.port)
         conn.connect = lambda: setattr(conn, "sock", pin())
         return conn
     tls = _tls_context()
-    conn = http.client.HTTPSConnection(target.host, target.port, timeout=timeout, context=tls)
+    conn = http.client.HTTPSConnection(target.host, target.port, context=tls)
     conn.connect = lambda: setattr(conn, "sock", tls.wrap_socket(pin(), server_hostname=target.host))
     return conn
 
@@ -877,9 +874,7 @@ def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: s
 
     via_proxy = _proxy_connection(target, policy, deadline)
     addresses = _resolve(target, policy, deadline, param, after)
-    conn, request_target, headers = via_proxy or (
-        _pinned_connection(target, addresses, policy, deadline, param), target.target, {}
-    )
+    conn, request_target, headers = via_proxy or (_pinned_connection(target, addresses, deadline), target.target, {})
     headers.update({"User-Agent": "runpod-vlm image fetch", "Accept": "image/*", "Accept-Encoding": "identity"})
     expired = threading.Event()
 
