@@ -342,6 +342,7 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
 
 
 MAX_NESTING = 32  # a real request nests 7 levels deep (requests[i].messages[j].content[k].image_url.url)
+_SURROGATE = re.compile(r"[\ud800-\udfff]")  # in a str always lone (JSON's \ud800): UTF-8 cannot encode it
 
 
 def check_strings(raw: Any, param: Optional[str]) -> None:
@@ -355,11 +356,10 @@ def check_strings(raw: Any, param: Optional[str]) -> None:
         elif isinstance(value, (dict, list)):
             if depth >= MAX_NESTING:
                 raise RequestError("invalid_request", f"nested deeper than {MAX_NESTING} levels", where or "input")
-            if isinstance(value, dict):
-                for name in value:
-                    if isinstance(name, str):
-                        _check_text(name, _field_path(where, name), "field name")
             keys = range(len(value)) if isinstance(value, list) else list(value)
+            for name in keys:
+                if isinstance(name, str):  # a dict's key
+                    _check_text(name, _field_path(where, name), "field name")
             stack.extend((value[key], _field_path(where, key), depth + 1) for key in reversed(keys))
 
 
@@ -370,12 +370,8 @@ def _field_path(parent: Optional[str], key: Any) -> str:
 def _check_text(text: str, where: Optional[str], what: str) -> None:
     if "\x00" in text:
         raise RequestError("invalid_request", f"the {what} holds a NUL character", where or "input")
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            message = f"the {what} holds invalid Unicode (a lone surrogate)"
-            raise RequestError("invalid_request", message, where or "input") from None
+    if _SURROGATE.search(text):
+        raise RequestError("invalid_request", f"the {what} holds invalid Unicode (a lone surrogate)", where or "input")
 
 
 def _required_text(value: Optional[str], param: str, what: str) -> str:
