@@ -346,8 +346,7 @@ _SURROGATE = re.compile(r"[\ud800-\udfff]")  # in a str always lone (JSON's \ud8
 
 
 def check_strings(raw: Any, param: Optional[str]) -> None:
-    """Refuse, naming the field, a NUL or a lone surrogate (JSON's \\ud800) in any string or key, and
-    nesting deeper than MAX_NESTING. Iterative: a deep request cannot exhaust the stack."""
+    """Refuse, naming the field, a NUL or lone surrogate in any string or key, or nesting past MAX_NESTING."""
     stack: list[tuple[Any, Optional[str], int]] = [(raw, param, 0)]  # value, its field, depth
     while stack:
         value, where, depth = stack.pop()
@@ -458,8 +457,7 @@ def _resolve_images(turns: list[Turn], settings: Settings, param: Optional[str])
     pending = [(turn, k) for turn in turns for k, part in enumerate(turn.parts) if isinstance(part, ImageSpec)]
     if len(pending) > settings.max_images:
         turn, k = pending[settings.max_images]
-        message = f"at most {settings.max_images} images per request"
-        raise RequestError("too_many_images", message, turn.parts[k].param)
+        raise RequestError("too_many_images", f"at most {settings.max_images} images per request", turn.parts[k].param)
     policy, used = MediaPolicy.from_env(), 0
     sources = [image_source(turn.parts[k].spec, turn.parts[k].param) for turn, k in pending]
     deadline = time.monotonic() + policy.fetch_deadline
@@ -748,7 +746,7 @@ def _resolve(target: ImageURL, policy: MediaPolicy, deadline: float, param: str,
 
     if target.ip is not None:
         return [target.ip]
-    future = _dns_pool().submit(socket.getaddrinfo, target.host, target.port, 0, socket.SOCK_STREAM)
+    future = _DNS_POOL.submit(socket.getaddrinfo, target.host, target.port, 0, socket.SOCK_STREAM)
     try:  # getaddrinfo has no timeout of its own: wait on it from here, under the fetch's deadline
         answers = future.result(timeout=max(deadline - time.monotonic(), 0.001))
     except concurrent.futures.TimeoutError:
@@ -765,10 +763,8 @@ def _resolve(target: ImageURL, policy: MediaPolicy, deadline: float, param: str,
     return addresses
 
 
-@functools.cache
-def _dns_pool():
-    # Shared by all jobs: wide enough that names whose DNS stalls (a stranger's server can) hold up no other.
-    return ThreadPoolExecutor(32, thread_name_prefix="vlm-dns")
+# Shared by all jobs (threads start as needed): wide enough that names whose DNS stalls hold up no other.
+_DNS_POOL = ThreadPoolExecutor(32, thread_name_prefix="vlm-dns")
 
 
 def _tls_context():
@@ -858,8 +854,7 @@ def fetch_image_url(url: str, policy: MediaPolicy, param: str, request_deadline:
         if isinstance(body_or_location, bytes):
             return body_or_location
         if hop < MAX_REDIRECTS:
-            location = urllib.parse.urljoin(target.url, body_or_location)
-            target = check_image_url(location, policy, param, redirected=True)
+            target = check_image_url(urllib.parse.urljoin(target.url, body_or_location), policy, param, redirected=True)
     raise RequestError("fetch_failed", f"the image URL redirected more than {MAX_REDIRECTS} times", param)
 
 
