@@ -96,7 +96,7 @@ DTYPE_CHOICES = ("auto", "fp16", "bf16", "fp32")
 from typing import Annotated, Literal  # noqa: E402
 
 import pydantic.dataclasses  # noqa: E402
-from pydantic import BeforeValidator  # noqa: E402
+from pydantic import BeforeValidator, NonNegativeInt, PositiveInt  # noqa: E402
 
 
 class SettingsError(RuntimeError):
@@ -115,8 +115,6 @@ def _from_env(cls, env: dict, names: dict[str, str]):
 
 
 _Lower = BeforeValidator(lambda value: value.lower() if isinstance(value, str) else value)
-_Count = Annotated[int, Field(ge=0)]
-_Positive = Annotated[int, Field(ge=1)]
 _Seconds = Annotated[float, Field(gt=0, le=600)]
 
 
@@ -128,21 +126,21 @@ class Settings:
     device_map: str = "auto"
     trust_remote_code: bool = True
     allow_any: bool = False
-    max_new_tokens_cap: _Positive = 2048  # VLM_MAX_NEW_TOKENS; every other field is VLM_<NAME>
-    default_max_new_tokens: _Positive = 256
-    max_batch_size: _Positive = 16  # rows decoding together (continuous batching)
-    max_concurrency: _Positive = 32  # jobs this worker takes at once (RunPod concurrency_modifier)
-    sync_interval: _Positive = 8  # decode steps between looks at the tokens (admission, stops, streaming)
-    stream_interval_ms: _Count = 50  # streamed jobs post at most this often
+    max_new_tokens_cap: PositiveInt = 2048  # VLM_MAX_NEW_TOKENS; every other field is VLM_<NAME>
+    default_max_new_tokens: PositiveInt = 256
+    max_batch_size: PositiveInt = 16  # rows decoding together (continuous batching)
+    max_concurrency: PositiveInt = 32  # jobs this worker takes at once (RunPod concurrency_modifier)
+    sync_interval: PositiveInt = 8  # decode steps between looks at the tokens (admission, stops, streaming)
+    stream_interval_ms: NonNegativeInt = 50  # streamed jobs post at most this often
     load_at_boot: bool = True  # load and warm up before taking jobs; off: the first request loads
-    shutdown_grace: _Count = 10  # seconds jobs in flight may still run after SIGTERM
-    max_batch_requests: _Positive = 64  # items in one {"requests": [...]} call
-    max_images: _Positive = 16  # per request
-    max_total_pixels: _Positive = 64_000_000  # decoded pixels per request, all images together
-    max_text_chars: _Positive = 32_000  # all text of a request together
-    max_messages: _Positive = 64
-    min_pixels: _Count = 0  # Qwen processors' visual-token bounds; 0 keeps the model's own
-    max_pixels: _Count = 0
+    shutdown_grace: NonNegativeInt = 10  # seconds jobs in flight may still run after SIGTERM
+    max_batch_requests: PositiveInt = 64  # items in one {"requests": [...]} call
+    max_images: PositiveInt = 16  # per request
+    max_total_pixels: PositiveInt = 64_000_000  # decoded pixels per request, all images together
+    max_text_chars: PositiveInt = 32_000  # all text of a request together
+    max_messages: PositiveInt = 64
+    min_pixels: NonNegativeInt = 0  # Qwen processors' visual-token bounds; 0 keeps the model's own
+    max_pixels: NonNegativeInt = 0
     compile: bool = True  # torch.compile + CUDA graphs for decoding (CUDA only, never bitsandbytes)
     cache_len: Annotated[int, Field(ge=256)] = 2048  # KV-cache length compiled at warm-up; a longer request doubles it
     compile_cache_dir: str = ""  # compiled kernels kept here are reused by a restarted worker
@@ -195,9 +193,6 @@ def _join(param: Optional[str], child: str) -> str:
     return f"{param}{child}" if child.startswith("[") else f"{param}.{child}"
 
 
-# A request, once validated, is a list of turns; each turn holds text and PIL images in order.
-
-
 @dataclasses.dataclass
 class Turn:
     role: str
@@ -215,8 +210,6 @@ class GenerationParams:
 
 @dataclasses.dataclass
 class GenerationRequest:
-    """One validated item, ready for the engine."""
-
     task: str
     turns: list[Turn]
     params: GenerationParams
@@ -241,8 +234,6 @@ class Generation:
 
 @dataclasses.dataclass
 class StreamDelta:
-    """A piece of an answer as it is produced."""
-
     text: str  # new text since the previous delta
     completion_tokens: int  # tokens generated so far
 
@@ -352,11 +343,11 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
 
 
 MAX_NESTING = 32  # a real request nests 7 levels deep (requests[i].messages[j].content[k].image_url.url)
+_SURROGATE = re.compile(r"[\ud800-\udfff]")  # in a str always lone (JSON's \ud800): UTF-8 cannot encode it
 
 
 def check_strings(raw: Any, param: Optional[str]) -> None:
-    """Refuse, naming the field, a NUL or a lone surrogate (JSON's \\ud800) in any string or key, and
-    nesting deeper than MAX_NESTING. Iterative: a deep request cannot exhaust the stack."""
+    """Refuse, naming the field, a NUL or lone surrogate in any string or key, or nesting past MAX_NESTING."""
     stack: list[tuple[Any, Optional[str], int]] = [(raw, param, 0)]  # value, its field, depth
     while stack:
         value, where, depth = stack.pop()
@@ -365,11 +356,10 @@ def check_strings(raw: Any, param: Optional[str]) -> None:
         elif isinstance(value, (dict, list)):
             if depth >= MAX_NESTING:
                 raise RequestError("invalid_request", f"nested deeper than {MAX_NESTING} levels", where or "input")
-            if isinstance(value, dict):
-                for name in value:
-                    if isinstance(name, str):
-                        _check_text(name, _field_path(where, name), "field name")
             keys = range(len(value)) if isinstance(value, list) else list(value)
+            for name in keys:
+                if isinstance(name, str):  # a dict's key
+                    _check_text(name, _field_path(where, name), "field name")
             stack.extend((value[key], _field_path(where, key), depth + 1) for key in reversed(keys))
 
 
@@ -380,12 +370,8 @@ def _field_path(parent: Optional[str], key: Any) -> str:
 def _check_text(text: str, where: Optional[str], what: str) -> None:
     if "\x00" in text:
         raise RequestError("invalid_request", f"the {what} holds a NUL character", where or "input")
-    if not text.isascii():
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            message = f"the {what} holds invalid Unicode (a lone surrogate)"
-            raise RequestError("invalid_request", message, where or "input") from None
+    if _SURROGATE.search(text):
+        raise RequestError("invalid_request", f"the {what} holds invalid Unicode (a lone surrogate)", where or "input")
 
 
 def _required_text(value: Optional[str], param: str, what: str) -> str:
@@ -465,20 +451,18 @@ MAX_PARALLEL_FETCHES = 8  # threads fetching the images of one request
 
 
 def _resolve_images(turns: list[Turn], settings: Settings, param: Optional[str]) -> None:
-    """Fetch (side by side, under one deadline) and decode a request's images in place, in order: the
-    count is checked before any fetch, the pixel budget from each header before decoding; the first
-    failure in order is raised and the fetches not yet started are dropped."""
+    """Fetch (side by side, under one deadline) and decode a request's images in place, in order: the count
+    is checked before any fetch, the pixel budget before each decode; the first failure in order is raised."""
     import concurrent.futures
 
     pending = [(turn, k) for turn in turns for k, part in enumerate(turn.parts) if isinstance(part, ImageSpec)]
     if len(pending) > settings.max_images:
         turn, k = pending[settings.max_images]
-        message = f"at most {settings.max_images} images per request"
-        raise RequestError("too_many_images", message, turn.parts[k].param)
+        raise RequestError("too_many_images", f"at most {settings.max_images} images per request", turn.parts[k].param)
     policy, used = MediaPolicy.from_env(), 0
     sources = [image_source(turn.parts[k].spec, turn.parts[k].param) for turn, k in pending]
     deadline = time.monotonic() + policy.fetch_deadline
-    pool = ThreadPoolExecutor(max(min(MAX_PARALLEL_FETCHES, len(sources)), 1), thread_name_prefix="vlm-fetch")
+    pool = ThreadPoolExecutor(MAX_PARALLEL_FETCHES, thread_name_prefix="vlm-fetch")  # threads start as needed
     try:
         futures = [pool.submit(_image_bytes, text, policy, where, deadline) for text, where in sources]
         for (turn, k), future, (_, where) in zip(pending, futures, sources):
@@ -502,8 +486,6 @@ def _resolve_images(turns: list[Turn], settings: Settings, param: Optional[str])
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
 
-
-# ---- parsing boxes ------------------------------------------------------------------------------
 
 # =================================================================================================
 # Images: fetched and decoded under the media policy
@@ -538,10 +520,10 @@ class MediaPolicy:
     trust_env_proxy: bool = False  # use HTTP(S)_PROXY / NO_PROXY
     fetch_timeout: _Seconds = 20.0  # a whole fetch, all hops
     fetch_deadline: _Seconds = 30.0  # all the fetches of one request
-    max_image_bytes: _Positive = 64 * 1024 * 1024  # downloaded or local file bytes
-    max_base64_bytes: _Positive = 16 * 1024 * 1024  # encoded length of base64 text
-    max_image_pixels: _Positive = 40_000_000  # width*height, from the header
-    min_image_side: _Positive = 8  # pixels, both sides
+    max_image_bytes: PositiveInt = 64 * 1024 * 1024  # downloaded or local file bytes
+    max_base64_bytes: PositiveInt = 16 * 1024 * 1024  # encoded length of base64 text
+    max_image_pixels: PositiveInt = 40_000_000  # width*height, from the header
+    min_image_side: PositiveInt = 8  # pixels, both sides
     media_dir: Optional[str] = None  # local files only from inside this folder
 
     @classmethod
@@ -593,9 +575,6 @@ def _image_bytes(spec: str, policy: MediaPolicy, param: str, deadline: Optional[
     return _base64_bytes(spec, policy, param)
 
 
-# ---- base64 and data URIs -----------------------------------------------------------------------
-
-
 def _data_uri_bytes(spec: str, policy: MediaPolicy, param: str) -> bytes:
     header, comma, _ = spec[5:1029].partition(",")
     if not comma:
@@ -632,9 +611,6 @@ def _base64_bytes(text: str, policy: MediaPolicy, param: str) -> bytes:
     return data
 
 
-# ---- local files --------------------------------------------------------------------------------
-
-
 def _local_file_bytes(spec: str, is_url: bool, policy: MediaPolicy, param: str) -> bytes:
     import stat
     import urllib.parse
@@ -667,9 +643,6 @@ def _local_file_bytes(spec: str, is_url: bool, policy: MediaPolicy, param: str) 
     if len(data) > policy.max_image_bytes:
         raise RequestError("image_too_large", f"the image is over {_size_text(policy.max_image_bytes)}", param)
     return data
-
-
-# ---- URL policy ---------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -774,7 +747,7 @@ def _resolve(target: ImageURL, policy: MediaPolicy, deadline: float, param: str,
 
     if target.ip is not None:
         return [target.ip]
-    future = _dns_pool().submit(socket.getaddrinfo, target.host, target.port, 0, socket.SOCK_STREAM)
+    future = _DNS_POOL.submit(socket.getaddrinfo, target.host, target.port, 0, socket.SOCK_STREAM)
     try:  # getaddrinfo has no timeout of its own: wait on it from here, under the fetch's deadline
         answers = future.result(timeout=max(deadline - time.monotonic(), 0.001))
     except concurrent.futures.TimeoutError:
@@ -791,10 +764,8 @@ def _resolve(target: ImageURL, policy: MediaPolicy, deadline: float, param: str,
     return addresses
 
 
-@functools.cache
-def _dns_pool():
-    # Shared by all jobs: wide enough that names whose DNS stalls (a stranger's server can) hold up no other.
-    return ThreadPoolExecutor(32, thread_name_prefix="vlm-dns")
+# Shared by all jobs (threads start as needed): wide enough that names whose DNS stalls hold up no other.
+_DNS_POOL = ThreadPoolExecutor(32, thread_name_prefix="vlm-dns")
 
 
 def _tls_context():
@@ -816,7 +787,7 @@ def _tls_context_for(cafile: Optional[str], cadir: Optional[str]):
     return context
 
 
-def _pinned_connection(target: ImageURL, addresses: list, policy: MediaPolicy, deadline: float, param: str):
+def _pinned_connection(target: ImageURL, addresses: list, deadline: float):
     """An http.client connection to the checked addresses, never to a fresh DNS answer (DNS
     rebinding); the Host header, SNI and certificate check keep the name."""
     import http.client
@@ -824,9 +795,7 @@ def _pinned_connection(target: ImageURL, addresses: list, policy: MediaPolicy, d
 
     def pin():
         last: Optional[OSError] = None
-        for ip in addresses:
-            if not policy.allow_internal and ip_is_blocked(ip):  # checked again at connect time
-                raise RequestError("blocked_url", "the image URL points at an internal address", param)
+        for ip in addresses:  # each already checked by _resolve or check_image_url
             if (remaining := deadline - time.monotonic()) <= 0:
                 raise TimeoutError
             try:
@@ -835,13 +804,12 @@ def _pinned_connection(target: ImageURL, addresses: list, policy: MediaPolicy, d
                 last = error
         raise last or OSError("no address")
 
-    timeout = max(deadline - time.monotonic(), 0.001)
-    if target.scheme == "http":
-        conn = http.client.HTTPConnection(target.host, target.port, timeout=timeout)
+    if target.scheme == "http":  # connect is pin(), under the deadline: no timeout of http.client's own
+        conn = http.client.HTTPConnection(target.host, target.port)
         conn.connect = lambda: setattr(conn, "sock", pin())
         return conn
     tls = _tls_context()
-    conn = http.client.HTTPSConnection(target.host, target.port, timeout=timeout, context=tls)
+    conn = http.client.HTTPSConnection(target.host, target.port, context=tls)
     conn.connect = lambda: setattr(conn, "sock", tls.wrap_socket(pin(), server_hostname=target.host))
     return conn
 
@@ -887,8 +855,7 @@ def fetch_image_url(url: str, policy: MediaPolicy, param: str, request_deadline:
         if isinstance(body_or_location, bytes):
             return body_or_location
         if hop < MAX_REDIRECTS:
-            location = urllib.parse.urljoin(target.url, body_or_location)
-            target = check_image_url(location, policy, param, redirected=True)
+            target = check_image_url(urllib.parse.urljoin(target.url, body_or_location), policy, param, redirected=True)
     raise RequestError("fetch_failed", f"the image URL redirected more than {MAX_REDIRECTS} times", param)
 
 
@@ -899,9 +866,7 @@ def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: s
 
     via_proxy = _proxy_connection(target, policy, deadline)
     addresses = _resolve(target, policy, deadline, param, after)
-    conn, request_target, headers = via_proxy or (
-        _pinned_connection(target, addresses, policy, deadline, param), target.target, {}
-    )
+    conn, request_target, headers = via_proxy or (_pinned_connection(target, addresses, deadline), target.target, {})
     headers.update({"User-Agent": "runpod-vlm image fetch", "Accept": "image/*", "Accept-Encoding": "identity"})
     expired = threading.Event()
 
@@ -943,8 +908,6 @@ def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: s
         if declared is not None and size < declared:  # read1 returns short bodies quietly
             raise RequestError("fetch_failed", "the image download ended early" + after, param)
         return b"".join(chunks)
-    except RequestError:
-        raise
     except (OSError, http.client.HTTPException, ValueError) as error:
         if expired.is_set() or isinstance(error, TimeoutError):  # socket.timeout is TimeoutError
             raise RequestError("fetch_timeout", late + after, param) from None
@@ -954,8 +917,6 @@ def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: s
         watchdog.cancel()
         conn.close()
 
-
-# ---- decoding -----------------------------------------------------------------------------------
 
 _SVG_MESSAGE = "SVG images are not supported; send PNG, JPEG, WEBP, GIF, BMP or TIFF"
 _OTHER_FORMATS = (
@@ -1000,8 +961,7 @@ def _decode_image(data: bytes, policy: MediaPolicy, param: str):
             message = f"the image is {width}x{height}; each side must be at least {policy.min_image_side} pixels"
             raise RequestError("image_too_small", message, param)
         try:
-            image.seek(0)  # frame 0 of animations
-            image.load()
+            image.load()  # frame 0 of an animation
             oriented = image
             with contextlib.suppress(Exception):  # a broken EXIF block costs the orientation, not the request
                 oriented = ImageOps.exif_transpose(image)
