@@ -41,8 +41,9 @@ import types
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Optional
+from typing import Annotated, Any, Literal, Optional
 
+import pydantic.dataclasses
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 log = logging.getLogger("runpod-vlm")
@@ -93,10 +94,6 @@ QUANTIZE_CHOICES = ("none", "4bit", "8bit")
 DTYPE_CHOICES = ("auto", "fp16", "bf16", "fp32")
 
 # Settings are pydantic dataclasses: the environment's text is parsed and bounded by their types.
-from typing import Annotated, Literal  # noqa: E402
-
-import pydantic.dataclasses  # noqa: E402
-from pydantic import BeforeValidator, NonNegativeInt, PositiveInt  # noqa: E402
 
 
 class SettingsError(RuntimeError):
@@ -114,7 +111,7 @@ def _from_env(cls, env: dict, names: dict[str, str]):
         raise SettingsError(f"{name}={env[name]!r}: {first['msg']}") from None
 
 
-_Lower = BeforeValidator(lambda value: value.lower() if isinstance(value, str) else value)
+_Lower = pydantic.BeforeValidator(lambda value: value.lower() if isinstance(value, str) else value)
 _Seconds = Annotated[float, Field(gt=0, le=600)]
 
 
@@ -126,21 +123,21 @@ class Settings:
     device_map: str = "auto"
     trust_remote_code: bool = True
     allow_any: bool = False
-    max_new_tokens_cap: PositiveInt = 2048  # VLM_MAX_NEW_TOKENS; every other field is VLM_<NAME>
-    default_max_new_tokens: PositiveInt = 256
-    max_batch_size: PositiveInt = 16  # rows decoding together (continuous batching)
-    max_concurrency: PositiveInt = 32  # jobs this worker takes at once (RunPod concurrency_modifier)
-    sync_interval: PositiveInt = 8  # decode steps between looks at the tokens (admission, stops, streaming)
-    stream_interval_ms: NonNegativeInt = 50  # streamed jobs post at most this often
+    max_new_tokens_cap: pydantic.PositiveInt = 2048  # VLM_MAX_NEW_TOKENS; every other field is VLM_<NAME>
+    default_max_new_tokens: pydantic.PositiveInt = 256
+    max_batch_size: pydantic.PositiveInt = 16  # rows decoding together (continuous batching)
+    max_concurrency: pydantic.PositiveInt = 32  # jobs this worker takes at once (RunPod concurrency_modifier)
+    sync_interval: pydantic.PositiveInt = 8  # decode steps between looks at the tokens (admission, stops, streaming)
+    stream_interval_ms: pydantic.NonNegativeInt = 50  # streamed jobs post at most this often
     load_at_boot: bool = True  # load and warm up before taking jobs; off: the first request loads
-    shutdown_grace: NonNegativeInt = 10  # seconds jobs in flight may still run after SIGTERM
-    max_batch_requests: PositiveInt = 64  # items in one {"requests": [...]} call
-    max_images: PositiveInt = 16  # per request
-    max_total_pixels: PositiveInt = 64_000_000  # decoded pixels per request, all images together
-    max_text_chars: PositiveInt = 32_000  # all text of a request together
-    max_messages: PositiveInt = 64
-    min_pixels: NonNegativeInt = 0  # Qwen processors' visual-token bounds; 0 keeps the model's own
-    max_pixels: NonNegativeInt = 0
+    shutdown_grace: pydantic.NonNegativeInt = 10  # seconds jobs in flight may still run after SIGTERM
+    max_batch_requests: pydantic.PositiveInt = 64  # items in one {"requests": [...]} call
+    max_images: pydantic.PositiveInt = 16  # per request
+    max_total_pixels: pydantic.PositiveInt = 64_000_000  # decoded pixels per request, all images together
+    max_text_chars: pydantic.PositiveInt = 32_000  # all text of a request together
+    max_messages: pydantic.PositiveInt = 64
+    min_pixels: pydantic.NonNegativeInt = 0  # Qwen processors' visual-token bounds; 0 keeps the model's own
+    max_pixels: pydantic.NonNegativeInt = 0
     compile: bool = True  # torch.compile + CUDA graphs for decoding (CUDA only, never bitsandbytes)
     cache_len: Annotated[int, Field(ge=256)] = 2048  # KV-cache length compiled at warm-up; a longer request doubles it
     compile_cache_dir: str = ""  # compiled kernels kept here are reused by a restarted worker
@@ -504,7 +501,7 @@ _URL_SCHEME = re.compile(r"([A-Za-z][A-Za-z0-9+.\-]*):")
 _HOST_LABELS = re.compile(r"[a-z0-9_]([a-z0-9_\-]{0,61}[a-z0-9_])?(\.[a-z0-9_]([a-z0-9_\-]{0,61}[a-z0-9_])?)*")
 _NUMERIC_LAST_LABEL = re.compile(r"(.*\.)?([0-9]+|0x[0-9a-f]*)")  # WHATWG: such a host is an IPv4 address
 _AUTHORITY = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^\[\]:@]+)(?::(\d{1,5}))?")
-_Domains = BeforeValidator(
+_Domains = pydantic.BeforeValidator(
     lambda value: tuple(d.strip().strip(".").lower() for d in value.split(",") if d.strip().strip("."))
     if isinstance(value, str) else value
 )
@@ -520,10 +517,10 @@ class MediaPolicy:
     trust_env_proxy: bool = False  # use HTTP(S)_PROXY / NO_PROXY
     fetch_timeout: _Seconds = 20.0  # a whole fetch, all hops
     fetch_deadline: _Seconds = 30.0  # all the fetches of one request
-    max_image_bytes: PositiveInt = 64 * 1024 * 1024  # downloaded or local file bytes
-    max_base64_bytes: PositiveInt = 16 * 1024 * 1024  # encoded length of base64 text
-    max_image_pixels: PositiveInt = 40_000_000  # width*height, from the header
-    min_image_side: PositiveInt = 8  # pixels, both sides
+    max_image_bytes: pydantic.PositiveInt = 64 * 1024 * 1024  # downloaded or local file bytes
+    max_base64_bytes: pydantic.PositiveInt = 16 * 1024 * 1024  # encoded length of base64 text
+    max_image_pixels: pydantic.PositiveInt = 40_000_000  # width*height, from the header
+    min_image_side: pydantic.PositiveInt = 8  # pixels, both sides
     media_dir: Optional[str] = None  # local files only from inside this folder
 
     @classmethod
