@@ -1542,9 +1542,7 @@ def _first_writable(folders: list[str]) -> Optional[str]:
     for folder in folders:
         try:
             os.makedirs(folder, exist_ok=True)
-            fd, probe = tempfile.mkstemp(dir=folder)  # a read-only volume refuses to make a file
-            os.close(fd)
-            os.unlink(probe)
+            tempfile.TemporaryFile(dir=folder).close()  # a read-only volume refuses to make a file
             return folder
         except OSError as error:
             if folder not in _reported_unwritable:
