@@ -2813,8 +2813,7 @@ def openai_item(body: ChatCompletionBody, settings: Settings, model_id: str) -> 
 
 
 def openai_error(error: RequestError, body: Optional[ChatCompletionBody] = None) -> dict:
-    """An error in OpenAI's shape, its message the native route's `error` text, its `param` as the
-    `body` spells it (native max_new_tokens is max_tokens or max_completion_tokens, input is messages)."""
+    """An error in OpenAI's shape, its `param` as the body spells it (max_tokens or max_completion_tokens, messages)."""
     if body is not None:
         by_max_tokens = body.max_completion_tokens is None and body.max_tokens is not None
         renames = {"max_new_tokens": "max_tokens" if by_max_tokens else "max_completion_tokens", "input": "messages"}
