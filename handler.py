@@ -1393,8 +1393,7 @@ _reported_unwritable: set = set()  # folders already reported as unwritable, one
 
 
 def resolve_model_source(model_id: str, hub_cache: str = RUNPOD_MODEL_CACHE) -> str:
-    """Where to load `model_id` from, logged: a local folder; else its complete snapshot among RunPod's
-    cached models (the one `refs/main` names, else the only one); else the id, for transformers."""
+    """Where to load `model_id` from, logged: a local folder, its complete snapshot in RunPod's cache, or the id."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
 
@@ -1453,8 +1452,7 @@ def runtime_fingerprint() -> dict:
 
 def compile_cache_key(model_id: str, *, config: Any = None, revision: Optional[str] = None, dtype: Any = None,
                       shapes: Any = (), runtime: Optional[dict] = None) -> str:
-    """A readable file name that changes with the model id, revision and config, the dtype, the
-    compiled shapes (sets compare as sets) and `runtime` (this process's by default)."""
+    """A readable file name that changes with the model, dtype, compiled shapes and `runtime` (this process's)."""
     runtime = runtime_fingerprint() if runtime is None else runtime
     identity = dict(model=model_id, revision=revision, config=config, dtype=dtype, shapes=shapes, runtime=runtime)
 
@@ -1469,8 +1467,7 @@ def compile_cache_key(model_id: str, *, config: Any = None, revision: Optional[s
 
 
 def compile_artifact_dirs(settings: Settings, env: Optional[dict] = None) -> list[str]:
-    """Folders of the artifact files, preferred first: VLM_COMPILE_CACHE_DIR when set, else the
-    network volume's when /runpod-volume is there; then the container's, read and written after it."""
+    """Artifact folders, preferred first: VLM_COMPILE_CACHE_DIR, else the network volume's; then the container's."""
     env = os.environ if env is None else env
     container = os.path.join(env.get("HF_HOME") or os.path.expanduser("~/.cache/runpod-vlm"), "compile-cache")
     if (env.get("VLM_COMPILE_CACHE_DIR") or "").strip():
@@ -1484,9 +1481,7 @@ def _first_writable(folders: list[str]) -> Optional[str]:
     for folder in folders:
         try:
             os.makedirs(folder, exist_ok=True)
-            fd, probe = tempfile.mkstemp(dir=folder)  # a read-only volume refuses to make a file
-            os.close(fd)
-            os.unlink(probe)
+            tempfile.TemporaryFile(dir=folder).close()  # a read-only volume refuses to make a file
             return folder
         except OSError as error:
             if folder not in _reported_unwritable:
@@ -1496,19 +1491,16 @@ def _first_writable(folders: list[str]) -> Optional[str]:
 
 
 def set_torch_cache_dirs(settings: Settings, env: Optional[dict] = None) -> None:
-    """Unless TORCHINDUCTOR_CACHE_DIR / TRITON_CACHE_DIR are set, put inductor's and Triton's caches
-    (where loaded artifacts are unpacked) in `<compile_cache_dir>/inductor` and `/triton`, or in the
-    container's folder when that one is not writable. Call before anything compiles."""
+    """Unless already set, put inductor's and Triton's caches (where loaded artifacts are unpacked) in
+    VLM_COMPILE_CACHE_DIR, else in the container's folder. Call before anything compiles."""
     if settings.compile_cache_dir:
-        container = compile_artifact_dirs(settings, env)[-1]
-        folder = _first_writable([settings.compile_cache_dir]) or container
+        folder = _first_writable([settings.compile_cache_dir]) or compile_artifact_dirs(settings, env)[-1]
         os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(folder, "inductor"))
         os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(folder, "triton"))
 
 
 def load_compile_artifacts(settings: Settings, key: str, env: Optional[dict] = None) -> bool:
-    """Load the compile artifacts saved under `key`, before anything compiles; True when loaded. A
-    missing or damaged file costs one log line, and compiling from scratch: never an exception."""
+    """Load the artifacts saved under `key` before anything compiles; True when loaded. Never raises."""
     import torch
 
     set_torch_cache_dirs(settings, env)
@@ -1533,8 +1525,7 @@ def load_compile_artifacts(settings: Settings, key: str, env: Optional[dict] = N
 
 
 def save_compile_artifacts(settings: Settings, key: str, env: Optional[dict] = None) -> Optional[str]:
-    """Save everything compiled so far in this process under `key` (after warm-up, from any thread
-    once compiling is done) in the first writable folder. Returns the file, or None; never raises."""
+    """Save what this process compiled under `key` in the first writable folder: the file, or None. Never raises."""
     import torch
 
     try:
@@ -2637,11 +2628,9 @@ def annotated_image(image, boxes: list[dict]) -> str:
 # OpenAI route: RunPod's /openai/v1 jobs
 # =================================================================================================
 
-# RunPod's gateway turns calls to https://api.runpod.ai/v2/<endpoint>/openai/v1/... into jobs whose
-# input is {"openai_route": "/v1/chat/completions", "openai_input": <the request body>} (GET
-# /v1/models comes without a body). The body is translated into a native request and read by
-# `read_request`, so the native route's validation, media policy, limits and error codes apply
-# unchanged; answers and errors are written in OpenAI's shapes.
+# RunPod's gateway turns calls to .../openai/v1/... into jobs with input {"openai_route": "/v1/chat/completions",
+# "openai_input": <the body>} (GET /v1/models has none). The body becomes a native request read by `read_request`
+# (the same validation, media policy, limits and error codes); answers and errors take OpenAI's shapes.
 
 # Fields this worker cannot honour, accepted at neutral values only (ignoring others would answer another question).
 OPENAI_UNSUPPORTED = {
@@ -2655,26 +2644,20 @@ OPENAI_IGNORED = ("seed", "user", "metadata", "store", "service_tier", "safety_i
                   "prompt_cache_options", "prompt_cache_retention", "parallel_tool_calls")
 
 
-class OpenAIStreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
-
+class OpenAIStreamOptions(BaseModel, extra="forbid", strict=True):
     include_usage: bool = False
     include_obfuscation: Optional[bool] = None  # accepted; chunks carry no obfuscation field
 
 
-class VlmOptions(BaseModel):
+class VlmOptions(BaseModel, extra="forbid", strict=True):
     """The worker's own extras, reachable from an OpenAI body as `"vlm": {...}`."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     task: str = Field("chat", pattern="^(chat|grounding)$")
     target: Optional[str] = None
 
 
-class ChatCompletionBody(BaseModel):
+class ChatCompletionBody(BaseModel, extra="forbid", strict=True):
     """An OpenAI chat-completions body. Unknown fields are refused, as OpenAI refuses them."""
-
-    model_config = ConfigDict(extra="forbid", strict=True)
 
     messages: Any = None  # read by parse_messages, with the native route's paths and limits
     model: Optional[str] = None
@@ -2740,8 +2723,7 @@ def openai_item(body: ChatCompletionBody, settings: Settings, model_id: str) -> 
 
 
 def openai_error(error: RequestError, body: Optional[ChatCompletionBody] = None) -> dict:
-    """An error in OpenAI's shape, its message the native route's `error` text, its `param` as the
-    `body` spells it (native max_new_tokens is max_tokens or max_completion_tokens, input is messages)."""
+    """An error in OpenAI's shape, its `param` as the body spells it (max_tokens or max_completion_tokens, messages)."""
     if body is not None:
         by_max_tokens = body.max_completion_tokens is None and body.max_tokens is not None
         renames = {"max_new_tokens": "max_tokens" if by_max_tokens else "max_completion_tokens", "input": "messages"}
@@ -2791,9 +2773,8 @@ def sse(data: Any) -> str:
 
 
 async def chat_completion(engine: Engine, item: GenerationRequest, body: ChatCompletionBody):
-    """One `chat.completion`, or when `body.stream` `chat.completion.chunk` events at most once per
-    VLM_STREAM_INTERVAL_MS: the role first (held until the first piece, so an early error is refused
-    whole), the finish reason on the last content chunk, the usage chunk when asked, `data: [DONE]`."""
+    """One `chat.completion`, or when `body.stream` chunks at most once per VLM_STREAM_INTERVAL_MS, the role held
+    until the first piece (an early error is refused whole), then usage when asked and `data: [DONE]`."""
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion" + (".chunk" if body.stream else ""),
             "created": int(time.time()), "model": engine.model_id, **({"usage": None} if include_usage else {})}

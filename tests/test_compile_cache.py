@@ -14,7 +14,6 @@ import logging
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -324,18 +323,24 @@ def test_save_with_nothing_compiled_or_a_torch_error_writes_nothing(folders, mon
     assert not folders["volume"].exists() and not folders["container"].exists()
 
 
+def refuse_new_files(monkeypatch, folder: Path) -> None:
+    """Make creating any file in `folder` fail as on a read-only file system (reading still works)."""
+    real_open = os.open
+
+    def read_only_open(path, flags, *args, **kwargs):
+        target = Path(os.fsdecode(path))
+        if flags & (os.O_CREAT | getattr(os, "O_TMPFILE", 0)) and folder in (target, target.parent):
+            raise OSError(errno.EROFS, "Read-only file system", str(path))
+        return real_open(path, flags, *args, **kwargs)
+
+    monkeypatch.setattr(os, "open", read_only_open)
+
+
 def test_an_unwritable_volume_falls_back_to_the_container_with_one_line(folders, torch_saves, caplog, monkeypatch):
-    # A read-only file system refuses to create files (root included): mkstemp in the volume
+    # A read-only file system refuses to create files (root included): creating one in the volume
     # raises EROFS, as it would there. The volume's folder exists and is readable.
     folders["volume"].mkdir()
-    real_mkstemp = tempfile.mkstemp
-
-    def read_only_volume(*args, dir=None, **kwargs):
-        if dir is not None and Path(dir) == folders["volume"]:
-            raise OSError(errno.EROFS, "Read-only file system", dir)
-        return real_mkstemp(*args, dir=dir, **kwargs)
-
-    monkeypatch.setattr(tempfile, "mkstemp", read_only_volume)
+    refuse_new_files(monkeypatch, folders["volume"])
     key = key_of()
     with caplog.at_level(logging.INFO, logger="runpod-vlm"):
         first = handler.save_compile_artifacts(folders["settings"], key, folders["env"])
@@ -364,7 +369,7 @@ def test_nowhere_writable_saves_nothing_and_does_not_raise(folders, torch_saves,
 def test_a_read_only_volume_still_serves_its_artifacts(folders, torch_saves, torch_loads, monkeypatch):
     key = key_of()
     handler.save_compile_artifacts(folders["settings"], key, folders["env"])
-    monkeypatch.setattr(tempfile, "mkstemp", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EROFS, "ro")))
+    refuse_new_files(monkeypatch, folders["volume"])
     assert handler.load_compile_artifacts(folders["settings"], key, folders["env"]) is True
     assert torch_loads == torch_saves
 
