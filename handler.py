@@ -184,6 +184,17 @@ class RequestError(Exception):
         return {"error": text, "code": self.code, "param": self.param}
 
 
+def as_request_error(failure: Exception) -> RequestError:
+    """Any failure as the error a caller sees (call in an `except`): the worker's own faults are logged."""
+    if isinstance(failure, RequestError):
+        return failure
+    if isinstance(failure, SettingsError):
+        log.error("settings: %s", failure)
+        return RequestError("worker_misconfigured", f"worker misconfigured: {failure}")
+    log.exception("unexpected failure")
+    return RequestError("internal_error", "internal error while answering this request")
+
+
 def _join(param: Optional[str], child: str) -> str:
     if not param:
         return child
@@ -1617,15 +1628,12 @@ def _use_grouped_query_decode_attention(model) -> None:
 class SlotDecoder:
     """Continuous-batching decoding state: `rows` sequences over one static KV cache of `length` slots.
 
-    Every row writes its next token at the same slot (the shared pointer), so a decode step has
-    fixed shapes and is replayed as one CUDA graph whatever rows join or leave. A new row's prompt
-    is prefilled on its own and its keys/values copied into the slots just before the pointer; the
-    attention mask hides every slot a row does not own. When the pointer would run past the end,
-    all rows' slots are shifted at once (rotary positions are baked into the keys and kept per row,
-    so a shift changes no result). Rows are handed out lowest first and a step runs on the smallest
-    bucket of leading rows that holds every busy row (views of the same tensors), so a lightly
-    loaded worker does not pay for reading all rows' caches. Greedy rows give the tokens of
-    `model.generate(do_sample=False)`, alone or beside any other rows."""
+    Every row writes its next token at the same slot (the shared pointer), so a step has fixed shapes
+    and replays as one CUDA graph whatever rows join or leave. A new row's prompt is prefilled alone,
+    its keys/values copied into the slots just before the pointer; the mask hides the slots a row
+    does not own. For room, all rows' slots shift at once (rotary positions live in the keys and per
+    row, so a shift changes no result). A step runs the smallest bucket of leading rows holding every
+    busy row. Greedy rows give `model.generate(do_sample=False)`'s tokens, alone or beside others."""
 
     def __init__(self, model, eos_ids: set, rows: int, length: int, use_graph: bool, interval: int):
         import torch
@@ -1875,8 +1883,7 @@ class SlotDecoder:
         self.graphs = {key: graph for key, graph in self.graphs.items() if key[0] != bucket}
 
     def _capture(self, bucket: int) -> None:
-        """Record one step as a CUDA graph (after a first step has compiled the forward). The
-        steps run to record it write only the slot at the pointer, which the next step rewrites."""
+        """Record one step as a CUDA graph; the steps run to record it write only the pointer's slot."""
         import torch
 
         kept = [t.clone() for t in (self.state.token, self.position, self.state.count)]
@@ -2187,7 +2194,9 @@ class Engine:
             if len(group) > 1:  # a smaller group (shorter padding, fewer tokens) may fit
                 return self._requeue(group, limit=len(group) // 2)
             if not self._rows:  # alone and still too long: a decoder with a longer cache
-                length = self._cache_length(prompt_length + longest + decoder.interval)
+                length = decoder.length
+                while length < prompt_length + longest + decoder.interval:
+                    length *= 2
                 if self.max_slots is not None and length > self.max_slots:
                     return self._run_alone(group[0])  # past the sliding window: generate() handles it
                 self._decoder = self._new_decoder(length)
@@ -2295,15 +2304,8 @@ class Engine:
                 f"({item.params.max_new_tokens}) exceed the model's context of {self.context_length} tokens",
                 _join(item.param, "max_new_tokens"),
             )
-        return None
 
     # ---- the decoder and its compiled step ----------------------------------------------------
-
-    def _cache_length(self, needed: int) -> int:
-        length = self.settings.cache_len
-        while length < needed:
-            length *= 2
-        return length
 
     def _new_decoder(self, length: int) -> SlotDecoder:
         decoder = SlotDecoder(
@@ -2328,9 +2330,8 @@ class Engine:
                 log.info("decoding %d-row steps with the compiled forward from now on", bucket)
 
     def _compile_in_background(self, buckets: list[int], length: int) -> None:
-        """Compile the forward for a decoder's shapes in a background thread (from the saved compile
-        artifacts when there are some). Decoding goes on meanwhile with CUDA graphs of the plain
-        forward, and switches to each compiled shape at a step boundary once it is ready."""
+        """Compile a decoder's shapes in a background thread (from saved artifacts when they match);
+        decoding goes on with CUDA graphs of the plain forward, and switches at a step boundary."""
         import torch
 
         if self._compiled_forward is None:
@@ -2834,13 +2835,7 @@ async def openai_answers(engine_getter, job_input: dict):
                 yield answer
                 started = True
     except Exception as failure:
-        if isinstance(failure, SettingsError):
-            log.error("settings: %s", failure)
-            failure = RequestError("worker_misconfigured", f"worker misconfigured: {failure}")
-        elif not isinstance(failure, RequestError):
-            log.exception("unexpected failure on the OpenAI route")
-            failure = RequestError("internal_error", "internal error while answering this request")
-        answer = openai_error(failure, body)
+        answer = openai_error(as_request_error(failure), body)
         yield sse(answer) + sse("[DONE]") if started else answer
 
 
@@ -2873,14 +2868,8 @@ async def handler(job: dict):
             return
         result = await generate_one(engine, item)
         yield result.to_dict() if isinstance(result, RequestError) else format_output(engine, item, result, request)
-    except RequestError as error:
-        yield error.to_dict()
-    except SettingsError as error:
-        log.error("settings: %s", error)
-        yield {"error": f"worker misconfigured: {error}", "code": "worker_misconfigured", "param": None}
-    except Exception:
-        log.exception("unexpected failure")
-        yield {"error": "internal error while answering this request", "code": "internal_error", "param": None}
+    except Exception as failure:
+        yield as_request_error(failure).to_dict()
 
 
 async def stream_chunks(engine: Engine, item: GenerationRequest, request: RequestModel):
@@ -2906,9 +2895,8 @@ async def stream_chunks(engine: Engine, item: GenerationRequest, request: Reques
 
 @functools.cache
 def _bound_the_shutdown() -> None:
-    """On SIGTERM the runpod SDK stops taking jobs and waits for those in flight, however long they
-    take; this bounds the wait (VLM_SHUTDOWN_GRACE). Installed by the first job, in the SDK's loop
-    (the main thread), after the SDK's own handler, which it calls."""
+    """On SIGTERM the runpod SDK stops taking jobs and waits for those in flight, however long: this
+    bounds the wait (VLM_SHUTDOWN_GRACE). Set by the first job in the SDK's loop, after the SDK's own."""
     if threading.current_thread() is not threading.main_thread():
         return
     previous = signal.getsignal(signal.SIGTERM)
