@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import http.server
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -98,3 +100,45 @@ def running_server(command: list, env: dict, port: int, probe: str, log_path: Pa
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
+
+
+class ImageServer:
+    """A loopback HTTP server (127.0.0.1 only) serving one PNG at /x.png; it records each request."""
+
+    def __init__(self, body: bytes):
+        self.requests: list[str] = []
+        owner = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                owner.requests.append(self.path)
+                if self.path != "/x.png":
+                    self.send_error(404)
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/x.png"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def image_server():
+    """A loopback image server for one test (see ImageServer)."""
+    from sample_images import encode, striped
+
+    server = ImageServer(encode(striped((64, 48))))
+    yield server
+    server.close()

@@ -22,9 +22,7 @@ NEW_TOKENS = 5
 
 def ask(payload: dict) -> dict:
     job = {"id": "job-1", "input": payload}
-    if hasattr(handler, "answer"):  # the continuous-batching engine's entry (async)
-        return asyncio.run(handler.answer(job))
-    return handler.handler(job)
+    return asyncio.run(handler.answer(job))
 
 
 @pytest.fixture(scope="module", params=CHAT_FAMILIES)

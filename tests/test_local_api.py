@@ -3,12 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import http.server
 import json
 import os
 import subprocess
 import sys
-import threading
 import urllib.error
 import urllib.request
 
@@ -16,7 +14,7 @@ import pytest
 
 import handler
 from conftest import free_port, running_server
-from sample_images import b64, data_uri, encode, plain, striped
+from sample_images import b64, data_uri, plain, striped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def worker_env(model_folder, **extra: str) -> dict:
@@ -114,45 +112,6 @@ def test_batch(api):
     first, bad, last = out["results"]
     assert first["task"] == "caption" and last["task"] == "chat"
     assert bad["param"] == "requests[1].question" and "error" in bad
-
-
-class ImageServer:
-    """A loopback HTTP server (127.0.0.1 only) serving one PNG at /x.png; it records each request."""
-
-    def __init__(self, body: bytes):
-        self.requests: list[str] = []
-        owner = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                owner.requests.append(self.path)
-                if self.path != "/x.png":
-                    self.send_error(404)
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", "image/png")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/x.png"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-        self.thread.start()
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-@pytest.fixture
-def image_server():
-    server = ImageServer(encode(striped((64, 48))))
-    yield server
-    server.close()
 
 
 def test_an_http_image_url_is_fetched_when_internal_urls_are_allowed(api, image_server):

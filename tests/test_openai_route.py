@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import http.server
 import inspect
 import json
 import os
 import sys
-import threading
 import urllib.error
 import urllib.request
 
@@ -24,7 +22,7 @@ from openai.types.chat.completion_create_params import CompletionCreateParamsBas
 
 import handler
 from conftest import free_port, running_server
-from sample_images import data_uri, encode, striped
+from sample_images import data_uri, striped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -338,30 +336,6 @@ def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key="x", max_retries=0)
 
 
-@pytest.fixture
-def image_url():
-    """A loopback HTTP server serving one PNG; yields its URL and the paths it was asked for."""
-    body, requested = encode(striped((64, 48))), []
-
-    class Serve(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            requested.append(self.path)
-            self.send_response(200)
-            self.send_header("Content-Type", "image/png")
-            self.send_header("Content-Length", str(len(body)))
-            self.end_headers()
-            self.wfile.write(body)
-
-        def log_message(self, *args):
-            pass
-
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Serve)
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    yield f"http://127.0.0.1:{httpd.server_address[1]}/x.png", requested
-    httpd.shutdown()
-    httpd.server_close()
-
-
 def test_client_lists_the_served_model(client, tiny_model):
     assert [m.id for m in client.models.list()] == [str(tiny_model("qwen2-vl"))]
 
@@ -378,8 +352,8 @@ def test_client_chat_with_a_data_uri_matches_the_route_in_process(client, engine
     assert chunks[-1].usage.completion_tokens == 6
 
 
-def test_client_chat_with_an_http_image_url_streamed_and_not(client, image_url):
-    url, requested = image_url
+def test_client_chat_with_an_http_image_url_streamed_and_not(client, image_server):
+    url, requested = image_server.url, image_server.requests
     model = client.models.list().data[0].id
     answer = client.chat.completions.create(model=model, messages=image_message(url), **GREEDY)
     chunks = list(client.chat.completions.create(model=model, messages=image_message(url), stream=True, **GREEDY))
