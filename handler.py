@@ -244,6 +244,7 @@ class Generation:
 class StreamDelta:
     text: str  # new text since the previous delta
     completion_tokens: int  # tokens generated so far
+    prompt_tokens: int = 0  # the prompt's, images included
 
 
 Outcome = Generation | RequestError  # what the engine gives back for one item
@@ -1877,8 +1878,7 @@ class SlotDecoder:
         return tokens
 
     def use_forward(self, bucket: int, forward) -> None:
-        """Step `bucket` with another forward (the compiled one, once ready); its graphs are
-        recorded anew at its next step."""
+        """Step `bucket` with another forward (the compiled one); its graphs are recorded anew."""
         self.forwards[bucket] = forward
         self.graphs = {key: graph for key, graph in self.graphs.items() if key[0] != bucket}
 
@@ -2115,8 +2115,7 @@ class Engine:
 
     def _take(self, tickets: list[Ticket]) -> None:
         with self._wake:
-            for ticket in tickets:
-                self._queue.remove(ticket)
+            self._queue = [t for t in self._queue if t not in tickets]
 
     def _run_alone(self, ticket: Ticket) -> None:
         """Families outside continuous batching (remote code, sliding-window caches): one at a time."""
@@ -2159,7 +2158,10 @@ class Engine:
             self._place(group, free)
         except Exception as error:
             fatal = _is_fatal_gpu_error(error)
-            self._gpu_failed() if fatal else log.exception("could not admit %d items", len(group))
+            if fatal:
+                self._gpu_failed()
+            else:
+                log.exception("could not admit %d items", len(group))
             with self._wake:
                 lost = [t for t in group if t.row is None and t not in self._queue]
             for ticket in lost:
@@ -2381,8 +2383,7 @@ class Engine:
         return True
 
     def warm_up(self) -> None:
-        """Start compiling the decode step in the background; the engine thread switches to each
-        compiled shape as it becomes ready."""
+        """Start compiling the decode step in the background; the engine switches shape by shape."""
         if self.continuous and self.compile:
             self.decoder  # noqa: B018 (creating it queues the compilation of its shapes)
             with self._wake:
@@ -2428,7 +2429,7 @@ class Ticket:
         # sent (tokenizers may merge) sends nothing until the final answer settles it.
         if not text.endswith("\ufffd") and text.startswith(self.sent):
             delta, self.sent = text[len(self.sent):], text
-        self.listener(StreamDelta(delta, len(kept)))
+        self.listener(StreamDelta(delta, len(kept), self.prompt_tokens))
 
     def fail(self, error: RequestError) -> Ticket:
         """Finish with `error`, naming this item's place in its job."""
@@ -2738,20 +2739,19 @@ def openai_error(error: RequestError, body: Optional[ChatCompletionBody] = None)
 async def answer_pieces(engine: Engine, item: GenerationRequest, stops: list[str], stream: bool):
     """Yields the answer's text as it becomes safe to show (when `stream`), then its Generation, cut
     before the first stop sequence; raises the item's RequestError. A stop or leaving early cancels the item."""
-    loop = asyncio.get_running_loop()
-    events: asyncio.Queue = asyncio.Queue()
-    # Not stream_generation: when a stop cuts the item, only its ticket knows the prompt's token count.
-    ticket = engine.submit(item, lambda e: loop.call_soon_threadsafe(events.put_nowait, e), stream or bool(stops))
+    events = stream_generation(engine, item, stream or bool(stops))
     generated, shown = "", 0  # `shown` only grows when streaming
     try:
-        while not isinstance(event := await events.get(), Generation):
+        async for event in events:
             if isinstance(event, RequestError):
                 raise event
+            if isinstance(event, Generation):
+                break
             generated += event.text
             cut = min((i for i in (generated.find(stop, shown) for stop in stops) if i >= 0), default=None)
             if cut is not None:
-                ticket.cancel()  # before anything else is sent: the row stops generating now
-                event = Generation(generated[:cut], "stop", ticket.prompt_tokens, event.completion_tokens)
+                await events.aclose()  # before anything else is sent: the row stops generating now
+                event = Generation(generated[:cut], "stop", event.prompt_tokens, event.completion_tokens)
                 break
             # What could begin a stop sequence waits, and so do trailing spaces (the final text is stripped).
             held = max((k for stop in stops for k in range(1, len(stop)) if generated.endswith(stop[:k])), default=0)
@@ -2766,7 +2766,7 @@ async def answer_pieces(engine: Engine, item: GenerationRequest, stops: list[str
             yield event.text[shown:]
         yield event
     finally:
-        ticket.cancel()
+        await events.aclose()
 
 
 def sse(data: Any) -> str:

@@ -166,8 +166,6 @@ def test_stop_ends_the_answer_before_the_stop_text(engine):
 
 
 class FakeTicket:
-    prompt_tokens = 11
-
     def __init__(self):
         self.cancelled = False
 
@@ -191,7 +189,7 @@ class ScriptedEngine:
         ticket = FakeTicket()
         self.submitted.append((item, stream, ticket))
         for count, piece in enumerate(self.pieces if stream else [], 1):
-            listener(handler.StreamDelta(piece, count))
+            listener(handler.StreamDelta(piece, count, self.final.prompt_tokens))
         listener(self.final)
         return ticket
 
