@@ -34,6 +34,7 @@ import logging
 import os
 import re
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -1572,10 +1573,7 @@ def _finish_reason(ids: list[int], eos: set, max_new_tokens: int) -> str:
 
 
 def _trimmed_length(ids: list[int], eos: set) -> int:
-    for n, token in enumerate(ids):
-        if token in eos:
-            return n
-    return len(ids)
+    return next((n for n, token in enumerate(ids) if token in eos), len(ids))
 
 
 GENERATION_FAILED = RequestError("generation_failed", "the model could not answer this request")
@@ -1670,6 +1668,7 @@ class SlotDecoder:
         self.pointer = 0  # the slot the next step writes (host copy of cache_position)
         self.spans: dict[int, tuple[int, int]] = {}  # row -> (first slot, slot past its last token)
         self.any_sample = False
+        self.capture_lock = threading.Lock()  # the engine's decoders share the compile thread's
 
     # ---- admission --------------------------------------------------------------------------
 
@@ -1748,6 +1747,10 @@ class SlotDecoder:
         position_ids = model._prepare_position_ids_for_generation(input_ids, dict(inputs))
         scratch = DynamicCache(config=model.config.get_text_config(decoder=True))
         output = model(**inputs, position_ids=position_ids, past_key_values=scratch, use_cache=True, logits_to_keep=1)
+        # M-RoPE models keep this prompt's deltas (sized by its batch) and return them from every forward: a
+        # compiled step would be traced anew for each prefill's batch size. Steps pass positions, so drop them.
+        if getattr(model.base_model, "rope_deltas", None) is not None:
+            model.base_model.rope_deltas = None
         if not self.caches:
             self._allocate([layer.keys for layer in scratch.layers], [layer.values for layer in scratch.layers])
         index = torch.tensor(rows, device=input_ids.device)
@@ -1869,12 +1872,16 @@ class SlotDecoder:
             graph.replay() if graph is not None else self._advance(bucket)
         self.pointer += steps
         tokens = self.state.ring[:bucket, :steps].tolist()
-        if self.use_graph and graph is None and self.spans and self.pointer < self.length:
+        # Never while a background compile uses the GPU: its work would void the capture (and fail itself).
+        if self.use_graph and graph is None and self.spans and self.pointer < self.length \
+                and self.capture_lock.acquire(blocking=False):
             try:
                 self._capture(bucket)
             except Exception:  # still correct without the graph, only slower
                 log.warning("CUDA graph capture failed; decoding without it", exc_info=True)
                 self.use_graph = False
+            finally:
+                self.capture_lock.release()
         return tokens
 
     def use_forward(self, bucket: int, forward) -> None:
@@ -1886,8 +1893,8 @@ class SlotDecoder:
         """Record one step as a CUDA graph; the steps run to record it write only the pointer's slot."""
         import torch
 
-        kept = [t.clone() for t in (self.state.token, self.position, self.state.count)]
-        seen = self.state.seen.clone() if self.state.seen is not None else None
+        state = self.state  # what the recording steps advance, put back after
+        kept = [(t, t.clone()) for t in (state.token, self.position, state.count, state.seen) if t is not None]
         pointer = self.pointer
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
@@ -1900,14 +1907,11 @@ class SlotDecoder:
         self._set_pointer(pointer)
         self.ring_index.zero_()
         graph = torch.cuda.CUDAGraph()
-        # thread_local: the background compile may use the GPU from its own thread meanwhile
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self._advance(bucket)
         self._set_pointer(pointer)
-        for tensor, value in zip((self.state.token, self.position, self.state.count), kept):
+        for tensor, value in kept:
             tensor.copy_(value)
-        if seen is not None:
-            self.state.seen.copy_(seen)
         self.graphs[(bucket, self.any_sample)] = graph
 
 
@@ -1923,6 +1927,7 @@ class Engine:
         self._stop_by: Optional[float] = None  # after SIGTERM: when the items still running fail
         self._compiled_shapes: set = set()  # (bucket, cache length) compiled in the background
         self._newly_compiled: list = []  # ... ready, not yet switched to by the engine thread
+        self._gpu_exclusive = threading.Lock()  # held by a background compile, or by a CUDA graph capture
         self._load()
         self._wake = threading.Condition()  # guards the queue; the engine thread waits on it
         self._queue: list[Ticket] = []  # submitted, not yet given a row, in arrival order
@@ -1958,13 +1963,8 @@ class Engine:
 
         skip = list(self.adapter.quantization_skip_modules)
         if self.quantize == "4bit":
-            return BitsAndBytesConfig(
-                load_in_4bit=True,
-                bnb_4bit_quant_type="nf4",
-                bnb_4bit_use_double_quant=True,
-                bnb_4bit_compute_dtype=dtype,
-                llm_int8_skip_modules=skip,
-            )
+            return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                      bnb_4bit_compute_dtype=dtype, llm_int8_skip_modules=skip)
         return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
 
     def _load(self) -> None:
@@ -2038,12 +2038,8 @@ class Engine:
     def _cuda_graphs_possible(self) -> bool:
         import torch
 
-        return bool(
-            self.quantize == "none"
-            and self.adapter.native
-            and torch.cuda.is_available()
-            and str(self.model.device).startswith("cuda")
-        )
+        on_cuda = torch.cuda.is_available() and str(self.model.device).startswith("cuda")
+        return bool(self.quantize == "none" and self.adapter.native and on_cuda)
 
     # ---- generation: the engine thread ------------------------------------------------------
 
@@ -2314,6 +2310,7 @@ class Engine:
             self.model, self.eos_ids, rows=self.settings.max_batch_size, length=length,
             use_graph=self.use_graphs, interval=self.settings.sync_interval,
         )
+        decoder.capture_lock = self._gpu_exclusive
         for bucket in decoder.buckets:
             if (bucket, length) in self._compiled_shapes:
                 decoder.use_forward(bucket, self._compiled_forward)
@@ -2348,9 +2345,20 @@ class Engine:
         rows, interval = self.settings.max_batch_size, self.settings.sync_interval
         key = compile_cache_key(self.model_id, config=self.model.config, dtype=self.dtype,
                                 shapes={"rows": rows, "buckets": buckets, "cache_len": length, "interval": interval})
-        loaded = load_compile_artifacts(self.settings, key)  # never raises: a bad file is skipped
-        if all([self._compile_shape(bucket, length) for bucket in buckets]) and not loaded:
-            save_compile_artifacts(self.settings, key)
+        switch_interval = sys.getswitchinterval()
+        sys.setswitchinterval(0.0005)  # tracing holds the GIL: the engine thread takes it back within 0.5 ms, not 5
+        try:
+            loaded = load_compile_artifacts(self.settings, key)  # never raises: a bad file is skipped
+            done = [(bucket, length) for bucket in buckets if self._compile_shape(bucket, length)]
+            if len(done) == len(buckets) and not loaded:
+                save_compile_artifacts(self.settings, key)
+        finally:
+            sys.setswitchinterval(switch_interval)
+        # All shapes switch at once: compiled code run while another shape is traced fails (process-wide state).
+        with self._wake:
+            self._compiled_shapes.update(done)
+            self._newly_compiled.extend(done)
+            self._wake.notify()
 
     def _compile_shape(self, bucket: int, length: int) -> bool:
         """Trace and compile one decode shape on a shadow decoder of the same shapes (own buffers),
@@ -2359,7 +2367,7 @@ class Engine:
 
         started = time.perf_counter()
         try:
-            with torch.inference_mode():
+            with self._gpu_exclusive, torch.inference_mode():
                 shadow = SlotDecoder(self.model, self.eos_ids, rows=self.settings.max_batch_size, length=length,
                                      use_graph=False, interval=self.settings.sync_interval)
                 params = GenerationParams(max_new_tokens=4, temperature=0.0, top_p=1.0, do_sample=False)
@@ -2371,15 +2379,10 @@ class Engine:
                 for _ in range(2):
                     shadow._advance(bucket)
                 torch.cuda.synchronize()
-                del shadow
         except Exception:
             log.warning("compiling the %d-row decode step failed; it stays uncompiled", bucket, exc_info=True)
             return False
         log.info("compiled the %d-row decode step in the background in %.1fs", bucket, time.perf_counter() - started)
-        with self._wake:
-            self._compiled_shapes.add((bucket, length))
-            self._newly_compiled.append((bucket, length))
-            self._wake.notify()
         return True
 
     def warm_up(self) -> None:
@@ -2952,8 +2955,7 @@ def answer_batch(job: dict, payload: dict) -> dict:
             log.exception("could not read %s", param)
             return RequestError("internal_error", "this request could not be read", param)
 
-    # Items are read side by side: their images download and decode in parallel (Pillow's
-    # decoders release the GIL).
+    # Side by side: their images download and decode in parallel (Pillow's decoders release the GIL).
     with ThreadPoolExecutor(max_workers=min(8, len(raw_items))) as pool:
         outcomes = list(pool.map(read_item, range(len(raw_items)), raw_items))
     for outcome in outcomes:
@@ -2977,15 +2979,13 @@ async def answer(job: dict) -> Any:
 
 
 def main() -> None:
-    import sys
-
     os.environ.setdefault("RUNPOD_LOG_LEVEL", "INFO")  # the SDK's DEBUG default logs every answer
     import runpod
 
     logging.basicConfig(level=os.environ.get("VLM_LOG_LEVEL", "INFO"))
     settings = Settings.from_env()
     if settings.load_at_boot:
-        get_engine().warm_up()  # load and compile before taking jobs: the first user pays neither
+        get_engine().warm_up()  # load before taking jobs; the compiled step follows in the background
     local_test = any(arg.startswith("--test_input") for arg in sys.argv)
     _RUNPOD_CONFIG.update({
         "handler": answer if local_test else handler,

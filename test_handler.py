@@ -1523,8 +1523,11 @@ def test_requests_in_flight_keep_their_tokens_across_the_switch(monkeypatch, hub
 
     def step(self, steps):
         if len(HUB.steps) == 5:
-            release.set()  # the background compile may finish now, mid-request
-            assert engine.wait_until_compiled(timeout=30) or True
+            release.set()  # the background compile may finish now, mid-request: the next interval switches
+            for _ in range(3000):
+                if engine._newly_compiled:
+                    break
+                threading.Event().wait(0.01)
         return original(self, steps)
 
     compile_shape = engine._compile_shape
@@ -1535,6 +1538,44 @@ def test_requests_in_flight_keep_their_tokens_across_the_switch(monkeypatch, hub
     assert out == eager
     used = [compiled for _, _, compiled in hub.steps]
     assert False in used and True in used and used == sorted(used)  # eager first, then compiled
+
+
+def test_compiled_shapes_are_switched_to_together_once_all_are_compiled(monkeypatch, hub):
+    # Internal, on purpose: on the H200, compiled code run while another shape was being traced failed that
+    # step's requests (torch.compile's tracing state is process-wide); the fake decoder records each forward.
+    compiled_engine(monkeypatch, hub, VLM_MAX_BATCH_SIZE="16")
+    engine = handler.get_engine()
+    release, compile_shape = threading.Event(), engine._compile_shape
+    monkeypatch.setattr(engine, "_compile_shape", lambda bucket, length: (bucket != 16 or release.wait(30))
+                        and compile_shape(bucket, length))
+    engine.warm_up()
+    for _ in range(3000):
+        if 8 in hub.compiled_steps:  # the 8-row shape is compiled, the 16-row one is not yet
+            break
+        threading.Event().wait(0.01)
+    hub.steps.clear()
+    assert call(chat("a"))["response"] == "echo:a"
+    assert hub.steps and not any(compiled for _, _, compiled in hub.steps)
+    release.set()
+    assert engine.wait_until_compiled(timeout=30)
+    hub.steps.clear()
+    assert call(chat("b"))["response"] == "echo:b"
+    assert hub.steps and all(compiled for _, _, compiled in hub.steps)
+
+
+def test_the_engine_thread_gets_the_gil_back_quickly_while_compiling(monkeypatch, hub):
+    # Internal, on purpose: tracing holds the GIL, and at Python's 5 ms switch interval the engine thread
+    # waited for it at every step (batch-1 decoding at a third of its speed on the H200 while compiling).
+    default = sys.getswitchinterval()
+    compiled_engine(monkeypatch, hub)
+    engine = handler.get_engine()
+    seen, compile_shape = [], engine._compile_shape
+    monkeypatch.setattr(engine, "_compile_shape", lambda *a: seen.append(sys.getswitchinterval()) or compile_shape(*a))
+    engine.warm_up()
+    assert engine.wait_until_compiled(timeout=30)
+    engine._compiler.shutdown(wait=True)
+    assert seen and max(seen) <= 0.001 < default
+    assert sys.getswitchinterval() == default  # restored once compiled
 
 
 def test_warm_up_compiles_nothing_off_the_gpu(monkeypatch, hub):

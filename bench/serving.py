@@ -4,9 +4,11 @@ Random weights at Qwen2-VL-2B shapes (tools/tiny_models.py), loaded through the 
 Every job goes through `handler.handler(job)` as the runpod SDK calls it (one asyncio task per job),
 and every figure is compared with a baseline measured in the same run:
 
-    python bench/serving.py --out OUT [--quick]
+    python bench/serving.py --out OUT [--quick] [--skip cold,main,open]
 
-- cold start: process start to the first answer in fresh processes (compiled and eager);
+- cold start: fresh worker processes at the default settings, compiled without and then with the
+  compile-artifact cache, and eager: process start to the first answer, when the compiled step takes
+  over while jobs run, the longest gap between tokens across that switch, greedy answers across it;
 - correctness on the GPU: compiled continuous-batching answers vs eager `model.generate`;
 - batch 1: time to first token and decode tokens/s;
 - uniform: 64 jobs x 448x448 x 128 tokens at once; the decode step at 64 rows;
@@ -27,6 +29,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -176,17 +179,23 @@ def gpu_parity(handler, engine, count: int = 6) -> dict:
     return {"jobs": count, "identical_to_eager_generate": same}
 
 
-def cold_start(folder: Path, compile_: bool) -> dict:
-    env = dict(os.environ, VLM_MODEL=str(folder), VLM_COMPILE="true" if compile_ else "false",
-               BENCH_SPAWNED_AT=repr(time.time()))
+def cold_start(folder: Path, compile_: bool, cache_dir: Path) -> dict:
+    """A fresh worker process with the default batch settings; `cache_dir` may hold compile artifacts."""
+    env = {k: v for k, v in os.environ.items() if k not in ("VLM_MAX_BATCH_SIZE", "VLM_MAX_CONCURRENCY")}
+    env.update(VLM_MODEL=str(folder), VLM_COMPILE="true" if compile_ else "false",
+               VLM_COMPILE_CACHE_DIR=str(cache_dir), BENCH_SPAWNED_AT=repr(time.time()))
     started = time.perf_counter()
-    child = subprocess.run([sys.executable, __file__, "--child-cold-start"], env=env,
-                           capture_output=True, text=True, timeout=900)
+    try:
+        child = subprocess.run([sys.executable, __file__, "--child-cold-start"], env=env,
+                               capture_output=True, text=True, timeout=300)
+    except subprocess.TimeoutExpired as expired:
+        return {"error": f"timed out after 300 s: {str(expired.stderr or '')[-3000:]}"}
     lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
     if child.returncode != 0 or not lines:
         return {"error": child.stderr[-3000:]}
     out = json.loads(lines[-1])
     out["process_total_s"] = time.perf_counter() - started
+    out["log"] = [line for line in child.stderr.splitlines() if "runpod-vlm" in line or "ecompil" in line][-16:]
     return out
 
 
@@ -202,9 +211,13 @@ def speed(handler) -> dict:
 
 def child_cold_start() -> None:
     """A fresh worker: first answer, then steady traffic while the compiled step is built in the
-    background, the switch, and the speed once compiled."""
+    background, the switch, and the speed once compiled; solo greedy answers before and after."""
     spawned = float(os.environ["BENCH_SPAWNED_AT"])
+    import logging
+
     import handler
+
+    logging.basicConfig(level=logging.INFO, format="%(relativeCreated)d ms %(name)s %(message)s")
 
     engine = handler.get_engine()
     loaded = time.time() - spawned
@@ -212,26 +225,33 @@ def child_cold_start() -> None:
     job = {"id": "first", "input": {"task": "vqa", "question": QUESTIONS[0], "image_url": data_uri(448, 448, 0),
                                     "max_new_tokens": 32, "min_new_tokens": 32}}
     asyncio.run(run_job(handler, job))
-    out = {"load_s": loaded, "process_start_to_first_answer_s": time.time() - spawned}
+    out = {"load_s": loaded, "process_start_to_first_answer_s": time.time() - spawned,
+           "compiled_at_first_answer": engine.compile and engine.wait_until_compiled(0)}
+    solo = [{"id": f"solo{i}", "input": {"task": "vqa", "question": QUESTIONS[i], "max_new_tokens": 48,
+                                         "image_url": data_uri(640, 480, 50 + i)}} for i in range(2)]
+
+    def solo_answers() -> list[str]:
+        return [asyncio.run(run_job(handler, job_))["text"] for job_ in solo]
+
+    reference = solo_answers()
+    out["buckets_compiled_at_reference"] = [b for b, f in engine.decoder.forwards.items()
+                                            if f is engine._compiled_forward]
     out["speed_before_compiled"] = speed(handler)
-    rounds, answers = [], {}
     traffic = [{"id": f"t{i}", "input": {"task": "vqa", "question": QUESTIONS[i % 5],
-                                         "image_url": data_uri(448, 448, 100 + i),
-                                         "max_new_tokens": 192}} for i in range(4)]
-    while engine.compile and not engine.wait_until_compiled(0) and time.time() - spawned < 600:
-        records = asyncio.run(concurrent_records(handler, traffic))
-        rounds.append(max(r["longest_gap_s"] for r in records))
-        for job_, record in zip(traffic, records):
-            answers.setdefault(job_["id"], set()).add(record["text"])
+                                         "image_url": data_uri(448, 448, 100 + i), "max_new_tokens": 96}}
+               for i in range(4)]
+    gaps = []
+    while engine.compile and not engine.wait_until_compiled(0) and time.time() - spawned < 150:
+        gaps.append(max(r["longest_gap_s"] for r in asyncio.run(concurrent_records(handler, traffic))))
     if engine.compile:
-        out["process_start_to_compiled_s"] = time.time() - spawned
+        out["compiled_while_serving"] = engine.wait_until_compiled(0)
+        compiled = engine.wait_until_compiled(max(0.0, 250 - (time.time() - spawned)))  # idle now
+        out["process_start_to_compiled_s"] = time.time() - spawned if compiled else None
         out["speed_compiled"] = speed(handler)
-        final = asyncio.run(concurrent_records(handler, traffic))
-        out["traffic_rounds_while_compiling"] = len(rounds)
-        out["longest_gap_between_tokens_while_compiling_s"] = max(rounds, default=None)
-        out["greedy_answers_identical_across_switch"] = all(
-            answers.get(job_["id"], {record["text"]}) == {record["text"]} for job_, record in zip(traffic, final)
-        )
+        out["traffic_rounds_while_compiling"] = len(gaps)
+        out["longest_gap_between_tokens_while_compiling_s"] = max(gaps, default=None)
+        out["median_round_longest_gap_s"] = statistics.median(gaps) if gaps else None
+        out["greedy_solo_answers_identical_before_and_after_compile"] = solo_answers() == reference
     print(json.dumps(out))
 
 
@@ -244,7 +264,7 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
     parser.add_argument("--quick", action="store_true", help="fewer jobs (a smoke run)")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: cold, main, open")
     parser.add_argument("--child-cold-start", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_cold_start:
@@ -267,14 +287,23 @@ def main() -> None:
     def save():
         (out / "serving.json").write_text(json.dumps(results, indent=2))
 
+    os.environ.update(VLM_ALLOW_ANY="true", VLM_DTYPE="bf16", VLM_STREAM_INTERVAL_MS="0")
     folder = Path(args.models) / "qwen2-vl-2b"
     if not (folder / "config.json").exists():
         started = time.perf_counter()
         tiny_models.build("qwen2-vl", folder, "qwen2-vl-2b", device="cuda", dtype="bf16")
         results["build_s"] = time.perf_counter() - started
         torch.cuda.empty_cache()
-    os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", VLM_DTYPE="bf16", VLM_MAX_BATCH_SIZE="64",
-                      VLM_MAX_CONCURRENCY="64", VLM_MAX_BATCH_REQUESTS="64", VLM_STREAM_INTERVAL_MS="0")
+    if "cold" not in skip:  # fresh processes first, while no other process holds the GPU
+        cache_dir = Path(tempfile.mkdtemp(prefix="vlm-compile-cache-"))
+        results["cold_start"] = cold = {}
+        for name, compile_ in (("compiled_no_cache", True), ("compiled_with_cache", True), ("eager", False)):
+            cold[name] = cold_start(folder, compile_, cache_dir)
+            save()
+    if "main" in skip:
+        return print(json.dumps(results, indent=2))
+    os.environ.update(VLM_MODEL=str(folder), VLM_MAX_BATCH_SIZE="64", VLM_MAX_CONCURRENCY="64",
+                      VLM_MAX_BATCH_REQUESTS="64")
     import handler
 
     started = time.perf_counter()
@@ -320,10 +349,6 @@ def main() -> None:
     results["speed_warm"] = speed(handler)
     results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
     save()
-    if "cold" not in skip:  # fresh processes, after this one's figures are safe
-        handler.reset_engine()
-        results["cold_start"] = {"eager": cold_start(folder, False), "compiled": cold_start(folder, True)}
-        save()
     print(json.dumps(results, indent=2))
 
 

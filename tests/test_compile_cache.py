@@ -507,3 +507,55 @@ def test_transformers_loads_the_resolved_snapshot(tiny_model, tmp_path):
     AutoProcessor.from_pretrained(source)
     original = AutoModelForImageTextToText.from_pretrained(folder, device_map="cpu")
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), original.state_dict().values()))
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl"])
+def test_a_compiled_decode_step_is_traced_once_whatever_the_prefills(tiny_model, serve, family):
+    # Qwen's M-RoPE models keep the last prompt's rope deltas, sized by its batch, and return them from every
+    # forward: the compiled step was traced anew after each prefill of another size (a 6 s stall on the GPU),
+    # and past torch's recompile limit fell back to eager. Traced here by dynamo with a counting backend.
+    from PIL import Image
+
+    engine = serve(tiny_model(family), VLM_COMPILE="false")
+    traces = []
+    forward = torch.compile(engine.model.__call__, dynamic=False,
+                            backend=lambda graph, example_inputs: traces.append(graph) or graph.forward)
+    params = handler.GenerationParams(max_new_tokens=4, temperature=0.0, top_p=1.0, do_sample=False)
+    shadow = handler.SlotDecoder(engine.model, engine.eos_ids, rows=16, length=256, use_graph=False, interval=8)
+    decoder = handler.SlotDecoder(engine.model, engine.eos_ids, rows=16, length=256, use_graph=False, interval=8)
+    plans = [(shadow, [handler.GenerationRequest("chat", [handler.Turn("user", ["warm up"])], params)] * 8, 0),
+             (decoder, [handler.GenerationRequest("chat", [handler.Turn("user", [Image.new("RGB", (64, 64)), "Hi."])],
+                                                  params)], 0),
+             (decoder, [handler.GenerationRequest("chat", [handler.Turn("user", [Image.new("RGB", (96, 64)), "Say."])],
+                                                  params)] * 3, 1)]
+    with torch.inference_mode():
+        for step, (slots, items, first_row) in enumerate(plans):
+            inputs, _ = engine.adapter.batch_inputs(engine.processor, items, engine.model.device, engine.dtype)
+            slots.shift(slots.plan(inputs["input_ids"].shape[1], 8))
+            slots.prefill(inputs, list(range(first_row, first_row + len(items))), [params] * len(items))
+            slots.use_forward(8, forward)
+            slots._advance(8)
+            if step == 0:
+                traced = len(traces)
+    assert traced >= 1 and len(traces) == traced  # the shadow's trace served every later step
+
+
+def test_no_cuda_graph_is_captured_while_a_background_compile_holds_the_gpu(tiny_model, serve, monkeypatch):
+    # On the H200 a capture that overlapped a background compile voided both: the compile failed and the
+    # worker decoded without graphs for good. The capture is tried again at a later step instead.
+    engine = serve(tiny_model("qwen2-vl"), VLM_COMPILE="false")
+    decoder = handler.SlotDecoder(engine.model, engine.eos_ids, rows=8, length=256, use_graph=True, interval=2)
+    captured = []
+    monkeypatch.setattr(decoder, "_capture", captured.append)
+    params = handler.GenerationParams(max_new_tokens=16, temperature=0.0, top_p=1.0, do_sample=False)
+    with torch.inference_mode():
+        inputs, _ = engine.adapter.batch_inputs(
+            engine.processor, [handler.GenerationRequest("chat", [handler.Turn("user", ["hi"])], params)],
+            engine.model.device, engine.dtype)
+        decoder.shift(decoder.plan(inputs["input_ids"].shape[1], 16))
+        decoder.prefill(inputs, [0], [params])
+        with decoder.capture_lock:  # as `Engine._compile_shape` holds it
+            decoder.step(2)
+        assert captured == []
+        decoder.step(2)
+    assert captured == [8]
