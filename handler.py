@@ -2010,16 +2010,15 @@ class Engine:
         self.use_graphs = self._cuda_graphs_possible()
         self.compile = self.use_graphs and self.settings.compile
         # Rows join and leave a running batch through one static cache; sliding-window layers and
-        # remote-code chat() APIs cannot, and answer one item at a time.
+        # remote-code chat() APIs cannot, and answer one item at a time; nor can LongRoPE (Phi-4), whose
+        # factors switch on the highest position in a batch, a free row's too (its count runs on).
         # A sliding window no shorter than the cache attends like full attention over it.
         window = getattr(text_config, "sliding_window", None)
         kinds = set(getattr(text_config, "layer_types", None) or (["sliding_attention"] if window else []))
         self.max_slots = window if "sliding_attention" in kinds else None
-        rope = getattr(text_config, "rope_parameters", None) or {}
-        if rope.get("rope_type") == "longrope":  # past this length its factors change, for every row of a batch
-            self.max_slots = min(self.max_slots or float("inf"), rope["original_max_position_embeddings"])
+        longrope = (getattr(text_config, "rope_parameters", None) or {}).get("rope_type") == "longrope"
         self.continuous = (
-            self.adapter.native and kinds <= {"full_attention", "sliding_attention"}
+            self.adapter.native and kinds <= {"full_attention", "sliding_attention"} and not longrope
             and (self.max_slots is None or self.max_slots >= self.settings.cache_len)
         )
         if self.continuous and self.use_graphs:  # a GPU speed-up; CPU runs keep transformers' SDPA
