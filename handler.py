@@ -1336,7 +1336,8 @@ class Phi4MultimodalAdapter(FamilyAdapter):
                 for turn in turns]
 
     def batch_inputs(self, processor, items, device, dtype):
-        processor.chat_template = processor.chat_template or processor.tokenizer.chat_template  # 5.17 loads it there
+        # transformers 5.17 loads this processor's chat template onto its tokenizer only; its converter copies it back
+        processor.chat_template = processor.chat_template or processor.tokenizer.chat_template
         return super().batch_inputs(processor, items, device, dtype)
 
 
@@ -2487,7 +2488,7 @@ def generate_all(engine: Engine, items: list[GenerationRequest]) -> list[Outcome
 
 
 async def stream_generation(engine: Engine, item: GenerationRequest, stream: bool = True):
-    """Yields StreamDelta events (when `stream`), then the final Generation or RequestError; leaving early cancels."""
+    """Yields StreamDelta events (when `stream`), then the Generation or RequestError; leaving early cancels it."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     ticket = engine.submit(item, lambda event: loop.call_soon_threadsafe(events.put_nowait, event), stream)
