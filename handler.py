@@ -82,7 +82,8 @@ CURATED_MODELS: dict[str, CuratedModel] = {
     "OpenGVLab/InternVL3-2B-hf": CuratedModel("internvl-hf", 8, "MIT"),
     "OpenGVLab/InternVL3-8B-hf": CuratedModel("internvl-hf", 22, "MIT"),
     "mistralai/Mistral-Small-3.1-24B-Instruct-2503": CuratedModel("mistral3", 60, "Apache-2.0"),
-    "zai-org/GLM-4.1V-9B-Thinking": CuratedModel("glm-4.1v", 24, "MIT"),
+    "zai-org/GLM-4.1V-9B-Thinking": CuratedModel("glm-4.1v", 24, "MIT", "glm-1000"),
+    "microsoft/Phi-4-multimodal-instruct": CuratedModel("phi4-multimodal", 14, "MIT"),  # revision refs/pr/70
     "llava-hf/llava-1.5-7b-hf": CuratedModel("llava", 16, "Llama 2 Community License"),
     "llava-hf/llava-1.5-13b-hf": CuratedModel("llava", 30, "Llama 2 Community License"),
     "llava-hf/llava-v1.6-mistral-7b-hf": CuratedModel("llava-next", 18, "Apache-2.0"),
@@ -1019,22 +1020,21 @@ def _to_rgb(image):
 class FamilyAdapter:
     """The model cards' generic recipe for prompting a family; a FAMILIES row or a subclass adjusts it."""
 
-    native = True  # loads with AutoProcessor + AutoModelForImageTextToText, no remote code
-    name = "generic"
+    native = True  # loads with AutoProcessor and `model_class`, no remote code
+    name, model_class = "generic", "AutoModelForImageTextToText"  # names in transformers
     grounding: Optional[str] = None  # coordinate system of its boxes (see "parsing boxes"), or None
     grounding_template = "Locate {} in the image and give its bounding box as [x1, y1, x2, y2]."
     skip_modules: Optional[tuple[str, ...]] = None  # kept out of quantization; None: found by model type
 
     def __init__(self, model_type: Optional[str] = None, **family):
         self.model_type = model_type
-        for key, value in family.items():  # a FAMILIES row's changes to the class's defaults
-            setattr(self, key, value)
+        vars(self).update(family)  # a FAMILIES row's changes to the class's defaults
 
     @property
     def quantization_skip_modules(self) -> tuple[str, ...]:
         """Modules bitsandbytes leaves in full precision: the vision tower and projector, and lm_head."""
         if self.skip_modules is None and self.model_type is not None:
-            return unquantized_module_names(self.model_type)
+            return unquantized_module_names(self.model_type, self.model_class)
         return self.skip_modules or ()
 
     def processor_kwargs(self, settings: Settings) -> dict:
@@ -1057,11 +1057,8 @@ class FamilyAdapter:
 
     def batch_inputs(self, processor, items: list[GenerationRequest], device, dtype):
         """Left-padded prompts and pixels on `device`, and per item its first image's input size (or None)."""
-        prompts = [
-            processor.apply_chat_template(
-                self.chat_messages(self.request_turns(item)), add_generation_prompt=True, tokenize=False)
-            for item in items
-        ]
+        prompts = [processor.apply_chat_template(self.chat_messages(self.request_turns(item)), tokenize=False,
+                                                 add_generation_prompt=True) for item in items]
         kwargs: dict = {"text": prompts, "padding": True, "return_tensors": "pt"}
         if any(item.images for item in items):
             kwargs["images"] = [item.images for item in items]
@@ -1080,8 +1077,7 @@ class FamilyAdapter:
 class QwenVLAdapter(FamilyAdapter):
     """Qwen2-VL, and (FAMILIES) Qwen2.5-VL and Qwen3-VL with their own grounding."""
 
-    name, grounding = "qwen2-vl", "qwen-1000"
-    grounding_template = "Find <|object_ref_start|>{}<|object_ref_end|>"
+    name, grounding, grounding_template = "qwen2-vl", "qwen-1000", "Find <|object_ref_start|>{}<|object_ref_end|>"
     skip_modules = ("model.visual", "lm_head")
 
     def processor_kwargs(self, settings: Settings) -> dict:
@@ -1108,10 +1104,9 @@ class PaliGemmaAdapter(FamilyAdapter):
         if len(item.images) > 1:
             raise RequestError("invalid_request", "the paligemma family takes one image per request",
                                _join(item.param, "messages" if item.task == "chat" else "images"))
-        if item.task == "grounding":
-            return self.grounding_template.format(item.grounding_target)
         text = _text_of(item.turns[-1]).strip()
-        prefix = {"caption": "caption en", "caption_long": "describe en", "vqa": f"answer en {text}"}.get(item.task)
+        prefix = {"caption": "caption en", "caption_long": "describe en", "vqa": f"answer en {text}",
+                  "grounding": self.grounding_template.format(item.grounding_target)}.get(item.task)
         if prefix is None and (len(item.turns) != 1 or item.turns[0].role != "user"):
             raise RequestError("invalid_request", "the paligemma family takes one user message (a task prefix such "
                                "as 'caption en', 'answer en <question>' or 'detect <object>'), no system or "
@@ -1123,9 +1118,8 @@ class PaliGemmaAdapter(FamilyAdapter):
 
         # The model always reads an image: a text-only row (a chat, the engine's padding row) gets a black one.
         images = [item.images or [Image.new("RGB", (1, 1))] for item in items]
-        inputs = processor(
-            text=[self.task_prefix(item) for item in items], images=images, padding=True, return_tensors="pt",
-        ).to(device)
+        texts = [self.task_prefix(item) for item in items]
+        inputs = processor(text=texts, images=images, padding=True, return_tensors="pt").to(device)
         inputs.pop("labels", None)  # the processor's training labels: not a generation input
         inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
         return inputs, [None] * len(items)
@@ -1332,6 +1326,22 @@ class Phi3VisionAdapter(RemoteCodeAdapter):
         return self.generation(model, processor.tokenizer, text, record, item.params.max_new_tokens)
 
 
+class Phi4MultimodalAdapter(FamilyAdapter):
+    """microsoft/Phi-4-multimodal-instruct (transformers format; images, not audio), prompted as transformers' tests."""
+
+    name, model_class = "phi4-multimodal", "AutoModelForCausalLM"
+    skip_modules = ("model.embed_tokens_extend.image_embed", "lm_head")
+
+    def chat_messages(self, turns: list[Turn]) -> list[dict]:
+        return [{"role": turn.role, "content": "".join(p if isinstance(p, str) else "<|image|>" for p in turn.parts)}
+                for turn in turns]
+
+    def batch_inputs(self, processor, items, device, dtype):
+        # transformers 5.17 loads this processor's chat template onto its tokenizer only; its converter copies it back
+        processor.chat_template = processor.chat_template or processor.tokenizer.chat_template
+        return super().batch_inputs(processor, items, device, dtype)
+
+
 QWEN_JSON_GROUNDING = "Locate {} in the image, and output its bbox coordinates in JSON format."
 LLAVA_SKIPS = ("model.vision_tower", "model.multi_modal_projector", "lm_head")
 SMOLVLM = {"name": "smolvlm", "skip_modules": ("model.vision_model", "model.connector", "lm_head")}  # Idefics3 too
@@ -1340,22 +1350,19 @@ FAMILIES: dict[str, dict] = {  # model_type -> its adapter class and what it cha
     "qwen2_5_vl": {"adapter": QwenVLAdapter, "name": "qwen2.5-vl", "grounding": "qwen-abs-pixels",
                    "grounding_template": QWEN_JSON_GROUNDING},
     "qwen3_vl": {"adapter": QwenVLAdapter, "name": "qwen3-vl", "grounding_template": QWEN_JSON_GROUNDING},
-    "paligemma": {"adapter": PaliGemmaAdapter},
+    "paligemma": {"adapter": PaliGemmaAdapter}, "phi4_multimodal": {"adapter": Phi4MultimodalAdapter},
     "minicpmv": {"adapter": MiniCPMVAdapter},
     "phi3_v": {"adapter": Phi3VisionAdapter},
     "internvl_chat": {"adapter": InternVL2Adapter},
     "llava": {"name": "llava", "skip_modules": LLAVA_SKIPS},
     "llava_next": {"name": "llava-next", "skip_modules": LLAVA_SKIPS},
-    "idefics3": SMOLVLM,
-    "smolvlm": SMOLVLM,
+    "idefics3": SMOLVLM, "smolvlm": SMOLVLM,
     # The generic recipe serves these as their cards do (tests/test_families.py): named for logs and the
     # curated list, their quantization skips read from their module trees.
-    "gemma3": {"name": "gemma3"},
-    "llava_onevision": {"name": "llava-onevision"},
-    "internvl": {"name": "internvl-hf"},
-    "mistral3": {"name": "mistral3"},
-    "llama4": {"name": "llama4"},
-    "glm4v": {"name": "glm-4.1v"},
+    "gemma3": {"name": "gemma3"}, "mistral3": {"name": "mistral3"}, "llama4": {"name": "llama4"},
+    "llava_onevision": {"name": "llava-onevision"}, "internvl": {"name": "internvl-hf"},
+    "glm4v": {"name": "glm-4.1v", "grounding": "glm-1000",  # the GLM-V repository's README
+              "grounding_template": "Help me to locate {} in the image and give me its bounding boxes."},
 }
 
 
@@ -1369,19 +1376,17 @@ ADAPTERS: dict[str, FamilyAdapter] = {adapter.name: adapter for adapter in map(a
 
 
 @functools.cache
-def unquantized_module_names(model_type: str) -> tuple[str, ...]:
+def unquantized_module_names(model_type: str, model_class: str = "AutoModelForImageTextToText") -> tuple[str, ...]:
     """The outermost vision or projector modules, then the output head, of the type's default model on meta."""
     import torch
-    from transformers import AutoConfig, AutoModelForImageTextToText
+    import transformers
 
     try:
         with torch.device("meta"):
-            model = AutoModelForImageTextToText.from_config(AutoConfig.for_model(model_type))
+            model = getattr(transformers, model_class).from_config(transformers.AutoConfig.for_model(model_type))
     except Exception as error:
-        raise SettingsError(
-            f"cannot find the vision modules of model type {model_type!r} to keep them out of "
-            f"quantization ({error}); set VLM_QUANTIZE=none"
-        ) from error
+        raise SettingsError(f"cannot find the vision modules of model type {model_type!r} to keep them out of "
+                            f"quantization ({error}); set VLM_QUANTIZE=none") from error
     words, names = ("vision", "visual", "projector", "connector", "resampler"), []
     for name, _ in model.named_modules():
         if any(w in name.rsplit(".", 1)[-1] for w in words) and not any(name.startswith(f"{n}.") for n in names):
@@ -1993,13 +1998,11 @@ class Engine:
         if quantization is not None:
             load_kwargs["quantization_config"] = quantization
         if self.adapter.native:
-            from transformers import AutoModelForImageTextToText, AutoProcessor
-
-            self.processor = AutoProcessor.from_pretrained(
+            self.processor = transformers.AutoProcessor.from_pretrained(
                 source, trust_remote_code=trust, **self.adapter.processor_kwargs(self.settings)
             )
             self.processor.tokenizer.padding_side = "left"
-            self.model = AutoModelForImageTextToText.from_pretrained(source, **load_kwargs).eval()
+            self.model = getattr(transformers, self.adapter.model_class).from_pretrained(source, **load_kwargs).eval()
         else:
             self.model, self.processor = self.adapter.load(source, load_kwargs)
         self.eos_ids = self._eos_ids()
@@ -2008,13 +2011,15 @@ class Engine:
         self.use_graphs = self._cuda_graphs_possible()
         self.compile = self.use_graphs and self.settings.compile
         # Rows join and leave a running batch through one static cache; sliding-window layers and
-        # remote-code chat() APIs cannot, and answer one item at a time.
+        # remote-code chat() APIs cannot, and answer one item at a time; nor can LongRoPE (Phi-4), whose
+        # factors switch on the highest position in a batch, a free row's too (its count runs on).
         # A sliding window no shorter than the cache attends like full attention over it.
         window = getattr(text_config, "sliding_window", None)
         kinds = set(getattr(text_config, "layer_types", None) or (["sliding_attention"] if window else []))
         self.max_slots = window if "sliding_attention" in kinds else None
+        longrope = (getattr(text_config, "rope_parameters", None) or {}).get("rope_type") == "longrope"
         self.continuous = (
-            self.adapter.native and kinds <= {"full_attention", "sliding_attention"}
+            self.adapter.native and kinds <= {"full_attention", "sliding_attention"} and not longrope
             and (self.max_slots is None or self.max_slots >= self.settings.cache_len)
         )
         if self.continuous and self.use_graphs:  # a GPU speed-up; CPU runs keep transformers' SDPA
@@ -2486,8 +2491,7 @@ def generate_all(engine: Engine, items: list[GenerationRequest]) -> list[Outcome
 
 
 async def stream_generation(engine: Engine, item: GenerationRequest, stream: bool = True):
-    """Yields StreamDelta events as tokens are produced (when `stream`), then the final Generation
-    or RequestError. Leaving early (break, aclose, a cancelled task) cancels the item."""
+    """Yields StreamDelta events (when `stream`), then the Generation or RequestError; leaving early cancels it."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     ticket = engine.submit(item, lambda event: loop.call_soon_threadsafe(events.put_nowait, event), stream)
@@ -2503,30 +2507,21 @@ async def stream_generation(engine: Engine, item: GenerationRequest, stream: boo
 
 async def generate_one(engine: Engine, item: GenerationRequest) -> Outcome:
     """The final Generation or RequestError of one item."""
-    async for event in stream_generation(engine, item, stream=False):
-        result = event
-    return result
+    return [event async for event in stream_generation(engine, item, stream=False)][-1]
 
 
 def format_output(engine: Engine, item: GenerationRequest, generation: Generation, request: RequestModel) -> dict:
-    output = {
-        "response": generation.text,
-        "model": engine.model_id,
-        "task": item.task,
-        "image_count": len(item.images),
-        "finish_reason": generation.finish_reason,
-        "usage": {"prompt_tokens": generation.prompt_tokens, "completion_tokens": generation.completion_tokens},
-    }
+    output = {"response": generation.text, "model": engine.model_id, "task": item.task,
+              "image_count": len(item.images), "finish_reason": generation.finish_reason,
+              "usage": {"prompt_tokens": generation.prompt_tokens, "completion_tokens": generation.completion_tokens}}
     if item.task == "grounding":
         output.update(grounding_fields(item, generation, engine.adapter))
     if request.batch_images is not None:
         output["batch_images"] = request.batch_images
     if request.quantize is not None and request.quantize != engine.quantize:
-        output["quantize"] = engine.quantize
-        output["quantize_warning"] = (
-            f"the model was loaded as {engine.quantize!r}; the requested {request.quantize!r} "
-            "applies only when a request loads the model (VLM_LOAD_AT_BOOT=false)"
-        )
+        output.update(quantize=engine.quantize, quantize_warning=f"the model was loaded as {engine.quantize!r}; "
+                      f"the requested {request.quantize!r} applies only when a request loads the model "
+                      "(VLM_LOAD_AT_BOOT=false)")
     return output
 
 
@@ -2535,11 +2530,14 @@ def format_output(engine: Engine, item: GenerationRequest, generation: Generatio
 #                    Qwen3-VL: [{"bbox_2d": [x1, y1, x2, y2], "label": "dog"}]; both relative, 0-1000
 #   qwen-abs-pixels  Qwen2.5-VL: the same JSON, in pixels of the resized model input
 #   paligemma-1024   PaliGemma: <loc{y1}><loc{x1}><loc{y2}><loc{x2}> dog ; ...  (bins of 1024)
+#   glm-1000         GLM-4.1V: <|begin_of_box|>[[x1,y1,x2,y2], ...]<|end_of_box|>, any brackets; relative, 0-1000
 
 _NUMBER = r"-?\d+(?:\.\d+)?"
 _QUARTET = rf"({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})\s*,\s*({_NUMBER})"
 _QWEN_BOX = re.compile(r"(?:<\|object_ref_start\|>(.*?)<\|object_ref_end\|>\s*)?"
                        r"<\|box_start\|>(.*?)(?:<\|box_end\|>|$)", re.S)
+_GLM_BOXES = re.compile(r"<\|begin_of_box\|>(.*?)(?:<\|end_of_box\|>|$)", re.S)
+_THINKING = re.compile(r"<think>.*?(?:</think>|$)", re.S)  # a reasoning model's thoughts: not its answer
 _LOC_BOX = re.compile(r"<loc(\d{4})><loc(\d{4})><loc(\d{4})><loc(\d{4})>\s*([^;<]*)")
 _JSON_OBJECT = re.compile(r"\{[^{}]*\}")  # flat objects: found one by one, even in a cut-off answer
 _JSON_BOX = re.compile(rf'"(?:bbox_2d|bbox|box_2d)"\s*:\s*\[\s*{_QUARTET}\s*\]')
@@ -2563,12 +2561,14 @@ def _json_label(obj: str) -> Optional[str]:
 def parse_boxes(text: Optional[str]) -> list[tuple[list[float], Optional[str]]]:
     """Every (box, label or None) in an answer, boxes as [x1, y1, x2, y2] in the model's coordinates.
     The first format found wins, in the order below; last, a single plain quartet of numbers."""
-    text, boxes, label = text or "", [], None
+    text, boxes, label = _THINKING.sub("", text or ""), [], None
     for match in _QWEN_BOX.finditer(text):  # a label holds for the boxes after it
         label = match.group(1).strip() if match.group(1) is not None else label
         numbers = re.findall(_NUMBER, match.group(2))
         if len(numbers) == 4:
             boxes.append((_ordered(numbers), label or None))
+    boxed = [re.findall(_NUMBER, inside) for inside in _GLM_BOXES.findall(text)]  # four numbers a box, any brackets
+    boxes = boxes or [(_ordered(numbers[i:i + 4]), None) for numbers in boxed for i in range(0, len(numbers) - 3, 4)]
     boxes = boxes or [(_ordered([x1, y1, x2, y2]), name.strip() or None)
                       for y1, x1, y2, x2, name in _LOC_BOX.findall(text)]
     boxes = boxes or [(_ordered(box.groups()), _json_label(obj))
@@ -2586,7 +2586,8 @@ def parse_bbox(text: Optional[str]) -> Optional[list[float]]:
 def box_to_pixels(box: list[float], system: Optional[str], size: tuple[int, int],
                   input_size: Optional[tuple[int, int]] = None) -> list[int]:
     """Scale a box from the model's coordinate system to the original image's pixels, clamped."""
-    frame = {"qwen-1000": (1000, 1000), "paligemma-1024": (1024, 1024), "qwen-abs-pixels": input_size}.get(system)
+    frame = {"qwen-1000": (1000, 1000), "glm-1000": (1000, 1000), "paligemma-1024": (1024, 1024),
+             "qwen-abs-pixels": input_size}.get(system)
     frame_width, frame_height = frame or ((1, 1) if max(box) <= 1.0 else size)  # no frame: normalised or pixels
     scales, limits = (size[0] / frame_width, size[1] / frame_height) * 2, tuple(size) * 2
     return [int(round(min(max(v * scale, 0), limit))) for v, scale, limit in zip(box, scales, limits)]
@@ -2789,8 +2790,7 @@ async def chat_completion(engine: Engine, item: GenerationRequest, body: ChatCom
 
     interval, last, pending = engine.settings.stream_interval_ms / 1000, float("-inf"), ""
     opening = chunk({"role": "assistant", "content": ""})
-    # A grounding answer is written whole at the end, with its box.
-    stream = body.stream and item.task != "grounding"
+    stream = body.stream and item.task != "grounding"  # a grounding answer is written whole at the end, with its box
     async with contextlib.aclosing(answer_pieces(engine, item, body.stop_sequences, stream)) as pieces:
         async for piece in pieces:
             if isinstance(piece, str):

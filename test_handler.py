@@ -214,6 +214,7 @@ EXPECTED_LOADERS = {
        for family in ("qwen3-vl", "gemma3", "paligemma", "smolvlm", "llava-onevision", "internvl-hf", "mistral3",
                       "glm-4.1v")},
     "phi3-vision": ("AutoProcessor", "AutoModelForCausalLM"),
+    "phi4-multimodal": ("AutoProcessor", "AutoModelForCausalLM"),
     "minicpm-v": ("AutoTokenizer", "AutoModel"),
     "internvl": ("AutoTokenizer", "AutoModel"),
 }

@@ -1003,6 +1003,7 @@ MODEL_TYPES = {
     "OpenGVLab/InternVL3-8B-hf": "internvl",
     "mistralai/Mistral-Small-3.1-24B-Instruct-2503": "mistral3",
     "zai-org/GLM-4.1V-9B-Thinking": "glm4v",
+    "microsoft/Phi-4-multimodal-instruct": "phi4_multimodal",
 }
 NATIVE_TYPES = {"qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "idefics3", "qwen3_vl", "gemma3", "paligemma",
                 "smolvlm", "llava_onevision", "internvl", "mistral3", "glm4v"}
@@ -1093,6 +1094,8 @@ class FakeAutoConfig:
 
 
 class FakeTokenizer:
+    chat_template = "<|role|>content<|end|>"
+
     def __init__(self):
         self._padding_side = "right"
 
@@ -1158,6 +1161,8 @@ class FakeBatch(dict):
 
 
 class FakeProcessor:
+    chat_template = None  # Phi-4-multimodal's: transformers 5.17 loads it onto the tokenizer only
+
     def __init__(self, path, kwargs):
         self.path, self.kwargs = path, kwargs
         self._tokenizer = FakeTokenizer()
@@ -1535,7 +1540,7 @@ def build_stub_modules() -> dict:
             "AutoConfig": FakeAutoConfig,
             "AutoProcessor": _loader("AutoProcessor", FakeProcessor, None),
             "AutoModelForImageTextToText": _loader("AutoModelForImageTextToText", FakeModel, NATIVE_TYPES),
-            "AutoModelForCausalLM": _loader("AutoModelForCausalLM", FakeModel, {"phi3_v"}),
+            "AutoModelForCausalLM": _loader("AutoModelForCausalLM", FakeModel, {"phi3_v", "phi4_multimodal"}),
             "AutoModel": _loader("AutoModel", _remote_model, {"minicpmv", "internvl_chat"}),
             "AutoTokenizer": _loader("AutoTokenizer", lambda path, kwargs: FakeTokenizer(), None),
             "BitsAndBytesConfig": FakeBitsAndBytesConfig,

@@ -70,10 +70,12 @@ def worker_rows(calls: list[dict], rows: int) -> list[tuple[list[int], list[int]
 
 @functools.cache
 def reference_model(folder: str):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
+    """The model through its family's auto class (AutoModelForImageTextToText but for Phi-4-multimodal)."""
+    import transformers
 
-    model = AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
-    return model, AutoProcessor.from_pretrained(folder)
+    model_class = handler.adapter_for(transformers.AutoConfig.from_pretrained(folder).model_type).model_class
+    model = getattr(transformers, model_class).from_pretrained(folder, dtype=torch.float32).eval()
+    return model, transformers.AutoProcessor.from_pretrained(folder)
 
 
 def card_recipe(folder, messages: list[dict]) -> tuple[list[int], list[int]]:
@@ -241,19 +243,24 @@ def script_answer(engine, monkeypatch, answer_text: str) -> None:
     monkeypatch.setattr(engine.model, "forward", scripted_forward)
 
 
-@pytest.mark.parametrize("family, answer, box_format", [
+@pytest.mark.parametrize("family, answer, box_format, labels", [
     ("qwen3-vl", '```json\n[{"bbox_2d": [100, 200, 500, 800], "label": "stripe"},\n'
-                 ' {"bbox_2d": [0, 0, 1000, 1000], "label": "all"}]\n```', "qwen-1000"),
+                 ' {"bbox_2d": [0, 0, 1000, 1000], "label": "all"}]\n```', "qwen-1000", ["stripe", "all"]),
     ("paligemma", "<loc0205><loc0102><loc0819><loc0512> stripe ; <loc0000><loc0000><loc1024><loc1024> all",
-     "paligemma-1024"),
+     "paligemma-1024", ["stripe", "all"]),
+    # GLM-4.1V thinks first; only the boxes of its answer count
+    ("glm4v", "<think>Maybe [1, 2, 3, 4].</think><answer><|begin_of_box|>[[100, 200, 500, 800], [0, 0, 1000, 1000]]"
+              "<|end_of_box|></answer>", "glm-1000", [None, None]),
 ])
-def test_grounding_returns_every_box_in_image_pixels(family, answer, box_format, tiny_model, serve, monkeypatch):
+def test_grounding_returns_every_box_in_image_pixels(family, answer, box_format, labels, tiny_model, serve,
+                                                     monkeypatch):
     engine = serve(tiny_model(family))
     script_answer(engine, monkeypatch, answer)
     out = ask({"task": "grounding", "image_url": data_uri(striped((100, 50))), "target": "a stripe",
                "annotate": True})
     assert "error" not in out, out
-    assert out["boxes"] == [{"bbox": [10, 10, 50, 40], "label": "stripe"}, {"bbox": [0, 0, 100, 50], "label": "all"}]
+    assert out["boxes"] == [{"bbox": [10, 10, 50, 40], "label": labels[0]},
+                            {"bbox": [0, 0, 100, 50], "label": labels[1]}]
     assert out["bbox"] == [10, 10, 50, 40] and out["box_format"] == box_format and out["image_size"] == [100, 50]
     assert out["annotated_image"].startswith("data:image/png;base64,")
 
@@ -559,3 +566,48 @@ def test_internvl2_system_prompt_is_its_system_message_for_that_request_only(ser
     with_system, without = model.chat_calls
     assert with_system["system_message"] == "Be brief." and "Be brief." not in with_system["question"]
     assert without["system_message"] == "the model's default system message"
+
+
+# ---- Phi-4-multimodal: its auto class is AutoModelForCausalLM; images only ------------------------
+
+
+def phi4_card(folder, prompt: str, images: list) -> tuple[list[int], list[int]]:
+    """transformers' Phi-4-multimodal recipe: `<|user|><|image|>...<|end|><|assistant|>` written out, then
+    processor(prompt, images) and greedy generate."""
+    model, processor = reference_model(str(folder))
+    inputs = processor(text=prompt, images=images or None, return_tensors="pt")
+    with torch.inference_mode():
+        output = model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS)
+    prompt_ids = inputs["input_ids"][0]
+    return prompt_ids.tolist(), output[0, len(prompt_ids):].tolist()
+
+
+PHI4_CARDS = [
+    (TWO_IMAGES[0], "<|system|>Answer in one word.<|end|><|user|><|image|>Which is green?<|image|><|end|><|assistant|>",
+     [FIRST, SECOND]),
+    (ONE_IMAGE[0], "<|user|><|image|>What is shown?<|end|><|assistant|>", [THIRD]),
+    (TEXT_ONLY[0], "<|user|>Say hello.<|end|><|assistant|>", []),
+]
+
+
+def test_phi4_multimodal_matches_transformers_recipe_alone_and_batched(tiny_model, serve, forward_calls_of):
+    folder = tiny_model("phi4-multimodal")
+    engine = serve(folder)
+    assert type(engine.model).__name__ == "Phi4MultimodalForCausalLM"
+    # LongRoPE switches factors on a batch's highest position: each item runs alone through generate()
+    assert not engine.continuous
+    request, prompt, images = PHI4_CARDS[0]
+    calls = forward_calls_of(engine)
+    out = ask(request)
+    assert "error" not in out, out
+    assert worker_rows(calls, 1) == [phi4_card(folder, prompt, images)]
+    check_batch_against_card(engine, [request for request, _, _ in PHI4_CARDS],
+                             [phi4_card(folder, prompt, images) for _, prompt, images in PHI4_CARDS])
+
+
+def test_phi4_multimodal_keeps_its_image_embedding_out_of_quantization(tiny_model):
+    model, _ = reference_model(str(tiny_model("phi4-multimodal")))
+    vision, head = handler.adapter_for("phi4_multimodal").quantization_skip_modules
+    modules = dict(model.named_modules())
+    assert modules[head] is model.get_output_embeddings()
+    assert {"img_processor", "img_projection_up", "img_projection_down"} <= set(dict(modules[vision].named_children()))

@@ -37,6 +37,14 @@ QWEN25_VL_JSON = """```json
     ("<loc0100><loc0200><loc0300><loc0400> dog ; <loc0000><loc0010><loc1023><loc0020> cat",
      [([200, 100, 400, 300], "dog"), ([10, 0, 20, 1023], "cat")]),
     ("<loc0100><loc0200><loc0300><loc0400>", [([200, 100, 400, 300], None)]),
+    # GLM-4.1V: boxes between <|begin_of_box|> and <|end_of_box|>, in any brackets; its thinking is ignored
+    ("<think>first guess [1, 2, 3, 4]</think><answer><|begin_of_box|>[[100,200,300,400],[500,600,700,800]]"
+     "<|end_of_box|></answer>", [([100, 200, 300, 400], None), ([500, 600, 700, 800], None)]),
+    ("<|begin_of_box|>(10, 20), (30, 40)<|end_of_box|> and <|begin_of_box|><5,6,7,8><|end_of_box|>",
+     [([10, 20, 30, 40], None), ([5, 6, 7, 8], None)]),
+    ("<|begin_of_box|>[300, 400, 100, 200]", [([100, 200, 300, 400], None)]),  # cut off by max_new_tokens
+    ("<|begin_of_box|>42<|end_of_box|> is near [1, 2, 3, 4]", [([1, 2, 3, 4], None)]),  # a boxed number, no box
+    ("<think>the dog is at [1, 2, 3, 4] or", []),  # still thinking when cut off
     ("dog at [10, 20, 30, 40], cat at [50, 60, 70, 80]", [([10, 20, 30, 40], None), ([50, 60, 70, 80], None)]),
     ("(1, 2), (3, 4) and (5,6),(7,8)", [([1, 2, 3, 4], None), ([5, 6, 7, 8], None)]),
     ("box: 1, 2, 3, 4", [([1, 2, 3, 4], None)]),
@@ -123,3 +131,13 @@ def _png(width, height) -> bytes:
 
 def test_a_label_with_a_broken_escape_is_kept_as_written():
     assert handler.parse_boxes('{"bbox_2d": [1, 2, 3, 4], "label": "a\\x"}') == [([1.0, 2.0, 3.0, 4.0], "a\\x")]
+
+
+def test_glm_boxes_are_relative_to_1000_of_the_original_image():
+    answer = "<answer><|begin_of_box|>[[100, 250, 500, 750]]<|end_of_box|></answer>"
+    fields = handler.grounding_fields(grounding_item(), handler.Generation("", "stop", raw_text=answer),
+                                      handler.ADAPTERS["glm-4.1v"])
+    assert fields["boxes"] == [{"bbox": [64, 120, 320, 360], "label": None}]
+    assert fields["box_format"] == "glm-1000" and fields["image_size"] == [640, 480]
+    prompt = handler.ADAPTERS["glm-4.1v"].request_turns(grounding_item())[-1].parts[-1]
+    assert prompt == "Help me to locate the dog in the image and give me its bounding boxes."

@@ -16,7 +16,7 @@ from pathlib import Path
 FAMILIES = (
     "qwen2-vl", "qwen2.5-vl", "llava", "llava-next",
     "qwen3-vl", "gemma3", "llava-onevision", "paligemma", "smolvlm", "internvl-hf", "mistral3",
-    "llama4", "glm4v",
+    "llama4", "glm4v", "phi4-multimodal",
 )
 SHAPES = ("tiny", "qwen2-vl-2b", "qwen2-vl-7b")
 
@@ -495,7 +495,7 @@ def _llama4_parts(family: str, shape: str):
 
 GLM4V_SPECIAL = ["<|endoftext|>", "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>",
                  "<|begin_of_image|>", "<|end_of_image|>", "<|image|>", "<|begin_of_video|>",
-                 "<|end_of_video|>", "<|video|>"]
+                 "<|end_of_video|>", "<|video|>", "<|begin_of_box|>", "<|end_of_box|>"]
 # zai-org/GLM-4.1V-9B-Thinking: [gMASK]<sop> opens the prompt; each image between its markers.
 GLM4V_TEMPLATE = (
     "[gMASK]<sop>"
@@ -537,12 +537,54 @@ def _glm4v_parts(family: str, shape: str):
         eos_token_id=[ids["<|endoftext|>"], ids["<|user|>"]], pad_token_id=ids["<|endoftext|>"])
 
 
+PHI4_SPECIAL = ["<|endoftext|>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|image|>", "<|audio|>"]
+# microsoft/Phi-4-multimodal-instruct's tokenizer template: <|role|>content<|end|> per turn (text contents),
+# then <|assistant|>; each image is an <|image|> in the text that the processor expands.
+PHI4_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'system' and 'tools' in message and message['tools'] is not none %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '<|tool|>' + message['tools'] + '<|/tool|>' + '<|end|>' }}"
+    "{% else %}{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% else %}{{ eos_token }}{% endif %}"
+)
+
+
+def _phi4_multimodal_parts(family: str, shape: str):
+    import transformers as tf
+
+    tokenizer = byte_level_tokenizer(PHI4_SPECIAL, eos="<|endoftext|>", pad="<|endoftext|>",
+                                     image_token="<|image|>", audio_token="<|audio|>")
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in PHI4_SPECIAL}
+    # The processor writes 256 + ... tokens per image whatever its size: the vision side keeps the real
+    # 448 px crops of 14 px patches; everything else is tiny (the audio encoder is built but never used).
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  image_size=448, patch_size=14, crop_size=448, image_token_id=ids["<|image|>"])
+    audio = dict(hidden_size=32, intermediate_size=64, num_blocks=1, num_attention_heads=4, ext_pw_out_channel=32,
+                 depthwise_separable_out_channel=32, nemo_conv_channels=32, audio_token_id=ids["<|audio|>"])
+    config = tf.Phi4MultimodalConfig(
+        vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=131072,
+        original_max_position_embeddings=4096, sliding_window=262144,  # as the real config: LongRoPE
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 0.75,
+                         "short_factor": [1.0] * 6, "long_factor": [1.5] * 6},
+        bos_token_id=ids["<|endoftext|>"], eos_token_id=ids["<|endoftext|>"], pad_token_id=ids["<|endoftext|>"],
+        vision_config=vision, audio_config=audio,
+    )
+    processor = tf.Phi4MultimodalProcessor(
+        image_processor=tf.Phi4MultimodalImageProcessor(), audio_processor=tf.Phi4MultimodalFeatureExtractor(),
+        tokenizer=tokenizer, chat_template=PHI4_TEMPLATE,
+    )
+    return config, tf.Phi4MultimodalForCausalLM, processor, dict(
+        eos_token_id=[ids["<|endoftext|>"], ids["<|end|>"]], pad_token_id=ids["<|endoftext|>"],
+        bos_token_id=ids["<|endoftext|>"])
+
+
 PARTS = {
     "qwen2-vl": "_qwen_parts", "qwen2.5-vl": "_qwen_parts", "llava": "_llava_parts",
     "llava-next": "_llava_parts", "qwen3-vl": "_qwen3_parts", "gemma3": "_gemma3_parts",
     "llava-onevision": "_llava_onevision_parts", "paligemma": "_paligemma_parts",
     "smolvlm": "_smolvlm_parts", "internvl-hf": "_internvl_parts", "mistral3": "_mistral3_parts",
-    "llama4": "_llama4_parts", "glm4v": "_glm4v_parts",
+    "llama4": "_llama4_parts", "glm4v": "_glm4v_parts", "phi4-multimodal": "_phi4_multimodal_parts",
 }
 
 
