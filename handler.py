@@ -1151,7 +1151,7 @@ class RemoteCodeAdapter(FamilyAdapter):
         system, turns = _leading_system_prompt(self.request_turns(item), self.name, item.param)
         with self.recorded_generation(model) as record:
             text = self.chat(model, tokenizer, system, turns, item.images, self.card_sampling(sampling))
-        return self.generation(model, tokenizer, text, record, item.params.max_new_tokens)
+        return self.generation(text, record, item.params.max_new_tokens)
 
     @contextlib.contextmanager
     def recorded_generation(self, model):
@@ -1159,10 +1159,7 @@ class RemoteCodeAdapter(FamilyAdapter):
         from unittest import mock
 
         record: dict = {}
-        inner = getattr(model, self.inner_language_model, None) if self.inner_language_model else None
-        if inner is None or not callable(getattr(inner, "generate", None)):
-            yield record
-            return
+        inner = getattr(model, self.inner_language_model)
         real_generate = inner.generate
 
         def generate(*args, **kwargs):
@@ -1176,11 +1173,8 @@ class RemoteCodeAdapter(FamilyAdapter):
         with mock.patch.object(inner, "generate", generate):
             yield record
 
-    def generation(self, model, tokenizer, text: str, record: dict, max_new_tokens: int) -> Generation:
-        """Usage and finish_reason from the recorded ids, else (chat() returns text) the text's tokens."""
-        if "ids" not in record:
-            count = len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
-            return Generation(text.strip(), "length" if count >= max_new_tokens else "stop", completion_tokens=count)
+    def generation(self, text: str, record: dict, max_new_tokens: int) -> Generation:
+        """Usage and finish_reason from the generated ids and the end tokens generate() stopped at."""
         ids, eos = record["ids"], record["eos"]
         return Generation(text.strip(), _finish_reason(ids, eos, max_new_tokens), record["prompt_tokens"],
                           _trimmed_length(ids, eos))
@@ -1327,7 +1321,7 @@ class Phi3VisionAdapter(RemoteCodeAdapter):
         new_tokens = out[0, prompt_tokens:]
         record = {"ids": new_tokens.tolist(), "prompt_tokens": prompt_tokens, "eos": eos}
         text = processor.tokenizer.decode(new_tokens, skip_special_tokens=True)
-        return self.generation(model, processor.tokenizer, text, record, item.params.max_new_tokens)
+        return self.generation(text, record, item.params.max_new_tokens)
 
 
 QWEN_JSON_GROUNDING = "Locate {} in the image, and output its bbox coordinates in JSON format."
