@@ -211,10 +211,12 @@ def internvl(legacy_model, serve):
 @pytest.mark.parametrize("case", list(INTERNVL_CASES))
 def test_internvl2_answers_as_its_card(internvl, monkeypatch, case):
     payload, card = INTERNVL_CASES[case]
+    default_system = internvl.model.system_message
     card_call, card_ids, card_text = internvl_card(internvl, monkeypatch, **card)
     out, outer, inner = worker_calls(internvl, monkeypatch, payload)
 
     assert "error" not in out, out
+    assert internvl.model.system_message == default_system  # a request's system prompt does not stay
     assert outer[0]["input_ids"].tolist() == card_call["input_ids"].tolist()
     if card["images"]:
         assert outer[0]["pixel_values"].equal(card_call["pixel_values"])
@@ -452,3 +454,17 @@ def test_minicpm_v_stops_at_its_end_token(legacy_model, serve):
 def test_minicpm_v_refuses_what_its_chat_cannot_express(minicpm, messages):
     out = ask({"messages": messages, "max_new_tokens": NEW_TOKENS})
     assert (out.get("code"), out.get("param")) == ("invalid_request", "messages"), out
+
+
+# ---- every family ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("family, cases", [("internvl2", INTERNVL_CASES), ("minicpm-v", MINICPM_CASES),
+                                           ("phi3-vision", PHI3_CASES)])
+def test_a_batch_answers_each_request_as_it_is_answered_alone(legacy_model, serve, family, cases):
+    serve(legacy_model(family), VLM_TRUST_REMOTE_CODE="true")
+    payloads = [cases["one image"][0], cases["text only"][0]]
+    alone = [ask(payload) for payload in payloads]
+    batched = ask({"requests": payloads})["results"]
+    assert all("error" not in out for out in alone), alone
+    assert [(r["response"], r["usage"], r["finish_reason"]) for r in batched] == [
+        (r["response"], r["usage"], r["finish_reason"]) for r in alone]
