@@ -6,9 +6,11 @@ and InternVL2 are served through the Python files of their Hugging Face reposito
 carry that code: point CODE_DIR at a folder with one subfolder per family holding the repository's
 files as published (Python files, config.json, tokenizer and processor files; no weights needed):
 
-    CODE_DIR/internvl_chat/   OpenGVLab/InternVL2-2B (or -8B: the same code)
+    CODE_DIR/internvl_chat/   OpenGVLab/InternVL2-2B or -8B (InternLM2 language model)
     CODE_DIR/phi3_v/          microsoft/Phi-3-vision-128k-instruct
-    CODE_DIR/minicpmv/        openbmb/MiniCPM-V-2_6
+    CODE_DIR/minicpmv/        openbmb/MiniCPM-V-2_6 (its Python files suffice: without config.json,
+                              preprocessor_config.json or a tokenizer, the values below and a byte-level
+                              stand-in tokenizer are used)
 
 Each model keeps the repository's code, tokenizer, chat template, processor and config (so its
 auto_map, image token counts and attention setting), with the layers shrunk and random weights.
@@ -19,6 +21,7 @@ auto_map, image token counts and attention setting), with the layers shrunk and 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import shutil
 import sys
@@ -32,9 +35,10 @@ FAMILIES = {"internvl2": "internvl_chat", "phi3-vision": "phi3_v", "minicpm-v": 
 MODELING_FILES = {"internvl2": "modeling_internvl_chat.py", "phi3-vision": "modeling_phi3_v.py",
                   "minicpm-v": "modeling_minicpmv.py"}
 
-# openbmb/MiniCPM-V-2_6's config.json and preprocessor_config.json as published (Qwen2 7B + SigLIP
-# 400M, 64 query tokens per slice, up to 9 slices of 448px with image ids), for a copy of its code
-# that lacks them; the layer sizes are shrunk below, the token ids set from the tokenizer.
+# openbmb/MiniCPM-V-2_6's config.json and preprocessor_config.json values (Qwen2 7B + SigLIP 400M,
+# 64 query tokens per slice, up to 9 slices of 448px with image ids), written here from its model
+# page for a copy of its code that lacks those files; the layers are shrunk below, the token ids
+# taken from the tokenizer.
 MINICPM_V_2_6_CONFIG = {
     "architectures": ["MiniCPMV"], "model_type": "minicpmv",
     "auto_map": {"AutoConfig": "configuration_minicpm.MiniCPMVConfig", "AutoModel": "modeling_minicpmv.MiniCPMV",
@@ -138,10 +142,14 @@ def build(family: str, code_dir, out_dir, *, eos_bias: bool = False, seed: int =
     for path in source.iterdir():
         if path.is_file() and not path.name.endswith(WEIGHT_SUFFIXES) and "index.json" not in path.name:
             shutil.copy(path, out / path.name)
+    if (source / "config.json").is_file():
+        config = json.loads((source / "config.json").read_text())
+    elif family == "minicpm-v":
+        config = copy.deepcopy(MINICPM_V_2_6_CONFIG)
+    else:
+        raise FileNotFoundError(f"{source} lacks config.json: put the {family} repository's files there")
     if family == "minicpm-v":
         _give_torch_functional_list()
-    published = MINICPM_V_2_6_CONFIG if family == "minicpm-v" else None
-    config = json.loads((source / "config.json").read_text()) if (source / "config.json").is_file() else published
     auto_class = SHRINK[family](config, out)
     (out / "config.json").write_text(json.dumps(config, indent=2))
 
