@@ -43,10 +43,13 @@ RUN python -c "import importlib.metadata as m; print(f'torch=={m.version(\"torch
     && rm /tmp/torch-constraints.txt
 
 # Optional: another transformers release. The remote-code families (MiniCPM-V-2_6, Phi-3-vision,
-# InternVL2) need 4.45-4.48 (e.g. --build-arg TRANSFORMERS_VERSION=4.48.3); an image built so serves
-# only them (the native fast path needs 5.x). Not verified on real weights: see README.
+# InternVL2) need 4.45-4.48 (e.g. --build-arg TRANSFORMERS_VERSION=4.48.3) and the packages their code
+# imports (requirements-legacy.txt); an image built so serves only them (the native fast path needs
+# 5.x). Checked on tiny models with the repositories' code, not on real weights: see README.
 ARG TRANSFORMERS_VERSION=""
-RUN if [ -n "$TRANSFORMERS_VERSION" ]; then pip install "transformers==${TRANSFORMERS_VERSION}"; fi
+COPY requirements-legacy.txt /app/requirements-legacy.txt
+RUN if [ -n "$TRANSFORMERS_VERSION" ]; then \
+        pip install -r /app/requirements-legacy.txt "transformers==${TRANSFORMERS_VERSION}"; fi
 
 # Optional: bake one model's weights into the image (e.g. --build-arg MODEL=Qwen/Qwen2-VL-2B-Instruct).
 # Empty (the default) bakes nothing; the worker then downloads VLM_MODEL at its first boot.

@@ -1146,7 +1146,7 @@ class RemoteCodeAdapter(FamilyAdapter):
         system, turns = _leading_system_prompt(self.request_turns(item), self.name, item.param)
         with self.recorded_generation(model) as record:
             text = self.chat(model, tokenizer, system, turns, item.images, self.card_sampling(sampling))
-        return self.generation(model, tokenizer, text, record, item.params.max_new_tokens)
+        return self.generation(text, record, item.params.max_new_tokens)
 
     @contextlib.contextmanager
     def recorded_generation(self, model):
@@ -1154,31 +1154,23 @@ class RemoteCodeAdapter(FamilyAdapter):
         from unittest import mock
 
         record: dict = {}
-        inner = getattr(model, self.inner_language_model, None) if self.inner_language_model else None
-        if inner is None or not callable(getattr(inner, "generate", None)):
-            yield record
-            return
+        inner = getattr(model, self.inner_language_model)
         real_generate = inner.generate
 
         def generate(*args, **kwargs):
             output = real_generate(*args, **kwargs)
             prompt = kwargs.get("inputs_embeds", kwargs.get("input_ids"))
+            eos = kwargs.get("eos_token_id") or inner.generation_config.eos_token_id  # what stopped it
             record.update(prompt_tokens=int(prompt.shape[1]) if prompt is not None else 0,
-                          ids=output[0].tolist(), eos=set(_token_ids(kwargs.get("eos_token_id"))))
+                          ids=output[0].tolist(), eos=set(_token_ids(eos)))
             return output
 
         with mock.patch.object(inner, "generate", generate):
             yield record
 
-    def end_tokens(self, model, tokenizer) -> set:
-        return set(_token_ids(model.generation_config.eos_token_id)) | set(_token_ids(tokenizer.eos_token_id))
-
-    def generation(self, model, tokenizer, text: str, record: dict, max_new_tokens: int) -> Generation:
-        """Usage and finish_reason from the recorded ids, else (chat() returns text) the text's tokens."""
-        if "ids" not in record:
-            count = len(tokenizer(text, add_special_tokens=False)["input_ids"]) if text else 0
-            return Generation(text.strip(), "length" if count >= max_new_tokens else "stop", completion_tokens=count)
-        ids, eos = record["ids"], record["eos"] | self.end_tokens(model, tokenizer)
+    def generation(self, text: str, record: dict, max_new_tokens: int) -> Generation:
+        """Usage and finish_reason from the generated ids and the end tokens generate() stopped at."""
+        ids, eos = record["ids"], record["eos"]
         return Generation(text.strip(), _finish_reason(ids, eos, max_new_tokens), record["prompt_tokens"],
                           _trimmed_length(ids, eos))
 
@@ -1296,9 +1288,10 @@ class Phi3VisionAdapter(RemoteCodeAdapter):
     def load(self, path: str, load_kwargs: dict):
         import importlib.util
 
-        # Its config.json asks for flash_attention_2; the card says to pass eager without flash-attn.
+        # Its config.json asks for flash_attention_2; the card says to pass eager without flash-attn,
+        # spelt `_attn_implementation`: that key overrides config.json's (`attn_implementation` does not).
         if importlib.util.find_spec("flash_attn") is None:
-            load_kwargs = {**load_kwargs, "attn_implementation": "eager"}
+            load_kwargs = {**load_kwargs, "_attn_implementation": "eager"}
         return super().load(path, load_kwargs)
 
     def chat_messages(self, turns: list[Turn]) -> list[dict]:
@@ -1316,14 +1309,14 @@ class Phi3VisionAdapter(RemoteCodeAdapter):
         prompt = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         inputs = processor(prompt, item.images or None, return_tensors="pt").to(model.device)
         # The card passes the tokenizer's end token; the generation config's (<|end|>) ends turns too.
-        eos = self.end_tokens(model, processor.tokenizer)
+        eos = set(_token_ids(model.generation_config.eos_token_id)) | set(_token_ids(processor.tokenizer.eos_token_id))
         with torch.inference_mode():
             out = model.generate(**inputs, eos_token_id=sorted(eos), **self.card_sampling(sampling))
         prompt_tokens = int(inputs["input_ids"].shape[1])
         new_tokens = out[0, prompt_tokens:]
         record = {"ids": new_tokens.tolist(), "prompt_tokens": prompt_tokens, "eos": eos}
         text = processor.tokenizer.decode(new_tokens, skip_special_tokens=True)
-        return self.generation(model, processor.tokenizer, text, record, item.params.max_new_tokens)
+        return self.generation(text, record, item.params.max_new_tokens)
 
 
 class Phi4MultimodalAdapter(FamilyAdapter):
@@ -1412,8 +1405,7 @@ _reported_unwritable: set = set()  # folders already reported as unwritable, one
 
 def resolve_model_source(model_id: str, hub_cache: str = RUNPOD_MODEL_CACHE) -> str:
     """Where to load `model_id` from, logged: a local folder, its complete snapshot in RunPod's cache, or the id."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import IncompleteSnapshotError, LocalEntryNotFoundError
+    from huggingface_hub import errors, snapshot_download
 
     if os.path.isdir(model_id):
         log.info("weights: %s is a local folder", model_id)
@@ -1421,9 +1413,9 @@ def resolve_model_source(model_id: str, hub_cache: str = RUNPOD_MODEL_CACHE) -> 
     snapshot = None
     try:
         snapshot = snapshot_download(model_id, cache_dir=hub_cache, local_files_only=True)
-    except IncompleteSnapshotError:
+    except getattr(errors, "IncompleteSnapshotError", ()):  # huggingface_hub 1.x; the legacy line has 0.x
         pass
-    except LocalEntryNotFoundError:  # no refs/main: take the only snapshot, as RunPod's own look-up does
+    except errors.LocalEntryNotFoundError:  # no refs/main: take the only snapshot, as RunPod's own look-up does
         folder = os.path.join(hub_cache, "models--" + model_id.replace("/", "--"), "snapshots")
         found = [entry.path for entry in os.scandir(folder) if entry.is_dir()] if os.path.isdir(folder) else []
         snapshot = found[0] if len(found) == 1 else None

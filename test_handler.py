@@ -979,6 +979,7 @@ def test_minicpm_chat_gets_msgs_system_prompt_and_sampling(monkeypatch, hub):
     kwargs = chat_call["kwargs"]
     assert kwargs["system_prompt"] == "Be brief."
     assert kwargs["max_new_tokens"] == 50 and kwargs["do_sample"] is False
+    assert chat_call["generation_config"] == {"num_beams": 1, "repetition_penalty": 1.0}  # not chat()'s beam search
 
 
 def test_minicpm_without_system_message_sends_no_system_prompt(monkeypatch, hub):
@@ -987,6 +988,8 @@ def test_minicpm_without_system_message_sends_no_system_prompt(monkeypatch, hub)
     kwargs = hub.chat_calls[0]["kwargs"]
     assert "system_prompt" not in kwargs
     assert kwargs["do_sample"] is True and kwargs["temperature"] == 0.4 and kwargs["top_p"] == 0.8
+    assert hub.chat_calls[0]["generation_config"] == {  # chat()'s top_k 100 and repetition penalty are off
+        "do_sample": True, "temperature": 0.4, "top_p": 0.8, "top_k": 0, "repetition_penalty": 1.0}
     assert hub.chat_calls[0]["msgs"][0]["content"][-1] == handler.TASK_PROMPTS["caption"]
 
 
@@ -998,6 +1001,7 @@ def test_remote_code_finish_reason_counts_tokens(monkeypatch, hub, model_id, max
     out = call(caption(max_new_tokens=max_new_tokens))
     assert out["response"] == "abcdef"
     assert out["finish_reason"] == reason and out["usage"]["completion_tokens"] == 6
+    assert out["usage"]["prompt_tokens"] == hub.inner_generate_calls[0]["inputs_embeds"].dims[1] > 0
 
 
 def test_phi3_numbers_image_placeholders_across_turns(monkeypatch, hub):

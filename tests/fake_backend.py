@@ -89,7 +89,6 @@ STUBBED_API = frozenset({
     "transformers.BatchFeature.__getitem__",
     "transformers.BatchFeature.__setitem__",
     "transformers.BatchFeature.__contains__",
-    "transformers.PreTrainedTokenizerBase.__call__",
     "transformers.PreTrainedTokenizerBase.decode",
     "transformers.PreTrainedTokenizerBase.apply_chat_template",
     "transformers.PreTrainedTokenizerBase.eos_token_id",
@@ -1030,6 +1029,8 @@ class Hub:
         self.generate_calls = []
         self.prefills = []  # one per batch decoded through forward calls
         self.chat_calls = []
+        self.chat_question = ""  # the question remote chat() was asked (its inner generate answers it)
+        self.inner_generate_calls = []  # remote chat()'s calls of its language model's generate()
         self.protocol_errors = []
         self.reply = "ok"
         self.cuda_available = False
@@ -1419,20 +1420,72 @@ class FakeModel(FakeModelBase):
             return FakeTensor(out, I64, input_ids._device)
 
 
+class FakeInnerLM:
+    """The language model inside a remote-code model (MiniCPM-V's `llm`, InternVL2's `language_model`):
+    chat() calls its generate() with the prompt as `inputs_embeds`, which returns the new tokens only."""
+
+    def __init__(self):
+        self.generation_config = FakeGenerationConfig()
+
+    def generate(self, inputs_embeds=None, eos_token_id=None, max_new_tokens=20, min_new_tokens=0, **kwargs):
+        HUB.inner_generate_calls.append(dict(kwargs, inputs_embeds=inputs_embeds, eos_token_id=eos_token_id,
+                                             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens))
+        stops = list(eos_token_id) if isinstance(eos_token_id, list) else [eos_token_id]
+        new = []  # the reply, ended (as a trained model ends it) by the first token it is asked to stop at
+        for k, token in enumerate((encode_text(HUB.respond(HUB.chat_question)) + stops[:1])[:max_new_tokens]):
+            new.append(FILLER if token in stops and k < min_new_tokens else token)
+            if new[-1] in stops:
+                break
+        return FakeTensor([new], I64, HUB.device)
+
+
+def _embedded(text: str):
+    """A prompt's `inputs_embeds`: (1, tokens, 1)."""
+    return FakeTensor([[[0.0]] * len(encode_text(text))], F32, HUB.device)
+
+
 class FakeMiniCPMV(FakeModelBase):
-    def chat(self, image=None, msgs=None, tokenizer=None, **kwargs):
+    """MiniCPM-V 2.6's chat() as its repository writes it: roles user/assistant opening with a user
+    turn; `sampling=True` (default) samples with top_k 100 and repetition_penalty 1.05, `sampling=False`
+    runs beam search (3 beams, repetition_penalty 1.2); the call's kwargs replace only those keys;
+    `self.llm.generate` stops at <|im_end|>/<|endoftext|> (here END, EOS)."""
+
+    def __init__(self, path, kwargs):
+        super().__init__(path, kwargs)
+        self.llm = FakeInnerLM()
+
+    def chat(self, image=None, msgs=None, tokenizer=None, max_new_tokens=2048, min_new_tokens=0, sampling=True,
+             system_prompt="", **kwargs):
         _use("remote.MiniCPMV.chat")
         with _quiet():
+            roles = [m["role"] for m in msgs]
+            assert set(roles) <= {"user", "assistant"} and roles[0] == "user", roles  # the repository's asserts
+            config = ({"top_p": 0.8, "top_k": 100, "temperature": 0.7, "do_sample": True, "repetition_penalty": 1.05}
+                      if sampling else {"num_beams": 3, "repetition_penalty": 1.2})
+            config.update((k, kwargs[k]) for k in config.keys() & kwargs.keys())
             HUB.chat_calls.append(dict(
-                image=image, tokenizer=tokenizer, kwargs=kwargs,
+                image=image, tokenizer=tokenizer, generation_config=config,
+                kwargs=dict(kwargs, max_new_tokens=max_new_tokens, sampling=sampling,
+                            **({"system_prompt": system_prompt} if system_prompt else {})),
                 msgs=[{"role": m["role"], "content": list(m["content"])} for m in msgs],
             ))
             last = msgs[-1]["content"]
-            question = " ".join(p for p in last if isinstance(p, str)) if isinstance(last, list) else last
-            return HUB.respond(question)
+            HUB.chat_question = " ".join(p for p in last if isinstance(p, str)) if isinstance(last, list) else last
+            prompt = system_prompt + "".join(str(m["content"]) for m in msgs)
+            ids = self.llm.generate(inputs_embeds=_embedded(prompt), eos_token_id=[END, EOS],
+                                    max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, **config)._data[0]
+            return decode([t for t in ids if t not in (END, EOS)], skip_special_tokens=True).strip()
 
 
 class FakeInternVL(FakeModelBase):
+    """InternVL2's chat() as its repository writes it: `generation_config` (a dict) gets the template's
+    separator as eos_token_id and goes to `self.language_model.generate` with the prompt embedded."""
+
+    def __init__(self, path, kwargs):
+        super().__init__(path, kwargs)
+        self.language_model = FakeInnerLM()
+        self.system_message = "You are an AI assistant."
+
     def chat(self, tokenizer, pixel_values, question, generation_config, history=None,
              return_history=False, num_patches_list=None, **kwargs):
         _use("remote.InternVLChatModel.chat")
@@ -1441,10 +1494,14 @@ class FakeInternVL(FakeModelBase):
                 HUB.protocol_errors.append("InternVL pixel_values rows != sum(num_patches_list)")
             HUB.chat_calls.append(dict(
                 tokenizer=tokenizer, pixel_values=pixel_values, question=question,
-                generation_config=generation_config, history=history, num_patches_list=num_patches_list,
-                kwargs=kwargs,
+                generation_config=dict(generation_config), history=history, num_patches_list=num_patches_list,
+                system_message=self.system_message, kwargs=kwargs,
             ))
-            return HUB.respond(question)
+            HUB.chat_question = question
+            prompt = self.system_message + "".join(q + a for q, a in history or []) + question
+            generation_config["eos_token_id"] = END
+            ids = self.language_model.generate(inputs_embeds=_embedded(prompt), **generation_config)._data[0]
+            return decode(ids, skip_special_tokens=True).split(SPECIALS[END])[0].strip()
 
 
 def _loader(api: str, factory, allowed_types):
@@ -1456,6 +1513,11 @@ def _loader(api: str, factory, allowed_types):
             model_type = MODEL_TYPES.get(path)
             if allowed_types is not None and model_type not in allowed_types:
                 raise ValueError(f"Unrecognized configuration class for {api}: {model_type}")
+            # Phi-3-vision's config.json sets `_attn_implementation: flash_attention_2`; only a kwarg of that
+            # very name overrides it (`attn_implementation` does not), and flash-attn is not installed here.
+            asks_flash = kwargs.get("_attn_implementation", "flash_attention_2") == "flash_attention_2"
+            if model_type == "phi3_v" and api.startswith("AutoModel") and asks_flash:
+                raise ImportError("FlashAttention2 has been toggled on, but it cannot be used: no flash_attn")
             obj = factory(path, kwargs)
             HUB.models.append(obj) if api.startswith("AutoModel") else HUB.processors.append(obj)
             return obj

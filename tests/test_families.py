@@ -493,7 +493,9 @@ def test_phi3_vision_asks_for_eager_attention_without_flash_attn(serve_remote, m
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda name, *a: object() if name == "flash_attn" and flash_attn else real_find_spec(name, *a))
     _, loads = serve_remote("phi3_v", FakeRemoteModel(answer=[]))
-    assert loads[-1].get("attn_implementation") == expected
+    # Its config.json sets `_attn_implementation`; a kwarg of that name overrides it, `attn_implementation`
+    # does not (tests/test_remote_code_real.py loads the real repository code).
+    assert loads[-1].get("_attn_implementation") == expected and "attn_implementation" not in loads[-1]
     assert loads[-1]["trust_remote_code"] is True
 
 

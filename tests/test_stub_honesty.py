@@ -44,10 +44,10 @@ HANDLER_FILE = handler.handler.__code__.co_filename
 # Entries that cannot be exercised here. Each needs a one-line reason; a new STUBBED_API entry
 # that the engine does not exercise fails unless it is added here, by name, with its reason.
 REMOTE_CODE = {
-    "remote.MiniCPMV.chat": "MiniCPM-V's chat() is code from its hub repository (trust_remote_code); "
-                            "no tiny offline model carries it",
-    "remote.InternVLChatModel.chat": "InternVL2's chat() is code from its hub repository "
-                                     "(trust_remote_code); no tiny offline model carries it",
+    "remote.MiniCPMV.chat": "MiniCPM-V's chat() is code from its hub repository (trust_remote_code), "
+                            "run by tests/test_remote_code_real.py on the legacy line only",
+    "remote.InternVLChatModel.chat": "InternVL2's chat() is code from its hub repository (trust_remote_code), "
+                                     "run by tests/test_remote_code_real.py on the legacy line only",
     "transformers.AutoModelForCausalLM.from_pretrained": "only Phi-3-vision loads through it, and only "
                                                          "its remote code registers a vision model there",
 }
@@ -339,22 +339,32 @@ def run_everything(folder: Path, patch: pytest.MonkeyPatch) -> dict:
         assert config.llm_int8_skip_modules == list(engine.adapter.quantization_skip_modules)
         assert (config.load_in_4bit, config.load_in_8bit) == (quantize == "4bit", quantize == "8bit")
 
-    # Remote-code families (MiniCPM-V, InternVL2, Phi-3-vision) have no tiny offline model: their
-    # adapters run here on the tiny model's real objects, with only the remote-code `chat` stood in.
+    # Remote-code families (MiniCPM-V, InternVL2, Phi-3-vision) run on transformers 4.45-4.48 only
+    # (tests/test_remote_code_real.py): here their adapters run on the tiny model's real objects, with
+    # only the remote-code `chat` stood in.
     results: dict = {}
     tokenizer = engine.tokenizer
     chats: list = []
 
-    def chat(*args, **kwargs):  # stands for remote.*.chat, which STUBBED_API lists as exceptions
-        chats.append((args, kwargs))
-        return "a striped picture"
+    prompt = tokenizer("Describe.", return_tensors="pt")["input_ids"]
+    answers: list = []
+
+    def chat(*args, **kwargs):  # stands for remote.*.chat, which STUBBED_API lists as exceptions; like
+        chats.append((args, kwargs))  # theirs, it calls its inner language model's generate() with embeddings
+        ids = engine.model.generate(inputs_embeds=engine.model.get_input_embeddings()(prompt), max_new_tokens=4,
+                                    do_sample=False, eos_token_id=sorted(engine.eos_ids))[0].tolist()
+        answers.append(ids)
+        return tokenizer.decode(ids, skip_special_tokens=True)
 
     patch.setattr(engine.model, "chat", chat, raising=False)
+    for inner in ("llm", "language_model"):  # MiniCPM-V's and InternVL2's inner language model
+        patch.setattr(engine.model, inner, engine.model, raising=False)
     params = handler.GenerationParams(max_new_tokens=4, temperature=0.0, top_p=1.0, do_sample=False)
     item = handler.GenerationRequest("caption", [handler.Turn("user", [striped((112, 56)), "Describe."])], params)
     results["internvl"] = handler.InternVL2Adapter().run(engine.model, tokenizer, item, engine.sampling_kwargs(params))
     results["internvl_chat"] = chats[-1]
     results["minicpm"] = handler.MiniCPMVAdapter().run(engine.model, tokenizer, item, engine.sampling_kwargs(params))
+    results["remote_answers"], results["remote_prompt"], results["eos"] = answers, prompt, engine.eos_ids
     results["remote_load"] = handler.MiniCPMVAdapter().load(
         str(folder), {"dtype": torch.float32, "device_map": "cpu", "trust_remote_code": False})
     # Phi-3-vision: its real path is apply_chat_template + processor + model.generate; a text-only
@@ -454,12 +464,12 @@ def test_the_remote_family_adapters_on_real_objects(exercised):
     """What the adapters made of real tokenizers and models, so the run above checks behaviour too."""
     *_, results = exercised
     tokenizer = results["tokenizer"]
-    expected = len(tokenizer("a striped picture", add_special_tokens=False)["input_ids"])
-    for family in ("internvl", "minicpm"):
-        generation = results[family]
-        assert generation.text == "a striped picture"
-        assert generation.completion_tokens == expected
-        assert generation.finish_reason == ("length" if expected >= 4 else "stop")
+    for family, ids in zip(("internvl", "minicpm"), results["remote_answers"]):
+        generation, eos = results[family], results["eos"]
+        kept = next((k for k, token in enumerate(ids) if token in eos), len(ids))  # counted from the ids
+        assert generation.text == tokenizer.decode(ids, skip_special_tokens=True).strip()
+        assert (generation.prompt_tokens, generation.completion_tokens) == (results["remote_prompt"].shape[1], kept)
+        assert generation.finish_reason == ("stop" if kept < len(ids) else "length")
     (args, kwargs) = results["internvl_chat"]
     values = args[1]
     # 112x56 is a 2:1 image: two 448px tiles plus a thumbnail, normalised.
