@@ -1665,7 +1665,7 @@ class SlotDecoder:
         self.pointer = 0  # the slot the next step writes (host copy of cache_position)
         self.spans: dict[int, tuple[int, int]] = {}  # row -> (first slot, slot past its last token)
         self.any_sample = False
-        self.capture_lock = threading.Lock()  # the engine's decoders share the compile thread's
+        self.capture_failures = 0  # e.g. voided by the background compile's GPU work
 
     # ---- admission --------------------------------------------------------------------------
 
@@ -1869,16 +1869,13 @@ class SlotDecoder:
             graph.replay() if graph is not None else self._advance(bucket)
         self.pointer += steps
         tokens = self.state.ring[:bucket, :steps].tolist()
-        # Never while a background compile uses the GPU: its work would void the capture (and fail itself).
-        if self.use_graph and graph is None and self.spans and self.pointer < self.length \
-                and self.capture_lock.acquire(blocking=False):
+        if self.use_graph and graph is None and self.spans and self.pointer < self.length:
             try:
                 self._capture(bucket)
-            except Exception:  # still correct without the graph, only slower
-                log.warning("CUDA graph capture failed; decoding without it", exc_info=True)
-                self.use_graph = False
-            finally:
-                self.capture_lock.release()
+            except Exception:  # still correct without the graph, only slower; tried again at later steps
+                self.capture_failures += 1
+                log.warning("CUDA graph capture failed (%d of 3 tries)", self.capture_failures, exc_info=True)
+                self.use_graph = self.capture_failures < 3
         return tokens
 
     def use_forward(self, bucket: int, forward) -> None:
@@ -1924,7 +1921,6 @@ class Engine:
         self._stop_by: Optional[float] = None  # after SIGTERM: when the items still running fail
         self._compiled_shapes: set = set()  # (bucket, cache length) compiled in the background
         self._newly_compiled: list = []  # ... ready, not yet switched to by the engine thread
-        self._gpu_exclusive = threading.Lock()  # held by a background compile, or by a CUDA graph capture
         self._load()
         self._wake = threading.Condition()  # guards the queue; the engine thread waits on it
         self._queue: list[Ticket] = []  # submitted, not yet given a row, in arrival order
@@ -2307,7 +2303,6 @@ class Engine:
             self.model, self.eos_ids, rows=self.settings.max_batch_size, length=length,
             use_graph=self.use_graphs, interval=self.settings.sync_interval,
         )
-        decoder.capture_lock = self._gpu_exclusive
         for bucket in decoder.buckets:
             if (bucket, length) in self._compiled_shapes:
                 decoder.use_forward(bucket, self._compiled_forward)
@@ -2346,7 +2341,8 @@ class Engine:
         sys.setswitchinterval(0.0005)  # tracing holds the GIL: the engine thread takes it back within 0.5 ms, not 5
         try:
             loaded = load_compile_artifacts(self.settings, key)  # never raises: a bad file is skipped
-            done = [(bucket, length) for bucket in buckets if self._compile_shape(bucket, length)]
+            done = [(bucket, length) for bucket in buckets  # a second try: a CUDA graph capture may void the first
+                    if self._compile_shape(bucket, length) or self._compile_shape(bucket, length)]
             if len(done) == len(buckets) and not loaded:
                 save_compile_artifacts(self.settings, key)
         finally:
@@ -2364,7 +2360,7 @@ class Engine:
 
         started = time.perf_counter()
         try:
-            with self._gpu_exclusive, torch.inference_mode():
+            with torch.inference_mode():
                 shadow = SlotDecoder(self.model, self.eos_ids, rows=self.settings.max_batch_size, length=length,
                                      use_graph=False, interval=self.settings.sync_interval)
                 params = GenerationParams(max_new_tokens=4, temperature=0.0, top_p=1.0, do_sample=False)

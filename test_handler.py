@@ -1568,6 +1568,17 @@ def test_compiled_shapes_are_switched_to_together_once_all_are_compiled(monkeypa
     assert hub.steps and all(compiled for _, _, compiled in hub.steps)
 
 
+def test_a_shape_whose_compile_fails_once_is_compiled_on_a_second_try(monkeypatch, hub):
+    compiled_engine(monkeypatch, hub, VLM_MAX_BATCH_SIZE="16")
+    engine = handler.get_engine()
+    tries, compile_shape = [], engine._compile_shape
+    monkeypatch.setattr(engine, "_compile_shape", lambda bucket, length: tries.append(bucket)
+                        or (tries.count(8) > 1 and compile_shape(bucket, length)))  # the 8-row shape fails once
+    engine.warm_up()
+    assert engine.wait_until_compiled(timeout=30)
+    assert tries == [8, 8, 16] and call(chat("a"))["response"] == "echo:a"
+
+
 def test_the_engine_thread_gets_the_gil_back_quickly_while_compiling(monkeypatch, hub):
     # Internal, on purpose: tracing holds the GIL, and at Python's 5 ms switch interval the engine thread
     # waited for it at every step (batch-1 decoding at a third of its speed on the H200 while compiling).
