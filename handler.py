@@ -1717,12 +1717,12 @@ class SlotDecoder:
         import torch
         from transformers import StaticCache
 
+        caches = {}  # kept only whole: an allocation that runs out of memory leaves none
         for bucket in self.buckets:
-            cache = StaticCache(config=self.text_config, max_cache_len=self.length)
-            for layer, k, v in zip(cache.layers, keys, values):
+            caches[bucket] = StaticCache(config=self.text_config, max_cache_len=self.length)
+            for layer, k, v in zip(caches[bucket].layers, keys, values):
                 layer.lazy_initialization(k[:1].expand(bucket, -1, -1, -1), v[:1].expand(bucket, -1, -1, -1))
-            self.caches[bucket] = cache
-        full = self.caches[self.rows]
+        self.caches, full = caches, caches[self.rows]
         for bucket, cache in self.caches.items():
             if bucket != self.rows:
                 for layer, whole in zip(cache.layers, full.layers):
@@ -2203,6 +2203,8 @@ class Engine:
             if _is_fatal_gpu_error(error):
                 raise
             if _is_out_of_memory(error):
+                if not decoder.caches and decoder.length > self.settings.cache_len:
+                    self._decoder = None  # a cache grown for a long request does not fit: back to the usual one
                 torch.cuda.empty_cache()
                 if len(group) > 1:  # halves, down to single items
                     log.warning("a prefill of %d items ran out of GPU memory; retrying in halves", len(group))

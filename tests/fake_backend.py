@@ -1757,6 +1757,7 @@ class FakeSlotDecoder(handler.SlotDecoder):
         self.forwards = {bucket: model for bucket in self.buckets}
         self.graphs, self.pointer, self.spans, self.any_sample = {}, 0, {}, False
         self.answers: dict = {}  # row -> its script, tokens so far, params and seen tokens
+        self.caches: dict = {}  # as the real one's: allocated by the first prefill that runs
         HUB.decoders.append(self)
 
     def shift(self, delta):
@@ -1775,6 +1776,7 @@ class FakeSlotDecoder(handler.SlotDecoder):
             self.spans[row] = (self.pointer - width, self.pointer + p.max_new_tokens + self.interval)
             first.append(self._next(row))
         self.any_sample = any(a["params"].do_sample for a in self.answers.values())
+        self.caches = self.caches or dict.fromkeys(self.buckets)
         return first
 
     def _next(self, row):

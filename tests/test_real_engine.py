@@ -447,6 +447,25 @@ def test_a_prefill_out_of_memory_is_retried_in_halves(tiny_model, serve, monkeyp
     assert ask(items[0]) == solo[0]  # memory released, the worker goes on
 
 
+def test_a_cache_grown_for_a_long_request_that_does_not_fit_leaves_the_usual_one(tiny_model, serve, monkeypatch):
+    # A request too long for the cache gets a decoder with a longer one for every row; when that does not
+    # fit in GPU memory, the request gets `out_of_memory` and the next ones the usual cache again.
+    engine = serve(tiny_model("qwen2-vl"), VLM_CACHE_LEN="256", VLM_MAX_NEW_TOKENS="400")
+    short = {"messages": [{"role": "user", "content": "Short."}], "max_new_tokens": 3}
+    before = ask(short)
+    allocate = handler.SlotDecoder._allocate
+
+    def allocate_or_run_out(self, keys, values):
+        if self.length > 256:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB")
+        return allocate(self, keys, values)
+
+    monkeypatch.setattr(handler.SlotDecoder, "_allocate", allocate_or_run_out)
+    long = {"messages": [{"role": "user", "content": "Long."}], "max_new_tokens": 300}
+    assert ask(long)["code"] == "out_of_memory"
+    assert ask(short) == before and engine.decoder.length == 256
+
+
 def test_a_fatal_cuda_error_fails_requests_and_asks_for_a_new_worker(tiny_model, serve, monkeypatch):
     engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_SIZE="2")
     monkeypatch.setattr(handler, "_RUNPOD_CONFIG", {})
