@@ -1,8 +1,10 @@
 """GPU benchmark of RunPod-style traffic: separate concurrent jobs through the async handler.
 
 Random weights at Qwen2-VL-2B shapes (tools/tiny_models.py), loaded through the handler's own path.
-Every job goes through `handler.handler(job)` as the runpod SDK calls it (one asyncio task per job),
-and every figure is compared with a baseline measured in the same run:
+Every job takes the handler's path, one asyncio task per job as the runpod SDK runs them: its request
+is read off the event loop (`handler.read_request`), then its item is streamed through the engine
+(`handler.stream_generation`); the SDK's posting is not included. Every figure is compared with a
+baseline measured in the same run:
 
     python bench/serving.py --out OUT [--quick] [--skip cold,main,open]
 
