@@ -780,7 +780,7 @@ _DNS_POOL = ThreadPoolExecutor(32, thread_name_prefix="vlm-dns")
 
 
 def _tls_context():
-    """System trust (honours SSL_CERT_FILE / SSL_CERT_DIR), else certifi's bundle as requests does."""
+    """The CAs of SSL_CERT_FILE / SSL_CERT_DIR when either is set, else certifi's bundle (as requests does)."""
     return _tls_context_for(os.environ.get("SSL_CERT_FILE") or None, os.environ.get("SSL_CERT_DIR") or None)
 
 
