@@ -10,6 +10,7 @@ import functools
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 import handler
@@ -621,6 +622,10 @@ def test_phi4_multimodal_answers_with_its_vision_lora_as_the_card_does(tiny_mode
     folder = tiny_model("phi4-multimodal", vision_lora=True)
     engine = serve(folder)
     assert engine.model.active_adapters() == ["vision"]
+    # transformers' load report calls these MISSING (their names contain "vision"): they keep their weights
+    saved = safetensors.torch.load_file(folder / "model.safetensors")
+    kept = {n: p for n, p in engine.model.named_parameters() if "_for_vision_speech" in n}
+    assert kept and all(torch.equal(p, saved[n]) for n, p in kept.items())
     request, prompt, images = PHI4_CARDS[0]
     calls = forward_calls_of(engine)
     out = ask(request)
