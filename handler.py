@@ -1040,6 +1040,9 @@ class FamilyAdapter:
     def processor_kwargs(self, settings: Settings) -> dict:
         return {}
 
+    def after_load(self, model, processor, source: str) -> None:
+        """What the card does to the loaded model and processor before they answer (Phi-4-multimodal)."""
+
     def request_turns(self, item: GenerationRequest) -> list[Turn]:
         """The item's turns; a grounding request's last turn ends with the family's grounding prompt."""
         if item.task != "grounding":
@@ -1205,7 +1208,6 @@ class MiniCPMVAdapter(RemoteCodeAdapter):
     def load(self, path: str, load_kwargs: dict):
         # Its resampler.py takes `List` from `from torch.nn.functional import *`, which torch no
         # longer provides (torch >= 2.7); give that module the name back instead of editing the repo.
-        import sys
         import typing
 
         import torch  # noqa: F401  (loads torch.nn.functional)
@@ -1329,10 +1331,15 @@ class Phi4MultimodalAdapter(FamilyAdapter):
         return [{"role": turn.role, "content": "".join(p if isinstance(p, str) else "<|image|>" for p in turn.parts)}
                 for turn in turns]
 
-    def batch_inputs(self, processor, items, device, dtype):
-        # transformers 5.17 loads this processor's chat template onto its tokenizer only; its converter copies it back
+    def after_load(self, model, processor, source: str) -> None:
+        """As the card: the processor's chat template (5.17 puts it on the tokenizer only), the vision LoRA set."""
         processor.chat_template = processor.chat_template or processor.tokenizer.chat_template
-        return super().batch_inputs(processor, items, device, dtype)
+        folder = os.path.join(source, "vision-lora")  # by path: 5.17's load_adapter skips `subfolder` in a folder
+        if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
+            log.warning("%s has no vision-lora adapter: Phi-4-multimodal answers with its base weights", source)
+            return
+        model.load_adapter(folder, adapter_name="vision")
+        model.set_adapter("vision")
 
 
 QWEN_JSON_GROUNDING = "Locate {} in the image, and output its bbox coordinates in JSON format."
@@ -1344,14 +1351,12 @@ FAMILIES: dict[str, dict] = {  # model_type -> its adapter class and what it cha
                    "grounding_template": QWEN_JSON_GROUNDING},
     "qwen3_vl": {"adapter": QwenVLAdapter, "name": "qwen3-vl", "grounding_template": QWEN_JSON_GROUNDING},
     "paligemma": {"adapter": PaliGemmaAdapter}, "phi4_multimodal": {"adapter": Phi4MultimodalAdapter},
-    "minicpmv": {"adapter": MiniCPMVAdapter},
-    "phi3_v": {"adapter": Phi3VisionAdapter},
+    "minicpmv": {"adapter": MiniCPMVAdapter}, "phi3_v": {"adapter": Phi3VisionAdapter},
     "internvl_chat": {"adapter": InternVL2Adapter},
     "llava": {"name": "llava", "skip_modules": LLAVA_SKIPS},
     "llava_next": {"name": "llava-next", "skip_modules": LLAVA_SKIPS},
     "idefics3": SMOLVLM, "smolvlm": SMOLVLM,
-    # The generic recipe serves these as their cards do (tests/test_families.py): named for logs and the
-    # curated list, their quantization skips read from their module trees.
+    # Served as their cards do by the generic recipe (tests/test_families.py); skips read from their module trees.
     "gemma3": {"name": "gemma3"}, "mistral3": {"name": "mistral3"}, "llama4": {"name": "llama4"},
     "llava_onevision": {"name": "llava-onevision"}, "internvl": {"name": "internvl-hf"},
     "glm4v": {"name": "glm-4.1v", "grounding": "glm-1000",  # the GLM-V repository's README
@@ -1993,6 +1998,7 @@ class Engine:
             self.model = getattr(transformers, self.adapter.model_class).from_pretrained(source, **load_kwargs).eval()
         else:
             self.model, self.processor = self.adapter.load(source, load_kwargs)
+        self.adapter.after_load(self.model, self.processor, source)
         self.eos_ids = self._eos_ids()
         text_config = self.model.config.get_text_config(decoder=True)
         self.context_length = getattr(text_config, "max_position_embeddings", None)

@@ -24,15 +24,15 @@ import tiny_models  # noqa: E402
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
-    """`tiny_model(family, eos_bias=False)` -> folder of a tiny random model, built on first use."""
+    """`tiny_model(family, eos_bias=False, vision_lora=False)` -> folder of a tiny random model, built on first use."""
     built: dict[tuple, Path] = {}
     root = tmp_path_factory.mktemp("tiny-models")
 
-    def get(family: str, eos_bias: bool = False) -> Path:
-        key = (family, eos_bias)
+    def get(family: str, eos_bias: bool = False, vision_lora: bool = False) -> Path:
+        key = (family, eos_bias, vision_lora)
         if key not in built:
-            name = family + ("-eos" if eos_bias else "")
-            built[key] = tiny_models.build(family, root / name, eos_bias=eos_bias)
+            name = family + ("-eos" if eos_bias else "") + ("-vision-lora" if vision_lora else "")
+            built[key] = tiny_models.build(family, root / name, eos_bias=eos_bias, vision_lora=vision_lora)
         return built[key]
 
     return get

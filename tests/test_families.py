@@ -10,6 +10,7 @@ import functools
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 
 import handler
@@ -70,11 +71,17 @@ def worker_rows(calls: list[dict], rows: int) -> list[tuple[list[int], list[int]
 
 @functools.cache
 def reference_model(folder: str):
-    """The model through its family's auto class (AutoModelForImageTextToText but for Phi-4-multimodal)."""
+    """The model through its family's auto class (AutoModelForImageTextToText but for Phi-4-multimodal), with
+    Phi-4-multimodal's `vision-lora` adapter loaded and set when the folder has one, as its card does."""
     import transformers
 
     model_class = handler.adapter_for(transformers.AutoConfig.from_pretrained(folder).model_type).model_class
     model = getattr(transformers, model_class).from_pretrained(folder, dtype=torch.float32).eval()
+    if (Path(folder) / "vision-lora").is_dir():
+        # The card passes the repo id with adapter_kwargs={"subfolder": "vision-lora"}; for a local folder,
+        # transformers 5.17 ignores that subfolder (it looks for adapter_config.json at the top): name the folder.
+        model.load_adapter(str(Path(folder) / "vision-lora"), adapter_name="vision")
+        model.set_adapter("vision")
     return model, transformers.AutoProcessor.from_pretrained(folder)
 
 
@@ -592,9 +599,13 @@ PHI4_CARDS = [
 ]
 
 
-def test_phi4_multimodal_matches_transformers_recipe_alone_and_batched(tiny_model, serve, forward_calls_of):
-    folder = tiny_model("phi4-multimodal")
-    engine = serve(folder)
+def test_phi4_multimodal_matches_transformers_recipe_alone_and_batched(tiny_model, serve, forward_calls_of, caplog):
+    folder = tiny_model("phi4-multimodal")  # no vision-lora folder: served with the base weights, and said so
+    handler.reset_engine()
+    with caplog.at_level("WARNING", logger="runpod-vlm"):
+        engine = serve(folder)
+    assert f"{folder} has no vision-lora adapter: Phi-4-multimodal answers with its base weights" in caplog.messages
+    assert not getattr(engine.model, "_hf_peft_config_loaded", False)
     assert type(engine.model).__name__ == "Phi4MultimodalForCausalLM"
     # LongRoPE switches factors on a batch's highest position: each item runs alone through generate()
     assert not engine.continuous
@@ -605,6 +616,44 @@ def test_phi4_multimodal_matches_transformers_recipe_alone_and_batched(tiny_mode
     assert worker_rows(calls, 1) == [phi4_card(folder, prompt, images)]
     check_batch_against_card(engine, [request for request, _, _ in PHI4_CARDS],
                              [phi4_card(folder, prompt, images) for _, prompt, images in PHI4_CARDS])
+
+
+def test_phi4_multimodal_answers_with_its_vision_lora_as_the_card_does(tiny_model, serve, forward_calls_of):
+    folder = tiny_model("phi4-multimodal", vision_lora=True)
+    engine = serve(folder)
+    assert engine.model.active_adapters() == ["vision"]
+    # transformers' load report calls these MISSING (their names contain "vision"): they keep their weights
+    saved = safetensors.torch.load_file(folder / "model.safetensors")
+    kept = {n: p for n, p in engine.model.named_parameters() if "_for_vision_speech" in n}
+    assert kept and all(torch.equal(p, saved[n]) for n, p in kept.items())
+    request, prompt, images = PHI4_CARDS[0]
+    calls = forward_calls_of(engine)
+    out = ask(request)
+    assert "error" not in out, out
+    card = phi4_card(folder, prompt, images)  # the card's recipe: adapter loaded and set
+    assert worker_rows(calls, 1) == [card]
+    reference, _ = reference_model(str(folder))
+    reference.disable_adapters()
+    try:
+        base = phi4_card(folder, prompt, images)
+    finally:
+        reference.enable_adapters()
+    assert base[0] == card[0] and base[1] != card[1]  # same prompt; the adapter changes the answer
+    check_batch_against_card(engine, [request for request, _, _ in PHI4_CARDS],
+                             [phi4_card(folder, prompt, images) for _, prompt, images in PHI4_CARDS])
+
+
+def test_phi4_multimodal_vision_lora_wraps_the_quantized_projections(tiny_model, serve):
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed")
+    engine = serve(tiny_model("phi4-multimodal", vision_lora=True), VLM_QUANTIZE="4bit")
+    modules = dict(engine.model.named_modules())
+    for name in ("model.layers.0.self_attn.qkv_proj", "model.layers.1.mlp.down_proj"):
+        assert type(modules[name]).__module__ == "peft.tuners.lora.bnb"  # peft's LoRA over bitsandbytes
+        assert type(modules[name].base_layer).__name__ == "Linear4bit"
+    assert type(modules["model.embed_tokens_extend.image_embed.img_projection_up"]).__name__ == "Linear"
+    out = ask({**PHI4_CARDS[1][0], "max_new_tokens": 2})
+    assert "error" not in out, out
+    assert out["usage"]["completion_tokens"] == 2
 
 
 def test_phi4_multimodal_keeps_its_image_embedding_out_of_quantization(tiny_model):

@@ -579,6 +579,20 @@ def _phi4_multimodal_parts(family: str, shape: str):
         bos_token_id=ids["<|endoftext|>"])
 
 
+# The vision-lora/adapter_config.json of microsoft/Phi-4-multimodal-instruct's transformers format, as transformers'
+# conversion script writes it (r 256, alpha 512): LoRA on every decoder layer's attention and MLP projections.
+PHI4_VISION_LORA_TARGETS = r"model.layers.\d+.((self_attn.(qkv|o)_proj)|(mlp.(gate_up|down)_proj))"
+
+
+def _save_vision_lora(model, folder: Path) -> None:
+    """A random LoRA where Phi-4-multimodal keeps its vision adapter; nothing zero, so that it changes the answers."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=PHI4_VISION_LORA_TARGETS, lora_dropout=0.0,
+                        task_type="CAUSAL_LM", init_lora_weights=False)  # False: lora_B random, not zeros
+    get_peft_model(model, config).save_pretrained(folder)
+
+
 PARTS = {
     "qwen2-vl": "_qwen_parts", "qwen2.5-vl": "_qwen_parts", "llava": "_llava_parts",
     "llava-next": "_llava_parts", "qwen3-vl": "_qwen3_parts", "gemma3": "_gemma3_parts",
@@ -614,8 +628,9 @@ def _favour_eos(model, eos_id: int) -> None:
 
 
 def build(family: str, out_dir, shape: str = "tiny", *, eos_bias: bool = False,
-          device: str = "cpu", dtype: str = "fp32", seed: int = 0) -> Path:
-    """Write a random-weight model + processor + tokenizer + chat template into `out_dir`."""
+          device: str = "cpu", dtype: str = "fp32", seed: int = 0, vision_lora: bool = False) -> Path:
+    """Write a random-weight model + processor + tokenizer + chat template into `out_dir`; `vision_lora`
+    (Phi-4-multimodal) adds a random `vision-lora` PEFT adapter, as the real checkpoint ships."""
     import torch
     from transformers import GenerationConfig
 
@@ -625,6 +640,8 @@ def build(family: str, out_dir, shape: str = "tiny", *, eos_bias: bool = False,
         raise ValueError(f"unknown shape {shape!r}; use one of {', '.join(SHAPES)}")
     if shape != "tiny" and family != "qwen2-vl":
         raise ValueError(f"shape {shape!r} is for the qwen2-vl family")
+    if vision_lora and family != "phi4-multimodal":
+        raise ValueError("vision_lora is for the phi4-multimodal family")
     config, model_class, processor, token_ids = globals()[PARTS[family]](family, shape)
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
     torch.manual_seed(seed)
@@ -642,6 +659,8 @@ def build(family: str, out_dir, shape: str = "tiny", *, eos_bias: bool = False,
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
     processor.save_pretrained(out)
+    if vision_lora:
+        _save_vision_lora(model, out / "vision-lora")
     return out
 
 
@@ -653,9 +672,10 @@ def main() -> None:
     parser.add_argument("--eos-bias", action="store_true", help="make greedy decoding stop at once")
     parser.add_argument("--device", default="cpu", help="where to initialise weights, e.g. cuda")
     parser.add_argument("--dtype", choices=("fp32", "bf16", "fp16"), default="fp32")
+    parser.add_argument("--vision-lora", action="store_true", help="phi4-multimodal: add a random vision-lora adapter")
     args = parser.parse_args()
     out = build(args.family, args.out_dir, args.shape, eos_bias=args.eos_bias,
-                device=args.device, dtype=args.dtype)
+                device=args.device, dtype=args.dtype, vision_lora=args.vision_lora)
     print(out)
 
 
