@@ -1582,6 +1582,7 @@ GENERATION_FAILED = RequestError("generation_failed", "the model could not answe
 WORKER_STOPPING = RequestError("worker_stopping", "the worker was stopped before this request finished: retry it")
 GPU_FAILURE = RequestError("gpu_failure", "the GPU of this worker failed; it is being replaced: retry the request")
 _RUNPOD_CONFIG: dict = {}  # the runpod SDK's config (main() fills it): a fatal GPU error sets refresh_worker
+COMPILE_AFTER_FIRST_ANSWER_S = 10.0  # a new worker's first job is answered before the background compile slows it
 
 
 def _is_out_of_memory(error: Exception) -> bool:
@@ -1926,6 +1927,7 @@ class Engine:
         self._stop_by: Optional[float] = None  # after SIGTERM: when the items still running fail
         self._compiled_shapes: set = set()  # (bucket, cache length) compiled in the background
         self._newly_compiled: list = []  # ... ready, not yet switched to by the engine thread
+        self._answered = threading.Event()  # set at the first answer; the background compile waits for it
         self._load()
         self._wake = threading.Condition()  # guards the queue; the engine thread waits on it
         self._queue: list[Ticket] = []  # submitted, not yet given a row, in arrival order
@@ -2258,6 +2260,7 @@ class Engine:
         if ticket.stream and not ticket.cancelled:
             ticket.emit_delta(self.tokenizer, self.eos_ids)
         if done:
+            self._answered.set()
             self.decoder.release(ticket.row)
             del self._rows[ticket.row]
             if not ticket.cancelled:
@@ -2342,6 +2345,7 @@ class Engine:
             "background compilation failed; decoding stays uncompiled", exc_info=f.exception()))
 
     def _compile_shapes(self, buckets: list[int], length: int) -> None:
+        self._answered.wait(COMPILE_AFTER_FIRST_ANSWER_S)
         rows, interval = self.settings.max_batch_size, self.settings.sync_interval
         key = compile_cache_key(self.model_id, config=self.model.config, dtype=self.dtype,
                                 shapes={"rows": rows, "buckets": buckets, "cache_len": length, "interval": interval})

@@ -1367,6 +1367,7 @@ def test_a_row_at_its_own_budget_counts_as_ended(monkeypatch, hub):
 def compiled_engine(monkeypatch, hub, **env):
     """The compiled (CUDA) path: a fake GPU, VLM_COMPILE on, the fake model echoing its question."""
     hub.reply, hub.cuda_available, hub.device = echo, True, "cuda:0"
+    monkeypatch.setattr(handler, "COMPILE_AFTER_FIRST_ANSWER_S", 0)  # compiles at once (one test checks the wait)
     serve(monkeypatch, QWEN, **dict({"VLM_COMPILE": "true"}, **env))
 
 
@@ -1577,6 +1578,19 @@ def test_a_shape_whose_compile_fails_once_is_compiled_on_a_second_try(monkeypatc
     engine.warm_up()
     assert engine.wait_until_compiled(timeout=30)
     assert tries == [8, 8, 16] and call(chat("a"))["response"] == "echo:a"
+
+
+def test_a_new_worker_answers_its_first_job_before_the_background_compile_starts(monkeypatch, hub):
+    # On the H200 the compile running beside a new worker's first job made its answer 7-10 s later.
+    compiled_engine(monkeypatch, hub)
+    monkeypatch.setattr(handler, "COMPILE_AFTER_FIRST_ANSWER_S", 30)
+    engine = handler.get_engine()
+    engine.warm_up()
+    assert not engine.wait_until_compiled(timeout=0.5) and not hub.compiled_steps  # waiting for a first answer
+    hub.steps.clear()
+    assert call(chat("first"))["response"] == "echo:first"
+    assert hub.steps and not any(compiled for _, _, compiled in hub.steps)
+    assert engine.wait_until_compiled(timeout=10)
 
 
 def test_the_engine_thread_gets_the_gil_back_quickly_while_compiling(monkeypatch, hub):
