@@ -1187,6 +1187,11 @@ def _token_ids(value) -> list[int]:
     return [value] if isinstance(value, int) else [v for v in value or () if isinstance(v, int)]
 
 
+def end_tokens(model, tokenizer) -> set:
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return set(_token_ids(config_eos)) | set(_token_ids(getattr(tokenizer, "eos_token_id", None)))
+
+
 def _leading_system_prompt(turns: list[Turn], family: str, param: Optional[str]) -> tuple[Optional[str], list[Turn]]:
     """The leading system turns' text and the turns after them, which must open with a user turn."""
     opening = next((k for k, turn in enumerate(turns) if turn.role != "system"), len(turns))
@@ -1311,7 +1316,7 @@ class Phi3VisionAdapter(RemoteCodeAdapter):
         prompt = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         inputs = processor(prompt, item.images or None, return_tensors="pt").to(model.device)
         # The card passes the tokenizer's end token; the generation config's (<|end|>) ends turns too.
-        eos = set(_token_ids(model.generation_config.eos_token_id)) | set(_token_ids(processor.tokenizer.eos_token_id))
+        eos = end_tokens(model, processor.tokenizer)
         with torch.inference_mode():
             out = model.generate(**inputs, eos_token_id=sorted(eos), **self.card_sampling(sampling))
         prompt_tokens = int(inputs["input_ids"].shape[1])
@@ -2001,7 +2006,7 @@ class Engine:
         else:
             self.model, self.processor = self.adapter.load(source, load_kwargs)
         self.adapter.after_load(self.model, self.processor, source)
-        self.eos_ids = self._eos_ids()
+        self.eos_ids = end_tokens(self.model, self.tokenizer)
         text_config = self.model.config.get_text_config(decoder=True)
         self.context_length = getattr(text_config, "max_position_embeddings", None)
         self.use_graphs = self._cuda_graphs_possible()
@@ -2027,10 +2032,6 @@ class Engine:
         if self._decoder is None:
             self._decoder = self._new_decoder(self.settings.cache_len)
         return self._decoder
-
-    def _eos_ids(self) -> set:
-        config_eos = getattr(getattr(self.model, "generation_config", None), "eos_token_id", None)
-        return set(_token_ids(config_eos)) | set(_token_ids(getattr(self.tokenizer, "eos_token_id", None)))
 
     @property
     def tokenizer(self):
@@ -2242,7 +2243,6 @@ class Engine:
         ticket.fail(GENERATION_FAILED)
 
     def _decode_interval(self) -> None:
-
         decoder = self.decoder
         remaining = max(t.item.params.max_new_tokens - len(t.ids) for t in self._rows.values())
         tokens = decoder.step(max(1, min(decoder.interval, remaining)))

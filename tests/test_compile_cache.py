@@ -509,6 +509,15 @@ def test_transformers_loads_the_resolved_snapshot(tiny_model, tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), original.state_dict().values()))
 
 
+def prefill(engine, decoder, parts: list, count: int = 1, first_row: int = 0, new_tokens: int = 8) -> None:
+    """`count` greedy chats of one user turn of `parts`, prefilled into the rows from `first_row`."""
+    params = handler.GenerationParams(max_new_tokens=new_tokens, temperature=0.0, top_p=1.0, do_sample=False)
+    items = [handler.GenerationRequest("chat", [handler.Turn("user", parts)], params)] * count
+    inputs, _ = engine.adapter.batch_inputs(engine.processor, items, engine.model.device, engine.dtype)
+    decoder.shift(decoder.plan(inputs["input_ids"].shape[1], new_tokens))
+    decoder.prefill(inputs, list(range(first_row, first_row + count)), [params] * count)
+
+
 @pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl"])
 def test_a_compiled_decode_step_is_traced_once_whatever_the_prefills(tiny_model, serve, family):
     # Qwen's M-RoPE models keep the last prompt's rope deltas, sized by its batch, and return them from every
@@ -520,19 +529,13 @@ def test_a_compiled_decode_step_is_traced_once_whatever_the_prefills(tiny_model,
     traces = []
     forward = torch.compile(engine.model.__call__, dynamic=False,
                             backend=lambda graph, example_inputs: traces.append(graph) or graph.forward)
-    params = handler.GenerationParams(max_new_tokens=4, temperature=0.0, top_p=1.0, do_sample=False)
     shadow = handler.SlotDecoder(engine.model, engine.eos_ids, rows=16, length=256, use_graph=False, interval=8)
     decoder = handler.SlotDecoder(engine.model, engine.eos_ids, rows=16, length=256, use_graph=False, interval=8)
-    plans = [(shadow, [handler.GenerationRequest("chat", [handler.Turn("user", ["warm up"])], params)] * 8, 0),
-             (decoder, [handler.GenerationRequest("chat", [handler.Turn("user", [Image.new("RGB", (64, 64)), "Hi."])],
-                                                  params)], 0),
-             (decoder, [handler.GenerationRequest("chat", [handler.Turn("user", [Image.new("RGB", (96, 64)), "Say."])],
-                                                  params)] * 3, 1)]
+    plans = [(shadow, ["warm up"], 8, 0), (decoder, [Image.new("RGB", (64, 64)), "Hi."], 1, 0),
+             (decoder, [Image.new("RGB", (96, 64)), "Say."], 3, 1)]
     with torch.inference_mode():
-        for step, (slots, items, first_row) in enumerate(plans):
-            inputs, _ = engine.adapter.batch_inputs(engine.processor, items, engine.model.device, engine.dtype)
-            slots.shift(slots.plan(inputs["input_ids"].shape[1], 8))
-            slots.prefill(inputs, list(range(first_row, first_row + len(items))), [params] * len(items))
+        for step, (slots, parts, count, first_row) in enumerate(plans):
+            prefill(engine, slots, parts, count, first_row)
             slots.use_forward(8, forward)
             slots._advance(8)
             if step == 0:
@@ -554,13 +557,8 @@ def test_a_failed_cuda_graph_capture_is_tried_again_at_a_later_step(tiny_model, 
         decoder.graphs.clear()  # recorded, then dropped again (as a switch of forward does) to see the next try
 
     monkeypatch.setattr(decoder, "_capture", capture)
-    params = handler.GenerationParams(max_new_tokens=40, temperature=0.0, top_p=1.0, do_sample=False)
     with torch.inference_mode():
-        inputs, _ = engine.adapter.batch_inputs(
-            engine.processor, [handler.GenerationRequest("chat", [handler.Turn("user", ["hi"])], params)],
-            engine.model.device, engine.dtype)
-        decoder.shift(decoder.plan(inputs["input_ids"].shape[1], 40))
-        decoder.prefill(inputs, [0], [params])
+        prefill(engine, decoder, ["hi"], new_tokens=40)
         decoder.step(2)
         assert tries == [8] and decoder.use_graph  # failed once: tried again at the next step
         decoder.step(2)
