@@ -325,10 +325,8 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
         refuse("temperature", "must be above 0 when do_sample is true")
     if request.annotate and task != "grounding":
         refuse("annotate", "only used by the grounding task")
-    params = GenerationParams(
-        max_new_tokens=max_new_tokens, temperature=request.temperature, top_p=request.top_p,
-        do_sample=request.do_sample, min_new_tokens=min(request.min_new_tokens, max_new_tokens),
-    )
+    params = GenerationParams(max_new_tokens=max_new_tokens, temperature=request.temperature, top_p=request.top_p,
+                              do_sample=request.do_sample, min_new_tokens=min(request.min_new_tokens, max_new_tokens))
     loose_images, target = _loose_images(request, param), None
     if task == "chat":
         if request.messages is None:
@@ -932,8 +930,7 @@ def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: s
 _SVG_MESSAGE = "SVG images are not supported; send PNG, JPEG, WEBP, GIF, BMP or TIFF"
 _OTHER_FORMATS = (
     (b"8BPS", "PSD"), (b"%PDF", "PDF"), (b"\x00\x00\x01\x00", "ICO"), (b"\xff\x4f\xff\x51", "JPEG 2000"),
-    (b"\x00\x00\x00\x0cjP  ", "JPEG 2000"), (b"qoif", "QOI"), (b"SIMPLE  =", "FITS"),
-)
+    (b"\x00\x00\x00\x0cjP  ", "JPEG 2000"), (b"qoif", "QOI"), (b"SIMPLE  =", "FITS"))
 
 
 def _sniff_other(data: bytes) -> Optional[str]:
@@ -1357,10 +1354,8 @@ FAMILIES: dict[str, dict] = {  # model_type -> its adapter class and what it cha
     "qwen3_vl": {"adapter": QwenVLAdapter, "name": "qwen3-vl", "grounding_template": QWEN_JSON_GROUNDING},
     "paligemma": {"adapter": PaliGemmaAdapter}, "phi4_multimodal": {"adapter": Phi4MultimodalAdapter},
     "minicpmv": {"adapter": MiniCPMVAdapter}, "phi3_v": {"adapter": Phi3VisionAdapter},
-    "internvl_chat": {"adapter": InternVL2Adapter},
-    "llava": {"name": "llava", "skip_modules": LLAVA_SKIPS},
-    "llava_next": {"name": "llava-next", "skip_modules": LLAVA_SKIPS},
-    "idefics3": SMOLVLM, "smolvlm": SMOLVLM,
+    "internvl_chat": {"adapter": InternVL2Adapter}, "llava": {"name": "llava", "skip_modules": LLAVA_SKIPS},
+    "llava_next": {"name": "llava-next", "skip_modules": LLAVA_SKIPS}, "idefics3": SMOLVLM, "smolvlm": SMOLVLM,
     # Served as their cards do by the generic recipe (tests/test_families.py); skips read from their module trees.
     "gemma3": {"name": "gemma3"}, "mistral3": {"name": "mistral3"}, "llama4": {"name": "llama4"},
     "llava_onevision": {"name": "llava-onevision"}, "internvl": {"name": "internvl-hf"},
@@ -1619,9 +1614,8 @@ def _use_grouped_query_decode_attention(model) -> None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         import torch
 
-        output = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, scale=kwargs.get("scaling"), enable_gqa=True
-        )
+        output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                                  scale=kwargs.get("scaling"), enable_gqa=True)
         return output.transpose(1, 2).contiguous(), None
 
     AttentionInterface.register("sdpa_gqa_decode", attention)
@@ -1630,6 +1624,32 @@ def _use_grouped_query_decode_attention(model) -> None:
         model.set_attn_implementation({"text_config": "sdpa_gqa_decode"})
     except Exception:
         log.warning("grouped-query decode attention unavailable; using transformers' SDPA", exc_info=True)
+
+
+def _beside_fx_traces(forward, **kwargs):
+    """`forward(**kwargs)`, run again after a torch.fx trace (inductor's, compiling in the background) patched
+    nn.Module.__call__ for the whole process under it; its second run rewrites what the first wrote (keys/values)."""
+    import torch
+
+    try:
+        return forward(**kwargs)
+    except NameError as error:
+        if "not installed as a submodule" not in str(error) or (
+                torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()):
+            raise
+    deadline = time.monotonic() + 60
+    while torch.nn.Module.__call__ is not torch.nn.Module._wrapped_call_impl and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return forward(**kwargs)
+
+
+def _model_view(model):
+    """The model's module tree copied, weights and buffers shared: what a forward sets on a module (Qwen's
+    rope_deltas at a prefill) stays apart, so the engine thread cannot change what the compile's guards read."""
+    view = copy.copy(model)
+    view.__dict__["_modules"] = {name: None if child is None else _model_view(child)
+                                 for name, child in model._modules.items()}
+    return view
 
 
 class SlotDecoder:
@@ -1754,7 +1774,8 @@ class SlotDecoder:
         # Positions continue from the prompt's exactly as generate() continues them (M-RoPE too).
         position_ids = model._prepare_position_ids_for_generation(input_ids, dict(inputs))
         scratch = DynamicCache(config=model.config.get_text_config(decoder=True))
-        output = model(**inputs, position_ids=position_ids, past_key_values=scratch, use_cache=True, logits_to_keep=1)
+        output = _beside_fx_traces(model, **inputs, position_ids=position_ids, past_key_values=scratch,
+                                   use_cache=True, logits_to_keep=1)
         # M-RoPE models keep this prompt's deltas (sized by its batch) and return them from every forward: a
         # compiled step would be traced anew for each prefill's batch size. Steps pass positions, so drop them.
         if getattr(model.base_model, "rope_deltas", None) is not None:
@@ -1779,13 +1800,11 @@ class SlotDecoder:
             return torch.tensor(values, dtype=dtype, device=index.device)
 
         new = types.SimpleNamespace(
-            count=torch.zeros(count, dtype=torch.long, device=index.device),
+            count=torch.zeros(count, dtype=torch.long, device=index.device), seen=None,
             min_new=column([p.min_new_tokens for p in params], torch.long),
             sample=column([p.do_sample for p in params], torch.bool),
             temperature=column([p.temperature for p in params], torch.float),
-            top_p=column([p.top_p for p in params], torch.float),
-            seen=None,
-        )
+            top_p=column([p.top_p for p in params], torch.float))
         if self.penalty:
             new.seen = torch.zeros((count, state.seen.shape[1]), dtype=torch.bool, device=index.device)
             new.seen.scatter_(1, input_ids, True)
@@ -1849,15 +1868,9 @@ class SlotDecoder:
         are chosen."""
         rows = self._rows_of(bucket)
         position = self.position[..., :bucket, :]
-        output = self.forwards[bucket](
-            input_ids=rows.token,
-            attention_mask=rows.mask,
-            position_ids=position,
-            past_key_values=self.caches[bucket],
-            cache_position=self.cache_position,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        output = _beside_fx_traces(
+            self.forwards[bucket], input_ids=rows.token, attention_mask=rows.mask, position_ids=position,
+            past_key_values=self.caches[bucket], cache_position=self.cache_position, use_cache=True, logits_to_keep=1)
         token = self._choose(output.logits[:, -1, :], rows, self.any_sample)
         rows.ring.index_copy_(1, self.ring_index, token[:, None])
         self.ring_index += 1
@@ -1998,9 +2011,8 @@ class Engine:
         if quantization is not None:
             load_kwargs["quantization_config"] = quantization
         if self.adapter.native:
-            self.processor = transformers.AutoProcessor.from_pretrained(
-                source, trust_remote_code=trust, **self.adapter.processor_kwargs(self.settings)
-            )
+            options = dict(trust_remote_code=trust, **self.adapter.processor_kwargs(self.settings))
+            self.processor = transformers.AutoProcessor.from_pretrained(source, **options)
             self.processor.tokenizer.padding_side = "left"
             self.model = getattr(transformers, self.adapter.model_class).from_pretrained(source, **load_kwargs).eval()
         else:
@@ -2011,10 +2023,9 @@ class Engine:
         self.context_length = getattr(text_config, "max_position_embeddings", None)
         self.use_graphs = self._cuda_graphs_possible()
         self.compile = self.use_graphs and self.settings.compile
-        # Rows join and leave a running batch through one static cache; sliding-window layers and
-        # remote-code chat() APIs cannot, and answer one item at a time; nor can LongRoPE (Phi-4), whose
-        # factors switch on the highest position in a batch, a free row's too (its count runs on).
-        # A sliding window no shorter than the cache attends like full attention over it.
+        # Rows join and leave a running batch through one static cache; sliding-window layers and remote-code
+        # chat() APIs cannot, and answer one item at a time; nor can LongRoPE (Phi-4), whose factors switch on the
+        # highest position in a batch, a free row's too. A window no shorter than the cache attends like full attention.
         window = getattr(text_config, "sliding_window", None)
         kinds = set(getattr(text_config, "layer_types", None) or (["sliding_attention"] if window else []))
         self.max_slots = window if "sliding_attention" in kinds else None
@@ -2170,9 +2181,8 @@ class Engine:
 
         decoder = self.decoder
         try:
-            inputs, input_sizes = self.adapter.batch_inputs(
-                self.processor, [t.item for t in group], self.model.device, self.dtype
-            )
+            items = [t.item for t in group]
+            inputs, input_sizes = self.adapter.batch_inputs(self.processor, items, self.model.device, self.dtype)
         except Exception as error:
             if len(group) > 1:  # find the bad item: each is prepared alone
                 return self._requeue(group, limit=1)
@@ -2293,27 +2303,19 @@ class Engine:
             # Grounding reads boxes between special tokens (Qwen's <|box_start|>...).
             raw_text=self.tokenizer.decode(kept, skip_special_tokens=False) if item.task == "grounding" else None,
             finish_reason=_finish_reason(ids, self.eos_ids, item.params.max_new_tokens),
-            prompt_tokens=int(prompt_tokens),
-            completion_tokens=len(kept),
-            image_input_size=input_size,
-        )
+            prompt_tokens=int(prompt_tokens), completion_tokens=len(kept), image_input_size=input_size)
 
     def _context_error(self, item: GenerationRequest, prompt_tokens: int) -> Optional[RequestError]:
         if self.context_length and prompt_tokens + item.params.max_new_tokens > self.context_length:
-            return RequestError(
-                "context_too_long",
-                f"the prompt ({prompt_tokens} tokens, images included) plus max_new_tokens "
-                f"({item.params.max_new_tokens}) exceed the model's context of {self.context_length} tokens",
-                _join(item.param, "max_new_tokens"),
-            )
+            return RequestError("context_too_long", f"the prompt ({prompt_tokens} tokens, images included) plus "
+                                f"max_new_tokens ({item.params.max_new_tokens}) exceed the model's context of "
+                                f"{self.context_length} tokens", _join(item.param, "max_new_tokens"))
 
     # ---- the decoder and its compiled step ----------------------------------------------------
 
     def _new_decoder(self, length: int) -> SlotDecoder:
-        decoder = SlotDecoder(
-            self.model, self.eos_ids, rows=self.settings.max_batch_size, length=length,
-            use_graph=self.use_graphs, interval=self.settings.sync_interval,
-        )
+        decoder = SlotDecoder(self.model, self.eos_ids, rows=self.settings.max_batch_size, length=length,
+                              use_graph=self.use_graphs, interval=self.settings.sync_interval)
         for bucket in decoder.buckets:
             if (bucket, length) in self._compiled_shapes:
                 decoder.use_forward(bucket, self._compiled_forward)
@@ -2338,7 +2340,9 @@ class Engine:
 
         if self._compiled_forward is None:
             set_torch_cache_dirs(self.settings)
-            self._compiled_forward = torch.compile(self.model.__call__, dynamic=False)
+            # Inductor's kernel-compiling processes made prefills 12x slower, compiling no faster (bench/contention.py).
+            options = {} if os.environ.get("TORCHINDUCTOR_COMPILE_THREADS") else {"options": {"compile_threads": 1}}
+            self._compiled_forward = torch.compile(_model_view(self.model).__call__, dynamic=False, **options)
             self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlm-compile")
         future = self._compiler.submit(self._compile_shapes, buckets, length)
         future.add_done_callback(lambda f: f.exception() and log.error(
@@ -2373,8 +2377,8 @@ class Engine:
         started = time.perf_counter()
         try:
             with torch.inference_mode():
-                shadow = SlotDecoder(self.model, self.eos_ids, rows=self.settings.max_batch_size, length=length,
-                                     use_graph=False, interval=self.settings.sync_interval)
+                shadow = SlotDecoder(_model_view(self.model), self.eos_ids, rows=self.settings.max_batch_size,
+                                     length=length, use_graph=False, interval=self.settings.sync_interval)
                 params = GenerationParams(max_new_tokens=4, temperature=0.0, top_p=1.0, do_sample=False)
                 items = [GenerationRequest("chat", [Turn("user", ["warm up"])], params)] * bucket
                 inputs, _ = self.adapter.batch_inputs(self.processor, items, self.model.device, self.dtype)
@@ -2406,12 +2410,11 @@ class Engine:
     def wait_until_compiled(self, timeout: float) -> bool:
         """Whether every shape of the current decoder decodes compiled (benchmarks, tests)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            decoder = self._decoder
-            if decoder is not None and all(f is self._compiled_forward for f in decoder.forwards.values()):
-                return True
+        while not ((decoder := self._decoder) and all(f is self._compiled_forward for f in decoder.forwards.values())):
+            if time.monotonic() >= deadline:
+                return False
             time.sleep(0.05)
-        return False
+        return True
 
 
 class Ticket:
@@ -2643,8 +2646,7 @@ OPENAI_UNSUPPORTED = {
     "frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "logprobs": (False,),
     "top_logprobs": (0,), "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "response_format": ({"type": "text"},), "modalities": (["text"],), "audio": (), "prediction": (),
-    "web_search_options": (), "moderation": (), "reasoning_effort": (), "verbosity": (),
-}
+    "web_search_options": (), "moderation": (), "reasoning_effort": (), "verbosity": ()}
 # Accepted and ignored (`seed` too: sampled rows share the engine's random generator).
 OPENAI_IGNORED = ("seed", "user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key",
                   "prompt_cache_options", "prompt_cache_retention", "parallel_tool_calls")
@@ -2988,10 +2990,8 @@ def main() -> None:
         get_engine().warm_up()  # load before taking jobs; the compiled step follows in the background
     local_test = any(arg.startswith("--test_input") for arg in sys.argv)
     _RUNPOD_CONFIG.update({
-        "handler": answer if local_test else handler,
-        "return_aggregate_stream": True,
-        "concurrency_modifier": lambda current: 0 if _engine and _engine.broken else settings.max_concurrency,
-    })
+        "handler": answer if local_test else handler, "return_aggregate_stream": True,
+        "concurrency_modifier": lambda current: 0 if _engine and _engine.broken else settings.max_concurrency})
     runpod.serverless.start(_RUNPOD_CONFIG)
 
 

@@ -1492,7 +1492,9 @@ def test_the_forward_is_compiled_once_per_decode_shape_in_the_background(monkeyp
     # Internal, on purpose: a compilation during requests costs seconds of GPU time and shows in no
     # output; the fake torch.compile counts compiles, the fake decoder the shapes compiled.
     engine = compiled_and_ready(monkeypatch, hub, VLM_MAX_BATCH_SIZE="16")
+    assert engine.wait_until_compiled(timeout=0)  # a zero timeout still looks once
     assert len(hub.compiles) == 1 and hub.compiles[0]["dynamic"] is False  # one compiled forward
+    assert hub.compiles[0]["options"] == {"compile_threads": 1}  # inductor's kernels compiled in this process
     shapes = sorted(hub.compiled_steps)
     assert set(shapes) == {8, 16}  # each row bucket traced once, on a shadow decoder
     out = [call(chat("a")), batch(*[chat(str(n)) for n in range(12)])]

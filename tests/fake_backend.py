@@ -1244,6 +1244,7 @@ class FakeModelBase:
         self._config = FakeConfig(MODEL_TYPES.get(path, "unknown"))
         self._generation_config = FakeGenerationConfig()
         self.evaluated = False
+        self._modules: dict = {}  # torch.nn.Module's children (the compile thread copies the tree): none here
 
     def eval(self):
         _use("transformers.PreTrainedModel.eval")

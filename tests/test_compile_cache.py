@@ -566,3 +566,33 @@ def test_a_failed_cuda_graph_capture_is_tried_again_at_a_later_step(tiny_model, 
         for _ in range(4):
             decoder.step(2)
     assert tries == [8] * 4 and not decoder.use_graph  # a third failure: no more tries
+
+
+def test_a_prefill_on_the_engine_thread_during_the_compile_does_not_fail_it(tiny_model, serve, monkeypatch):
+    # On the H200 the 8-row compile failed twice while the worker served: dynamo traced Qwen's rope_deltas as
+    # None and, when it built its guards, the engine thread's prefill had just set them. The backend below
+    # runs between the two, as that prefill did. The compile thread now traces a view of the model.
+    engine = serve(tiny_model("qwen2-vl"), VLM_COMPILE="false")
+
+    def prefill_meanwhile(graph, example_inputs):
+        engine.model.base_model.rope_deltas = torch.zeros(3, 1, dtype=torch.long)  # 3 rows, midway
+        return graph.forward
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic, **options: compile_(fn, dynamic=dynamic,
+                                                                              backend=prefill_meanwhile))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(handler, "COMPILE_AFTER_FIRST_ANSWER_S", 0)
+    monkeypatch.setattr(handler, "load_compile_artifacts", lambda *args: False)
+    monkeypatch.setattr(handler, "save_compile_artifacts", lambda *args: None)
+    engine._compile_in_background([8], 256)
+    engine._compiler.shutdown(wait=True)
+    assert engine._compiled_shapes == {(8, 256)}
+    tokens = []
+    for forward in (engine.model, engine._compiled_forward):  # the view's compiled step decodes as the model
+        decoder = handler.SlotDecoder(engine.model, engine.eos_ids, rows=8, length=256, use_graph=False, interval=4)
+        decoder.use_forward(8, forward)
+        with torch.inference_mode():
+            prefill(engine, decoder, ["Say hi."], new_tokens=8)
+            tokens.append(decoder.step(4) + decoder.step(4))
+    assert tokens[0] == tokens[1]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import threading
 
 import pytest
 import torch
@@ -487,3 +488,28 @@ def test_a_batch_too_long_for_the_cache_together_is_split_until_it_fits(tiny_mod
     solo = [ask(item) for item in items]
     assert solo[0]["usage"]["prompt_tokens"] + 200 > 256  # together they cannot fit
     assert ask({"requests": items})["results"] == solo
+
+
+def test_a_job_sent_while_another_thread_traces_with_torch_fx_is_answered_as_without(tiny_model, serve):
+    # On the H200 a cold worker's step failed with all its jobs: inductor, compiling in the background, traced
+    # with torch.fx, which patches nn.Module.__call__ for the whole process while it traces. A real trace is
+    # held open here in another thread while the job runs.
+    serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="2")
+    job = {"task": "vqa", "image_url": data_uri(striped((48, 40))), "question": "What is it?", "max_new_tokens": 6}
+    alone = ask(job)
+    tracing, release = threading.Event(), threading.Event()
+
+    def held_open(x):
+        tracing.set()
+        release.wait(30)
+        return x
+
+    tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(held_open,))
+    tracer.start()
+    assert tracing.wait(30) and torch.nn.Module.__call__ is not torch.nn.Module._wrapped_call_impl
+    threading.Timer(0.5, release.set).start()
+    try:
+        assert ask(job) == alone
+    finally:
+        release.set()
+        tracer.join()
