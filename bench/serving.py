@@ -181,8 +181,9 @@ def gpu_parity(handler, engine, count: int = 6) -> dict:
     return {"jobs": count, "identical_to_eager_generate": same}
 
 
-def cold_start(folder: Path, compile_: bool, cache_dir: Path) -> dict:
-    """A fresh worker process with the default batch settings; `cache_dir` may hold compile artifacts."""
+def cold_start(folder: Path, compile_: bool, cache_dir: Path, log: Path) -> dict:
+    """A fresh worker process with the default batch settings; `cache_dir` may hold compile artifacts.
+    Its whole log goes to `log`."""
     env = {k: v for k, v in os.environ.items() if k not in ("VLM_MAX_BATCH_SIZE", "VLM_MAX_CONCURRENCY")}
     env.update(VLM_MODEL=str(folder), VLM_COMPILE="true" if compile_ else "false",
                VLM_COMPILE_CACHE_DIR=str(cache_dir), BENCH_SPAWNED_AT=repr(time.time()))
@@ -191,7 +192,9 @@ def cold_start(folder: Path, compile_: bool, cache_dir: Path) -> dict:
         child = subprocess.run([sys.executable, __file__, "--child-cold-start"], env=env,
                                capture_output=True, text=True, timeout=300)
     except subprocess.TimeoutExpired as expired:
-        return {"error": f"timed out after 300 s: {str(expired.stderr or '')[-3000:]}"}
+        log.write_text(str(expired.stderr or ""))
+        return {"error": "timed out after 300 s"}
+    log.write_text(child.stderr)
     lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
     if child.returncode != 0 or not lines:
         return {"error": child.stderr[-3000:]}
@@ -266,7 +269,8 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
     parser.add_argument("--quick", action="store_true", help="fewer jobs (a smoke run)")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: cold, main, open")
+    parser.add_argument("--skip", default="", help="comma-separated sections to skip: cold (or one of its "
+                        "eager, compiled_no_cache, compiled_with_cache), main, open")
     parser.add_argument("--child-cold-start", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_cold_start:
@@ -299,8 +303,10 @@ def main() -> None:
     if "cold" not in skip:  # fresh processes first, while no other process holds the GPU
         cache_dir = Path(tempfile.mkdtemp(prefix="vlm-compile-cache-"))
         results["cold_start"] = cold = {}
-        for name, compile_ in (("compiled_no_cache", True), ("compiled_with_cache", True), ("eager", False)):
-            cold[name] = cold_start(folder, compile_, cache_dir)
+        for name, compile_ in (("eager", False), ("compiled_no_cache", True), ("compiled_with_cache", True)):
+            if name in skip:
+                continue
+            cold[name] = cold_start(folder, compile_, cache_dir, out / f"cold-{name}.log")
             save()
     if "main" in skip:
         return print(json.dumps(results, indent=2))
