@@ -8,6 +8,7 @@ damaged files go to the real loader, with real artifacts that a fresh process co
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import json
 import logging
@@ -596,3 +597,31 @@ def test_a_prefill_on_the_engine_thread_during_the_compile_does_not_fail_it(tiny
             prefill(engine, decoder, ["Say hi."], new_tokens=8)
             tokens.append(decoder.step(4) + decoder.step(4))
     assert tokens[0] == tokens[1]
+
+
+def test_jobs_answered_while_the_step_compiles_and_after_get_their_eager_tokens(tiny_model, serve, tmp_path,
+                                                                                monkeypatch):
+    # The whole background compile for real, on CPU (inductor's C++ backend; no CUDA graphs): jobs of several
+    # lengths and images, sent together again and again while the step compiles and once it is switched to,
+    # get exactly the tokens of the plain forward.
+    from sample_images import data_uri, striped
+
+    engine = serve(tiny_model("qwen2-vl"), VLM_COMPILE="false", VLM_MAX_BATCH_SIZE="4", VLM_SYNC_INTERVAL="2",
+                   VLM_CACHE_LEN="256", VLM_COMPILE_CACHE_DIR=str(tmp_path))
+    jobs = [{"task": "vqa", "image_url": data_uri(striped((40 + 8 * n, 40))), "question": f"What is {n}?",
+             "max_new_tokens": 6 + 4 * n, "min_new_tokens": 6 + 4 * n} for n in range(3)]
+    jobs.append({"messages": [{"role": "user", "content": "No image."}], "max_new_tokens": 12})
+    eager = [asyncio.run(handler.answer({"id": "eager", "input": job})) for job in jobs]
+
+    async def together():
+        return await asyncio.gather(*(handler.answer({"id": str(n), "input": job}) for n, job in enumerate(jobs)))
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(handler, "COMPILE_AFTER_FIRST_ANSWER_S", 0)
+    engine.compile, engine._decoder = True, None  # the next decoder compiles its step in the background
+    rounds = []
+    while not engine.wait_until_compiled(0) and len(rounds) < 200:
+        rounds.append(asyncio.run(together()))
+    assert engine.wait_until_compiled(120)
+    rounds.append(asyncio.run(together()))
+    assert len(rounds) > 1 and all(answers == eager for answers in rounds)
