@@ -1776,10 +1776,6 @@ class SlotDecoder:
         scratch = DynamicCache(config=model.config.get_text_config(decoder=True))
         output = _beside_fx_traces(model, **inputs, position_ids=position_ids, past_key_values=scratch,
                                    use_cache=True, logits_to_keep=1)
-        # M-RoPE models keep this prompt's deltas (sized by its batch) and return them from every forward: a
-        # compiled step would be traced anew for each prefill's batch size. Steps pass positions, so drop them.
-        if getattr(model.base_model, "rope_deltas", None) is not None:
-            model.base_model.rope_deltas = None
         if not self.caches:
             self._allocate([layer.keys for layer in scratch.layers], [layer.values for layer in scratch.layers])
         index = torch.tensor(rows, device=input_ids.device)

@@ -523,14 +523,16 @@ def prefill(engine, decoder, parts: list, count: int = 1, first_row: int = 0, ne
 def test_a_compiled_decode_step_is_traced_once_whatever_the_prefills(tiny_model, serve, family):
     # Qwen's M-RoPE models keep the last prompt's rope deltas, sized by its batch, and return them from every
     # forward: the compiled step was traced anew after each prefill of another size (a 6 s stall on the GPU),
-    # and past torch's recompile limit fell back to eager. Traced here by dynamo with a counting backend.
+    # and past torch's recompile limit fell back to eager. Compiled and traced as the engine does, over views
+    # of the model, by dynamo with a counting backend.
     from PIL import Image
 
     engine = serve(tiny_model(family), VLM_COMPILE="false")
     traces = []
-    forward = torch.compile(engine.model.__call__, dynamic=False,
+    forward = torch.compile(handler._model_view(engine.model).__call__, dynamic=False,
                             backend=lambda graph, example_inputs: traces.append(graph) or graph.forward)
-    shadow = handler.SlotDecoder(engine.model, engine.eos_ids, rows=16, length=256, use_graph=False, interval=8)
+    shadow = handler.SlotDecoder(handler._model_view(engine.model), engine.eos_ids, rows=16, length=256,
+                                 use_graph=False, interval=8)
     decoder = handler.SlotDecoder(engine.model, engine.eos_ids, rows=16, length=256, use_graph=False, interval=8)
     plans = [(shadow, ["warm up"], 8, 0), (decoder, [Image.new("RGB", (64, 64)), "Hi."], 1, 0),
              (decoder, [Image.new("RGB", (96, 64)), "Say."], 3, 1)]
