@@ -1628,7 +1628,7 @@ def _use_grouped_query_decode_attention(model) -> None:
 
 def _beside_fx_traces(forward, **kwargs):
     """`forward(**kwargs)`, run again after a torch.fx trace (inductor's, compiling in the background) patched
-    nn.Module.__call__ for the whole process under it; its second run rewrites what the first wrote (keys/values)."""
+    nn.Module.__call__ for the whole process under it; a second run must rewrite all the first wrote (keys/values)."""
     import torch
 
     try:
@@ -1773,9 +1773,13 @@ class SlotDecoder:
         count, prompt_length = input_ids.shape
         # Positions continue from the prompt's exactly as generate() continues them (M-RoPE too).
         position_ids = model._prepare_position_ids_for_generation(input_ids, dict(inputs))
-        scratch = DynamicCache(config=model.config.get_text_config(decoder=True))
-        output = _beside_fx_traces(model, **inputs, position_ids=position_ids, past_key_values=scratch,
-                                   use_cache=True, logits_to_keep=1)
+
+        def forward():  # each try from an empty cache: one cut off midway has some layers' keys already
+            scratch = DynamicCache(config=model.config.get_text_config(decoder=True))
+            return model(**inputs, position_ids=position_ids, past_key_values=scratch, use_cache=True,
+                         logits_to_keep=1), scratch
+
+        output, scratch = _beside_fx_traces(forward)
         if not self.caches:
             self._allocate([layer.keys for layer in scratch.layers], [layer.values for layer in scratch.layers])
         index = torch.tensor(rows, device=input_ids.device)

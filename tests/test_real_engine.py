@@ -490,6 +490,25 @@ def test_a_batch_too_long_for_the_cache_together_is_split_until_it_fits(tiny_mod
     assert ask({"requests": items})["results"] == solo
 
 
+def test_a_prefill_cut_off_midway_by_a_torch_fx_trace_runs_again_from_an_empty_cache(tiny_model, serve, monkeypatch):
+    # A trace that starts while a prompt is halfway through the model cuts it off after some layers stored their
+    # keys; run again into the same cache, those layers held the prompt twice and the job failed.
+    engine = serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="2")
+    job = {"task": "vqa", "image_url": data_uri(striped((48, 40))), "question": "What is it?", "max_new_tokens": 6}
+    alone = ask(job)
+    second_layer = engine.model.get_decoder().layers[1]
+    real_forward, cut = second_layer.forward, []
+
+    def cut_off_once(hidden_states, *args, **kwargs):
+        if hidden_states.shape[1] > 1 and not cut:
+            cut.append(True)
+            raise NameError("module is not installed as a submodule")
+        return real_forward(hidden_states, *args, **kwargs)
+
+    monkeypatch.setattr(second_layer, "forward", cut_off_once)
+    assert ask(job) == alone and cut
+
+
 def test_a_job_sent_while_another_thread_traces_with_torch_fx_is_answered_as_without(tiny_model, serve):
     # On the H200 a cold worker's step failed with all its jobs: inductor, compiling in the background, traced
     # with torch.fx, which patches nn.Module.__call__ for the whole process while it traces. A real trace is
