@@ -463,7 +463,6 @@ def _resolve_images(turns: list[Turn], settings: Settings, param: Optional[str])
     """Fetch (side by side, under one deadline) and decode a request's images in place, in order: the count
     is checked before any fetch, the pixel budget before each decode; the first failure in order is raised."""
     import concurrent.futures
-
     pending = [(turn, k) for turn in turns for k, part in enumerate(turn.parts) if isinstance(part, ImageSpec)]
     if len(pending) > settings.max_images:
         turn, k = pending[settings.max_images]
@@ -623,7 +622,6 @@ def _base64_bytes(text: str, policy: MediaPolicy, param: str) -> bytes:
 def _local_file_bytes(spec: str, is_url: bool, policy: MediaPolicy, param: str) -> bytes:
     import stat
     import urllib.parse
-
     if not policy.media_dir:
         message = "local files are disabled on this worker; send an https URL or base64"
         raise RequestError("blocked_url", message, param)
@@ -753,7 +751,6 @@ def _resolve(target: ImageURL, policy: MediaPolicy, deadline: float, param: str,
     import concurrent.futures
     import ipaddress
     import socket
-
     if target.ip is not None:
         return [target.ip]
     future = _DNS_POOL.submit(socket.getaddrinfo, target.host, target.port, 0, socket.SOCK_STREAM)
@@ -785,11 +782,9 @@ def _tls_context():
 @functools.lru_cache(maxsize=4)  # loading a CA bundle takes tens of milliseconds
 def _tls_context_for(cafile: Optional[str], cadir: Optional[str]):
     import ssl
-
     if cafile is None and not cadir:
         with contextlib.suppress(ImportError):
             import certifi
-
             cafile = certifi.where()
     context = ssl.create_default_context(cafile=cafile)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
@@ -828,7 +823,6 @@ def _proxy_connection(target: ImageURL, policy: MediaPolicy, deadline: float):
     import http.client
     import urllib.parse
     import urllib.request
-
     if not policy.trust_env_proxy:
         return None
     proxies = urllib.request.getproxies_environment()
@@ -853,7 +847,6 @@ def _proxy_connection(target: ImageURL, policy: MediaPolicy, deadline: float):
 def fetch_image_url(url: str, policy: MediaPolicy, param: str, request_deadline: Optional[float] = None) -> bytes:
     """GET an image: each hop checked, pinned and capped, under one deadline (the fetch's or the request's)."""
     import urllib.parse
-
     deadline = time.monotonic() + policy.fetch_timeout
     late = f"the image URL took over {policy.fetch_timeout:g}s"
     if request_deadline is not None and request_deadline < deadline:
@@ -872,7 +865,6 @@ def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: s
     """One request: the body (bytes) or a redirect's Location (str). `late` says which deadline passed."""
     import http.client
     import socket
-
     via_proxy = _proxy_connection(target, policy, deadline)
     addresses = _resolve(target, policy, deadline, param, after)
     conn, request_target, headers = via_proxy or (_pinned_connection(target, addresses, deadline), target.target, {})
@@ -946,7 +938,6 @@ def _decode_image(data: bytes, policy: MediaPolicy, param: str):
     """Bytes -> RGB image: allowed formats only, pixel cap from the header, frame 0, EXIF
     orientation, every mode to RGB (alpha over white). Messages are fixed: PIL's text leaks."""
     from PIL import Image, ImageOps
-
     allowed = ", ".join(IMAGE_FORMATS[:-1]) + " or " + IMAGE_FORMATS[-1]
     if other := _sniff_other(data):
         message = _SVG_MESSAGE if other == "SVG" else f"{other} images are not supported; send {allowed}"
@@ -985,7 +976,6 @@ def _decode_image(data: bytes, policy: MediaPolicy, param: str):
 def _to_rgb(image):
     """Any Pillow mode -> RGB. 16/32-bit and float greys are scaled, not clipped to white."""
     from PIL import Image
-
     mode = image.mode
     if mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
         low, high = image.getextrema()
@@ -1002,7 +992,6 @@ def _to_rgb(image):
         mode = "L"
     if mode == "LAB":  # Pillow's plain LAB->RGB convert copies channels; colour management is right
         from PIL import ImageCms
-
         transform = ImageCms.buildTransform(ImageCms.createProfile("LAB"), ImageCms.createProfile("sRGB"), "LAB", "RGB")
         return ImageCms.applyTransform(image, transform)
     if mode in ("RGBA", "LA", "PA", "RGBa") or "transparency" in image.info:
@@ -1134,7 +1123,6 @@ class RemoteCodeAdapter(FamilyAdapter):
 
     def load(self, path: str, load_kwargs: dict):
         import transformers
-
         model = getattr(transformers, self.model_class).from_pretrained(path, **load_kwargs).eval()
         return model, getattr(transformers, self.processor_class).from_pretrained(path, trust_remote_code=True)
 
@@ -1152,7 +1140,6 @@ class RemoteCodeAdapter(FamilyAdapter):
     def recorded_generation(self, model):
         """Records the prompt length, ids and end tokens of the inner model's generate(), which chat() hides."""
         from unittest import mock
-
         record: dict = {}
         inner = getattr(model, self.inner_language_model)
         real_generate = inner.generate
@@ -1213,7 +1200,6 @@ class MiniCPMVAdapter(RemoteCodeAdapter):
         import typing
 
         import torch  # noqa: F401  (loads torch.nn.functional)
-
         functional = sys.modules.get("torch.nn.functional")
         if functional is not None and not hasattr(functional, "List"):
             functional.List = typing.List  # noqa: UP006  (the name resampler.py looks up)
@@ -1257,7 +1243,6 @@ class InternVL2Adapter(RemoteCodeAdapter):
         """The images' normalised tiles, stacked, and each image's tile count."""
         import torch
         from torchvision.transforms import functional as F
-
         per_image = [torch.stack([F.normalize(F.to_tensor(t), self.mean, self.std) for t in self.tiles(image)])
                      for image in images]
         if not per_image:
@@ -1300,7 +1285,6 @@ class Phi3VisionAdapter(RemoteCodeAdapter):
 
     def chat_messages(self, turns: list[Turn]) -> list[dict]:
         import itertools
-
         numbers = itertools.count(1)
         return [{"role": turn.role,
                  "content": "\n".join(p if isinstance(p, str) else f"<|image_{next(numbers)}|>" for p in turn.parts)}
@@ -1308,7 +1292,6 @@ class Phi3VisionAdapter(RemoteCodeAdapter):
 
     def run(self, model, processor, item: GenerationRequest, sampling: dict) -> Generation:
         import torch
-
         messages = self.chat_messages(self.request_turns(item))
         prompt = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         inputs = processor(prompt, item.images or None, return_tensors="pt").to(model.device)
@@ -1378,7 +1361,6 @@ def unquantized_module_names(model_type: str, model_class: str = "AutoModelForIm
     """The outermost vision or projector modules, then the output head, of the type's default model on meta."""
     import torch
     import transformers
-
     try:
         with torch.device("meta"):
             model = getattr(transformers, model_class).from_config(transformers.AutoConfig.for_model(model_type))
@@ -1411,7 +1393,6 @@ _reported_unwritable: set = set()  # folders already reported as unwritable, one
 def resolve_model_source(model_id: str, hub_cache: str = RUNPOD_MODEL_CACHE) -> str:
     """Where to load `model_id` from, logged: a local folder, its complete snapshot in RunPod's cache, or the id."""
     from huggingface_hub import errors, snapshot_download
-
     if os.path.isdir(model_id):
         log.info("weights: %s is a local folder", model_id)
         return model_id
@@ -1457,7 +1438,6 @@ def runtime_fingerprint() -> dict:
 
     import torch
     import transformers
-
     gpu = torch.cuda.is_available()
     return {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
             "triton": next((d.version for d in importlib.metadata.distributions(name="triton")), None),
@@ -1517,7 +1497,6 @@ def set_torch_cache_dirs(settings: Settings, env: Optional[dict] = None) -> None
 def load_compile_artifacts(settings: Settings, key: str, env: Optional[dict] = None) -> bool:
     """Load the artifacts saved under `key` before anything compiles; True when loaded. Never raises."""
     import torch
-
     set_torch_cache_dirs(settings, env)
     folders = compile_artifact_dirs(settings, env)
     paths = [os.path.join(folder, key + COMPILE_ARTIFACTS_SUFFIX) for folder in folders]
@@ -1542,7 +1521,6 @@ def load_compile_artifacts(settings: Settings, key: str, env: Optional[dict] = N
 def save_compile_artifacts(settings: Settings, key: str, env: Optional[dict] = None) -> Optional[str]:
     """Save what this process compiled under `key` in the first writable folder: the file, or None. Never raises."""
     import torch
-
     try:
         saved = torch.compiler.save_cache_artifacts()  # None when nothing was compiled
         folder = _first_writable(compile_artifact_dirs(settings, env)) if saved else None
@@ -1613,7 +1591,6 @@ def _use_grouped_query_decode_attention(model) -> None:
         if attention_mask is None or query.shape[2] != 1 or getattr(module, "num_key_value_groups", 1) == 1:
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         import torch
-
         output = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
                                                                   scale=kwargs.get("scaling"), enable_gqa=True)
         return output.transpose(1, 2).contiguous(), None
@@ -1630,7 +1607,6 @@ def _beside_fx_traces(forward, **kwargs):
     """`forward(**kwargs)`, run again after a torch.fx trace (inductor's, compiling in the background) patched
     nn.Module.__call__ for the whole process under it; a second run must rewrite all the first wrote (keys/values)."""
     import torch
-
     try:
         return forward(**kwargs)
     except NameError as error:
@@ -1664,13 +1640,11 @@ class SlotDecoder:
 
     def __init__(self, model, eos_ids: set, rows: int, length: int, use_graph: bool, interval: int):
         import torch
-
         with torch.inference_mode():  # like every tensor made later, on the engine or compile thread
             self._make_state(model, eos_ids, rows, length, use_graph, interval)
 
     def _make_state(self, model, eos_ids, rows, length, use_graph, interval) -> None:
         import torch
-
         device = model.device
         self.model, self.rows, self.length = model, rows, length
         self.use_graph, self.interval = use_graph, interval
@@ -1719,7 +1693,6 @@ class SlotDecoder:
     def shift(self, delta: int) -> None:
         """Move every row's slots by `delta` (negative: left)."""
         import torch
-
         if delta == 0:
             return
         full = self.caches.get(self.rows)
@@ -1747,7 +1720,6 @@ class SlotDecoder:
         cache holds views of its leading rows."""
         import torch
         from transformers import StaticCache
-
         caches = {}  # kept only whole: an allocation that runs out of memory leaves none
         for bucket in self.buckets:
             caches[bucket] = StaticCache(config=self.text_config, max_cache_len=self.length)
@@ -1767,7 +1739,6 @@ class SlotDecoder:
         at the pointer (the caller made room with `plan`/`shift`). Returns each row's first token."""
         import torch
         from transformers import DynamicCache
-
         model, state = self.model, self.state
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
         count, prompt_length = input_ids.shape
@@ -1833,7 +1804,6 @@ class SlotDecoder:
     def _choose(self, logits, rows: types.SimpleNamespace, any_sample: bool):
         """Each row's next token from its logits."""
         import torch
-
         logits = logits.float()
         if rows.seen is not None:  # as transformers' RepetitionPenaltyLogitsProcessor
             penalized = torch.where(logits < 0, logits * self.penalty, logits / self.penalty)
@@ -1852,7 +1822,6 @@ class SlotDecoder:
     def _sampled(logits, temperature, top_p):
         """Temperature and top-p sampling, drawn as argmax(p / Exp(1)) so a CUDA graph can hold it."""
         import torch
-
         probs = torch.softmax(logits / temperature.clamp(min=1e-5)[:, None], dim=-1)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         outside = sorted_probs.cumsum(dim=-1) - sorted_probs > top_p[:, None]
@@ -1910,7 +1879,6 @@ class SlotDecoder:
     def _capture(self, bucket: int) -> None:
         """Record one step as a CUDA graph; the steps run to record it write only the pointer's slot."""
         import torch
-
         state = self.state  # what the recording steps advance, put back after
         kept = [(t, t.clone()) for t in (state.token, self.position, state.count, state.seen) if t is not None]
         pointer = self.pointer
@@ -1965,7 +1933,6 @@ class Engine:
 
     def _torch_dtype(self):
         import torch
-
         choice = self.settings.dtype
         if choice == "auto":
             if torch.cuda.is_available():
@@ -1978,7 +1945,6 @@ class Engine:
         if self.quantize == "none":
             return None
         from transformers import BitsAndBytesConfig
-
         skip = list(self.adapter.quantization_skip_modules)
         if self.quantize == "4bit":
             return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
@@ -1987,7 +1953,6 @@ class Engine:
 
     def _load(self) -> None:
         from transformers import AutoConfig
-
         self._check_allowed()
         started = time.perf_counter()
         trust = self.settings.trust_remote_code
@@ -2050,7 +2015,6 @@ class Engine:
 
     def _cuda_graphs_possible(self) -> bool:
         import torch
-
         on_cuda = torch.cuda.is_available() and str(self.model.device).startswith("cuda")
         return bool(self.quantize == "none" and self.adapter.native and on_cuda)
 
@@ -2091,7 +2055,6 @@ class Engine:
     def _serve(self) -> None:
         """The engine thread: admit queued items at step boundaries, decode, hand out tokens."""
         import torch
-
         with torch.inference_mode():
             self._serve_forever()
 
@@ -2142,7 +2105,6 @@ class Engine:
 
     def _generate_with_generate(self, item: GenerationRequest):
         import torch
-
         inputs, input_sizes = self.adapter.batch_inputs(self.processor, [item], self.model.device, self.dtype)
         prompt_tokens = int(inputs["attention_mask"].sum())
         error = self._context_error(item, prompt_tokens)
@@ -2178,7 +2140,6 @@ class Engine:
 
     def _place(self, group: list[Ticket], free: list[int]) -> None:
         import torch
-
         decoder = self.decoder
         try:
             items = [t.item for t in group]
@@ -2337,7 +2298,6 @@ class Engine:
         """Compile a decoder's shapes in a background thread (from saved artifacts when they match);
         decoding goes on with CUDA graphs of the plain forward, and switches at a step boundary."""
         import torch
-
         if self._compiled_forward is None:
             set_torch_cache_dirs(self.settings)
             # Inductor's kernel-compiling processes made prefills 12x slower, compiling no faster (bench/contention.py).
@@ -2373,7 +2333,6 @@ class Engine:
         """Trace and compile one decode shape on a shadow decoder of the same shapes (own buffers),
         so the engine's own state is never touched from this thread."""
         import torch
-
         started = time.perf_counter()
         try:
             with torch.inference_mode():
@@ -2616,7 +2575,6 @@ def grounding_fields(item: GenerationRequest, generation: Generation, adapter: F
 def annotated_image(image, boxes: list[dict]) -> str:
     """The image with each box outlined and labelled, as a PNG data URI."""
     from PIL import ImageDraw
-
     canvas = image.convert("RGB")  # a copy: the request's image stays as it was
     draw = ImageDraw.Draw(canvas)
     line = max(2, round(min(canvas.size) / 200))
@@ -2983,7 +2941,6 @@ async def answer(job: dict) -> Any:
 def main() -> None:
     os.environ.setdefault("RUNPOD_LOG_LEVEL", "INFO")  # the SDK's DEBUG default logs every answer
     import runpod
-
     logging.basicConfig(level=os.environ.get("VLM_LOG_LEVEL", "INFO"))
     settings = Settings.from_env()
     if settings.load_at_boot:
