@@ -2399,7 +2399,7 @@ class Ticket:
         # sent (tokenizers may merge) sends nothing until the final answer settles it.
         if not text.endswith("\ufffd") and text.startswith(self.sent):
             delta, self.sent = text[len(self.sent):], text
-        self.listener(StreamDelta(delta, len(kept), self.prompt_tokens))
+        self._tell(StreamDelta(delta, len(kept), self.prompt_tokens))
 
     def fail(self, error: RequestError) -> Ticket:
         """Finish with `error`, naming this item's place in its job."""
@@ -2409,7 +2409,14 @@ class Ticket:
     def finish(self, result) -> None:
         if not self.done:
             self.done = True
-            self.listener(result)
+            self._tell(result)
+
+    def _tell(self, event) -> None:
+        try:
+            self.listener(event)
+        except Exception:  # its caller is gone (a closed event loop): the item is dropped, not its neighbours
+            log.warning("an item's listener failed; the item is dropped", exc_info=True)
+            self.cancelled = True
 
 
 _engine: Optional[Engine] = None

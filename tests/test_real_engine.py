@@ -414,6 +414,30 @@ def test_a_cancelled_job_frees_its_row_for_the_next(tiny_model, serve, monkeypat
     assert sum(steps) < 20  # the short job did not wait for the long one's 200 tokens
 
 
+def test_an_item_whose_caller_is_gone_is_dropped_and_its_neighbours_answered(tiny_model, serve):
+    # A listener that raises (its job's event loop closed) failed the whole step, and raising again while the
+    # engine failed the step's items, it ended the engine thread: every later job waited for ever.
+    engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_SIZE="4", VLM_SYNC_INTERVAL="2")
+    settings, model_id = handler.served_model()
+    items = [handler.read_request({"messages": [{"role": "user", "content": f"Say {n}."}], "max_new_tokens": 6,
+                                   "min_new_tokens": 6}, settings, model_id, None)[1] for n in range(3)]
+    alone = handler.generate_all(engine, items)
+    answered, results = threading.Semaphore(0), {}
+
+    def gone(event):
+        raise RuntimeError("Event loop is closed")
+
+    def keep(index, event):
+        if not isinstance(event, handler.StreamDelta):
+            results[index] = event
+            answered.release()
+
+    tickets = engine.submit_all(items, [gone, functools.partial(keep, 1), functools.partial(keep, 2)], stream=True)
+    assert answered.acquire(timeout=60) and answered.acquire(timeout=60)
+    assert [results[1], results[2]] == alone[1:] and tickets[0].cancelled
+    assert handler.generate_all(engine, items[:1]) == alone[:1]  # the engine serves on
+
+
 def failing_prefills(engine, monkeypatch, error, when):
     """Make the model raise `error` (a real torch exception) on prompt passes of `when(rows)`."""
     real_forward = engine.model.forward
