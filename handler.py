@@ -2082,8 +2082,8 @@ class Engine:
                 if _is_fatal_gpu_error(error):
                     self._gpu_failed()
                     continue
-                log.exception("the engine failed a step; failing the items in flight")
-                self._fail_all(GENERATION_FAILED)
+                log.exception("the engine failed a step; failing the items in flight (the queued ones if none)")
+                self._fail_all(GENERATION_FAILED, queued=not self._rows)  # else the same failure would come again
 
     def _take(self, tickets: list[Ticket]) -> None:
         with self._wake:

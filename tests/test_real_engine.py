@@ -438,6 +438,32 @@ def test_an_item_whose_caller_is_gone_is_dropped_and_its_neighbours_answered(tin
     assert handler.generate_all(engine, items[:1]) == alone[:1]  # the engine serves on
 
 
+def test_a_decoder_that_cannot_be_built_fails_the_waiting_job_instead_of_looping(tiny_model, serve, monkeypatch):
+    # Building the decoder (at the first job, or a longer one) raised before any item had a row: the engine failed
+    # "the items in flight", none, and tried again at once, for as long as the failure lasted, the job waiting.
+    engine = serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="2")
+    job = {"messages": [{"role": "user", "content": "Hi."}], "max_new_tokens": 3}
+    alone = ask(job)
+    real_new_decoder, attempts, failing = engine._new_decoder, [], [True]
+
+    def new_decoder(length):
+        attempts.append(length)
+        if failing:
+            raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_new_decoder(length)
+
+    monkeypatch.setattr(engine, "_new_decoder", new_decoder)
+    engine._decoder = None
+    answered, results = threading.Event(), []
+    engine.submit(handler.read_request(job, *handler.served_model(), None)[1],
+                  lambda event: results.append(event) or answered.set())
+    try:
+        assert answered.wait(30) and results[0].code == "generation_failed" and len(attempts) == 1
+    finally:
+        failing.clear()
+    assert ask(job) == alone  # the next job builds the decoder and is answered
+
+
 def failing_prefills(engine, monkeypatch, error, when):
     """Make the model raise `error` (a real torch exception) on prompt passes of `when(rows)`."""
     real_forward = engine.model.forward
