@@ -1628,6 +1628,42 @@ def _model_view(model):
     return view
 
 
+class _OneLayerCache:
+    """A compiled decoder layer's cache: its own layer's keys/values whatever index it asks for (dynamo would make the
+    index a constant, tracing every layer anew); anything else is the whole cache's."""
+
+    def __init__(self, layer, cache):
+        self.layer, self.cache = layer, cache
+
+    def update(self, keys, values, layer_idx, *args, **kwargs):
+        return self.layer.update(keys, values, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.cache, name)
+
+
+def _run_layer(compiled_forward, layer, index: int, *args, past_key_values=None, **kwargs):
+    """One decoder layer: its compiled forward given its own layer of the cache."""
+    if past_key_values is not None:
+        past_key_values = _OneLayerCache(past_key_values.layers[index], past_key_values)
+    return compiled_forward(layer, *args, past_key_values=past_key_values, **kwargs)
+
+
+def _with_compiled_layers(view, **options):
+    """`view` with its decoder layers compiled (regional compilation): one layer is traced and compiled per shape and
+    runs for all, where compiling the whole unrolled model took 35-40 s a shape on the H200."""
+    import torch
+    layers = getattr(view.get_decoder(), "layers", None) if hasattr(view, "get_decoder") else None
+    if not layers:
+        return torch.compile(view.__call__, dynamic=False, **options)
+    compiled = {}  # one compiled function per layer class: dynamo reuses a trace within one function only
+    for index, layer in enumerate(layers):
+        if type(layer) not in compiled:
+            compiled[type(layer)] = torch.compile(type(layer).forward, dynamic=False, **options)
+        layer.forward = functools.partial(_run_layer, compiled[type(layer)], layer, index)
+    return view
+
+
 class SlotDecoder:
     """Continuous-batching decoding state: `rows` sequences over one static KV cache of `length` slots.
 
@@ -2297,12 +2333,11 @@ class Engine:
     def _compile_in_background(self, buckets: list[int], length: int) -> None:
         """Compile a decoder's shapes in a background thread (from saved artifacts when they match);
         decoding goes on with CUDA graphs of the plain forward, and switches at a step boundary."""
-        import torch
         if self._compiled_forward is None:
             set_torch_cache_dirs(self.settings)
             # Inductor's kernel-compiling processes made prefills 12x slower, compiling no faster (bench/contention.py).
             options = {} if os.environ.get("TORCHINDUCTOR_COMPILE_THREADS") else {"options": {"compile_threads": 1}}
-            self._compiled_forward = torch.compile(_model_view(self.model).__call__, dynamic=False, **options)
+            self._compiled_forward = _with_compiled_layers(_model_view(self.model), **options)
             self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlm-compile")
         future = self._compiler.submit(self._compile_shapes, buckets, length)
         future.add_done_callback(lambda f: f.exception() and log.error(
@@ -2312,7 +2347,8 @@ class Engine:
         self._answered.wait(COMPILE_AFTER_FIRST_ANSWER_S)
         rows, interval = self.settings.max_batch_size, self.settings.sync_interval
         key = compile_cache_key(self.model_id, config=self.model.config, dtype=self.dtype,
-                                shapes={"rows": rows, "buckets": buckets, "cache_len": length, "interval": interval})
+                                shapes={"rows": rows, "buckets": buckets, "cache_len": length, "interval": interval,
+                                        "compiled": "decoder layers"})  # older artifacts hold a whole model
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(0.0005)  # tracing holds the GIL: the engine thread takes it back within 0.5 ms, not 5
         try:

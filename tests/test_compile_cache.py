@@ -546,6 +546,35 @@ def test_a_compiled_decode_step_is_traced_once_whatever_the_prefills(tiny_model,
     assert traced >= 1 and len(traces) == traced  # the shadow's trace served every later step
 
 
+def test_the_step_compiles_one_decoder_layer_per_shape_and_decodes_as_the_plain_forward(tiny_model, serve, monkeypatch):
+    # Compiling the whole unrolled model took 35-40 s a shape on the H200; one layer, run for all, is traced and
+    # compiled once per shape (a layer's cache index, read by dynamo, would have made every layer a trace of its own).
+    engine = serve(tiny_model("qwen2-vl"), VLM_COMPILE="false", VLM_MAX_BATCH_SIZE="16")
+    traces = []
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic, **options: compile_(
+        fn, dynamic=dynamic, backend=lambda graph, example_inputs: traces.append(graph) or graph.forward))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(handler, "COMPILE_AFTER_FIRST_ANSWER_S", 0)
+    monkeypatch.setattr(handler, "load_compile_artifacts", lambda *args: False)
+    monkeypatch.setattr(handler, "save_compile_artifacts", lambda *args: None)
+    engine._compile_in_background([8, 16], 256)
+    engine._compiler.shutdown(wait=True)
+    assert engine._compiled_shapes == {(8, 256), (16, 256)} and len(engine.model.get_decoder().layers) == 2
+    assert len(traces) == 2 and not any("embed_tokens" in graph.code for graph in traces)
+    tokens = []
+    for forward in (engine.model, engine._compiled_forward):
+        decoder = handler.SlotDecoder(engine.model, engine.eos_ids, rows=16, length=256, use_graph=False, interval=4)
+        for bucket in decoder.buckets:
+            decoder.use_forward(bucket, forward)
+        with torch.inference_mode():
+            prefill(engine, decoder, ["Say hi."], new_tokens=16)  # row 0: 8-row steps
+            tokens.append(decoder.step(4))
+            prefill(engine, decoder, ["Count."], count=2, first_row=8, new_tokens=8)  # rows 8-9: 16-row steps
+            tokens.append(decoder.step(4) + decoder.step(4))
+    assert tokens[:2] == tokens[2:] and len(traces) == 2
+
+
 def test_a_failed_cuda_graph_capture_is_tried_again_at_a_later_step(tiny_model, serve, monkeypatch):
     # On the H200 a capture that overlapped the background compile failed, and the worker then decoded
     # without graphs for good. A failed capture is now tried again, up to 3 times in all.
