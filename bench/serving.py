@@ -257,6 +257,10 @@ def child_cold_start() -> None:
         out["longest_gap_between_tokens_while_compiling_s"] = max(gaps, default=None)
         out["median_round_longest_gap_s"] = statistics.median(gaps) if gaps else None
         out["greedy_solo_answers_identical_before_and_after_compile"] = solo_answers() == reference
+        from torch._dynamo.utils import compile_times  # where the compile's seconds went, summed over shapes
+
+        out["compile_phases_s"] = {name: round(float(seconds), 2)
+                                   for name, seconds in zip(*compile_times(repr="csv", aggregate=True))}
     print(json.dumps(out))
 
 
