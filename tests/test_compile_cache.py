@@ -523,8 +523,8 @@ def prefill(engine, decoder, parts: list, count: int = 1, first_row: int = 0, ne
 def test_a_compiled_decode_step_is_traced_once_whatever_the_prefills(tiny_model, serve, family):
     # Qwen's M-RoPE models keep the last prompt's rope deltas, sized by its batch, and return them from every
     # forward: the compiled step was traced anew after each prefill of another size (a 6 s stall on the GPU),
-    # and past torch's recompile limit fell back to eager. Compiled and traced as the engine does, over views
-    # of the model, by dynamo with a counting backend.
+    # and past torch's recompile limit fell back to eager. Compiled whole, as the engine compiles a model without a
+    # list of decoder layers, and traced over views of the model, by dynamo with a counting backend.
     from PIL import Image
 
     engine = serve(tiny_model(family), VLM_COMPILE="false")
