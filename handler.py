@@ -1603,9 +1603,9 @@ def _use_grouped_query_decode_attention(model) -> None:
         log.warning("grouped-query decode attention unavailable; using transformers' SDPA", exc_info=True)
 
 
-def _beside_fx_traces(forward, **kwargs):
+def _beside_fx_traces(forward, rewind=None, **kwargs):
     """`forward(**kwargs)`, run again after a torch.fx trace (inductor's, compiling in the background) patched
-    nn.Module.__call__ for the whole process under it; a second run must rewrite all the first wrote (keys/values)."""
+    nn.Module.__call__ for the whole process under it; `rewind()` first undoes what the cut-off run moved."""
     import torch
     try:
         return forward(**kwargs)
@@ -1616,6 +1616,8 @@ def _beside_fx_traces(forward, **kwargs):
     deadline = time.monotonic() + 60
     while torch.nn.Module.__call__ is not torch.nn.Module._wrapped_call_impl and time.monotonic() < deadline:
         time.sleep(0.001)
+    if rewind is not None:
+        rewind()
     return forward(**kwargs)
 
 
@@ -1630,22 +1632,18 @@ def _model_view(model):
 
 class _OneLayerCache:
     """A compiled decoder layer's cache: its own layer's keys/values whatever index it asks for (dynamo would make the
-    index a constant, tracing every layer anew); anything else is the whole cache's."""
+    index a constant, tracing every layer anew). Layers use nothing else of a cache (transformers 5.17)."""
 
-    def __init__(self, layer, cache):
-        self.layer, self.cache = layer, cache
+    def __init__(self, layer):
+        self.layer = layer
 
     def update(self, keys, values, layer_idx, *args, **kwargs):
         return self.layer.update(keys, values, *args, **kwargs)
 
-    def __getattr__(self, name):
-        return getattr(self.cache, name)
-
 
 def _run_layer(compiled_forward, layer, index: int, *args, past_key_values=None, **kwargs):
-    """One decoder layer: its compiled forward given its own layer of the cache."""
     if past_key_values is not None:
-        past_key_values = _OneLayerCache(past_key_values.layers[index], past_key_values)
+        past_key_values = _OneLayerCache(past_key_values.layers[index])
     return compiled_forward(layer, *args, past_key_values=past_key_values, **kwargs)
 
 
@@ -1656,10 +1654,9 @@ def _with_compiled_layers(view, **options):
     layers = getattr(view.get_decoder(), "layers", None) if hasattr(view, "get_decoder") else None
     if not layers:
         return torch.compile(view.__call__, dynamic=False, **options)
-    compiled = {}  # one compiled function per layer class: dynamo reuses a trace within one function only
+    # One compiled function per layer class: dynamo reuses a trace within one function only.
+    compiled = {kind: torch.compile(kind.forward, dynamic=False, **options) for kind in set(map(type, layers))}
     for index, layer in enumerate(layers):
-        if type(layer) not in compiled:
-            compiled[type(layer)] = torch.compile(type(layer).forward, dynamic=False, **options)
         layer.forward = functools.partial(_run_layer, compiled[type(layer)], layer, index)
     return view
 
@@ -1873,9 +1870,11 @@ class SlotDecoder:
         are chosen."""
         rows = self._rows_of(bucket)
         position = self.position[..., :bucket, :]
+        cache = self.caches[bucket]  # each layer counts its writes: a step cut off midway moved some counters
         output = _beside_fx_traces(
-            self.forwards[bucket], input_ids=rows.token, attention_mask=rows.mask, position_ids=position,
-            past_key_values=self.caches[bucket], cache_position=self.cache_position, use_cache=True, logits_to_keep=1)
+            self.forwards[bucket], lambda: [n.cumulative_length.copy_(self.cache_position[0]) for n in cache.layers],
+            input_ids=rows.token, attention_mask=rows.mask, position_ids=position, past_key_values=cache,
+            cache_position=self.cache_position, use_cache=True, logits_to_keep=1)
         token = self._choose(output.logits[:, -1, :], rows, self.any_sample)
         rows.ring.index_copy_(1, self.ring_index, token[:, None])
         self.ring_index += 1
