@@ -519,6 +519,18 @@ def prefill(engine, decoder, parts: list, count: int = 1, first_row: int = 0, ne
     decoder.prefill(inputs, list(range(first_row, first_row + count)), [params] * count)
 
 
+def compile_in_background(engine, monkeypatch, buckets: list[int], backend) -> None:
+    """The engine's background compile of `buckets` (a 256-slot cache) with dynamo and `backend`, waited for."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, dynamic, **options: compile_(fn, dynamic=dynamic, backend=backend))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(handler, "COMPILE_AFTER_FIRST_ANSWER_S", 0)
+    monkeypatch.setattr(handler, "load_compile_artifacts", lambda *args: False)
+    monkeypatch.setattr(handler, "save_compile_artifacts", lambda *args: None)
+    engine._compile_in_background(buckets, 256)
+    engine._compiler.shutdown(wait=True)
+
+
 @pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl"])
 def test_a_compiled_decode_step_is_traced_once_whatever_the_prefills(tiny_model, serve, family):
     # Qwen's M-RoPE models keep the last prompt's rope deltas, sized by its batch, and return them from every
@@ -551,15 +563,8 @@ def test_the_step_compiles_one_decoder_layer_per_shape_and_decodes_as_the_plain_
     # compiled once per shape (a layer's cache index, read by dynamo, would have made every layer a trace of its own).
     engine = serve(tiny_model("qwen2-vl"), VLM_COMPILE="false", VLM_MAX_BATCH_SIZE="16")
     traces = []
-    compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, dynamic, **options: compile_(
-        fn, dynamic=dynamic, backend=lambda graph, example_inputs: traces.append(graph) or graph.forward))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(handler, "COMPILE_AFTER_FIRST_ANSWER_S", 0)
-    monkeypatch.setattr(handler, "load_compile_artifacts", lambda *args: False)
-    monkeypatch.setattr(handler, "save_compile_artifacts", lambda *args: None)
-    engine._compile_in_background([8, 16], 256)
-    engine._compiler.shutdown(wait=True)
+    compile_in_background(engine, monkeypatch, [8, 16],
+                          backend=lambda graph, example_inputs: traces.append(graph) or graph.forward)
     assert engine._compiled_shapes == {(8, 256), (16, 256)} and len(engine.model.get_decoder().layers) == 2
     assert len(traces) == 2 and not any("embed_tokens" in graph.code for graph in traces)
     tokens = []
@@ -610,15 +615,7 @@ def test_a_prefill_on_the_engine_thread_during_the_compile_does_not_fail_it(tiny
         engine.model.base_model.rope_deltas = torch.zeros(3, 1, dtype=torch.long)  # 3 rows, midway
         return graph.forward
 
-    compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, dynamic, **options: compile_(fn, dynamic=dynamic,
-                                                                              backend=prefill_meanwhile))
-    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(handler, "COMPILE_AFTER_FIRST_ANSWER_S", 0)
-    monkeypatch.setattr(handler, "load_compile_artifacts", lambda *args: False)
-    monkeypatch.setattr(handler, "save_compile_artifacts", lambda *args: None)
-    engine._compile_in_background([8], 256)
-    engine._compiler.shutdown(wait=True)
+    compile_in_background(engine, monkeypatch, [8], prefill_meanwhile)
     assert engine._compiled_shapes == {(8, 256)}
     tokens = []
     for forward in (engine.model, engine._compiled_forward):  # the view's compiled step decodes as the model
