@@ -60,7 +60,9 @@ COPY scripts/bake_model.py /app/scripts/bake_model.py
 RUN if [ -n "$MODEL" ]; then python /app/scripts/bake_model.py "$MODEL" $MODEL_REVISION; fi
 ENV VLM_MODEL=${MODEL}
 
-# The worker itself last: editing it rebuilds only this layer.
+# The worker itself last: editing it rebuilds only this layer. handler.py is the entry, runpod_vlm/ its parts
+# (test_handler.py checks that every module handler.py reaches is copied here).
 COPY handler.py /app/handler.py
+COPY runpod_vlm /app/runpod_vlm
 
 CMD ["python", "-u", "handler.py"]

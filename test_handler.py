@@ -9,8 +9,11 @@ fake model received, so the engine's internals may change freely.
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import fnmatch
 import json
+import pathlib
 import sys
 import threading
 
@@ -19,6 +22,7 @@ from PIL import Image
 
 import fake_backend
 import handler
+import runpod_vlm.engine.engine as engine_module
 from fake_backend import (
     BF16,
     END,
@@ -49,6 +53,9 @@ from fake_backend import (
     render,
     sent_images,
 )
+from runpod_vlm.grounding import box_to_pixels, parse_bbox
+from runpod_vlm.request import TASK_PROMPTS
+from runpod_vlm.settings import CURATED_MODELS, DEFAULT_MODEL, Settings, SettingsError
 from sample_images import b64, data_uri, encode, plain, png
 
 # The fakes' fixtures, for every test here: the stubs installed in sys.modules for this module, the
@@ -62,7 +69,7 @@ stub_modules, hub, web = fake_backend.stub_modules, fake_backend.hub, fake_backe
 
 def run_job(job) -> dict:
     """The worker's answer to one RunPod job: every test reaches the handler through here."""
-    out = asyncio.run(handler.answer(job))
+    out = asyncio.run(handler.local_test_answer(job))
     assert isinstance(out, dict)
     json.dumps(out)  # always JSON-serialisable
     return out
@@ -85,11 +92,10 @@ def assert_error(out: dict, param, code=None) -> None:
 
 def serve(monkeypatch, model=QWEN, **env):
     monkeypatch.setenv("VLM_MODEL", model)
-    if model not in handler.CURATED_MODELS:
+    if model not in CURATED_MODELS:
         monkeypatch.setenv("VLM_ALLOW_ANY", "true")
     for name, value in env.items():
         monkeypatch.setenv(name, str(value))
-
 
 
 def load_dtype(kwargs):
@@ -135,41 +141,53 @@ def test_caption_smoke(monkeypatch):
 
 
 def test_settings_defaults_from_an_empty_environment():
-    settings = handler.Settings.from_env({})
-    assert settings.model == handler.DEFAULT_MODEL
+    settings = Settings.from_env({})
+    assert settings.model == DEFAULT_MODEL
     assert settings.quantize == "none" and settings.dtype == "auto"
     assert settings.allow_any is False and settings.trust_remote_code is True
-    assert settings.max_new_tokens_cap >= settings.default_max_new_tokens >= 1
+    assert settings.max_new_tokens >= settings.default_max_new_tokens >= 1
 
 
 def test_settings_parse_values_case_and_whitespace():
-    settings = handler.Settings.from_env({
-        "VLM_MODEL": f"  {LLAVA}  ", "VLM_QUANTIZE": " 4BIT ", "VLM_DTYPE": "BF16", "VLM_ALLOW_ANY": "Yes",
-        "VLM_TRUST_REMOTE_CODE": "off", "VLM_MAX_NEW_TOKENS": "77", "VLM_DEFAULT_MAX_NEW_TOKENS": "",
-        "VLM_MAX_BATCH_SIZE": "3", "VLM_MIN_PIXELS": "0", "VLM_COMPILE": "0",
-    })
+    settings = Settings.from_env(
+        {
+            "VLM_MODEL": f"  {LLAVA}  ",
+            "VLM_QUANTIZE": " 4BIT ",
+            "VLM_DTYPE": "BF16",
+            "VLM_ALLOW_ANY": "Yes",
+            "VLM_TRUST_REMOTE_CODE": "off",
+            "VLM_MAX_NEW_TOKENS": "77",
+            "VLM_DEFAULT_MAX_NEW_TOKENS": "",
+            "VLM_MAX_BATCH_SIZE": "3",
+            "VLM_MIN_PIXELS": "0",
+            "VLM_COMPILE": "0",
+        }
+    )
     assert settings.model == LLAVA
     assert settings.quantize == "4bit" and settings.dtype == "bf16"
     assert settings.allow_any is True and settings.trust_remote_code is False and settings.compile is False
-    assert settings.max_new_tokens_cap == 77 and settings.max_batch_size == 3
-    assert settings.default_max_new_tokens == handler.Settings().default_max_new_tokens  # empty -> default
+    assert settings.max_new_tokens == 77 and settings.max_batch_size == 3
+    assert settings.default_max_new_tokens == Settings().default_max_new_tokens  # empty -> default
 
 
-@pytest.mark.parametrize("name, value", [
-    ("VLM_QUANTIZE", "3bit"),
-    ("VLM_DTYPE", "int8"),
-    ("VLM_ALLOW_ANY", "maybe"),
-    ("VLM_TRUST_REMOTE_CODE", "2"),
-    ("VLM_COMPILE", "sometimes"),
-    ("VLM_MAX_NEW_TOKENS", "abc"),
-    ("VLM_MAX_NEW_TOKENS", "0"),
-    ("VLM_MAX_BATCH_SIZE", "-1"),
-    ("VLM_MAX_IMAGES", "1.5"),
-    ("VLM_MIN_PIXELS", "-5"),
-])
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("VLM_QUANTIZE", "3bit"),
+        ("VLM_DTYPE", "int8"),
+        ("VLM_ALLOW_ANY", "maybe"),
+        ("VLM_TRUST_REMOTE_CODE", "2"),
+        ("VLM_COMPILE", "sometimes"),
+        ("VLM_MAX_NEW_TOKENS", "abc"),
+        ("VLM_MAX_NEW_TOKENS", "0"),
+        ("VLM_MAX_BATCH_SIZE", "-1"),
+        ("VLM_MAX_IMAGES", "1.5"),
+        ("VLM_MIN_PIXELS", "-5"),
+    ],
+)
 def test_bad_setting_raises_settings_error_naming_it(name, value):
-    with pytest.raises(handler.SettingsError) as info:
-        handler.Settings.from_env({name: value})
+    with pytest.raises(SettingsError) as info:
+        Settings.from_env({name: value})
     assert name in str(info.value)
     assert value.strip() in str(info.value)
 
@@ -202,7 +220,8 @@ def test_allow_any_serves_an_uncurated_native_model_with_the_generic_adapter(mon
     api, path, _ = model_load()
     assert (api, path) == ("AutoModelForImageTextToText", GENERIC)
     assert hub.templates[-1] == [
-        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}]
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}
+    ]
 
 
 EXPECTED_LOADERS = {
@@ -210,9 +229,19 @@ EXPECTED_LOADERS = {
     "qwen2.5-vl": ("AutoProcessor", "AutoModelForImageTextToText"),
     "llava": ("AutoProcessor", "AutoModelForImageTextToText"),
     "llava-next": ("AutoProcessor", "AutoModelForImageTextToText"),
-    **{family: ("AutoProcessor", "AutoModelForImageTextToText")
-       for family in ("qwen3-vl", "gemma3", "paligemma", "smolvlm", "llava-onevision", "internvl-hf", "mistral3",
-                      "glm-4.1v")},
+    **{
+        family: ("AutoProcessor", "AutoModelForImageTextToText")
+        for family in (
+            "qwen3-vl",
+            "gemma3",
+            "paligemma",
+            "smolvlm",
+            "llava-onevision",
+            "internvl-hf",
+            "mistral3",
+            "glm-4.1v",
+        )
+    },
     "phi3-vision": ("AutoProcessor", "AutoModelForCausalLM"),
     "phi4-multimodal": ("AutoProcessor", "AutoModelForCausalLM"),
     "minicpm-v": ("AutoTokenizer", "AutoModel"),
@@ -220,13 +249,13 @@ EXPECTED_LOADERS = {
 }
 
 
-@pytest.mark.parametrize("model_id", sorted(handler.CURATED_MODELS))
+@pytest.mark.parametrize("model_id", sorted(CURATED_MODELS))
 def test_every_curated_model_loads_through_its_familys_loaders(monkeypatch, hub, model_id):
     assert model_id in MODEL_TYPES, f"add {model_id}'s model_type to the fake hub"
     serve(monkeypatch, model_id)
     out = call(caption())
     assert out.get("response") == "ok", out
-    family = handler.CURATED_MODELS[model_id].family
+    family = CURATED_MODELS[model_id].family
     assert handler.get_engine().adapter.name == family
     processor_api, model_api = EXPECTED_LOADERS[family]
     apis = [api for api, path, _ in hub.loads if path == model_id]
@@ -262,14 +291,17 @@ def test_a_load_failure_is_a_clean_error_and_leaks_nothing(monkeypatch, hub):
     assert call(caption())["response"] == "ok"
 
 
-@pytest.mark.parametrize("cuda, bf16, choice, expected", [
-    (False, False, "auto", F32),
-    (True, True, "auto", BF16),
-    (True, False, "auto", F16),
-    (False, True, "fp16", F16),
-    (False, True, "bf16", BF16),
-    (True, True, "fp32", F32),
-])
+@pytest.mark.parametrize(
+    "cuda, bf16, choice, expected",
+    [
+        (False, False, "auto", F32),
+        (True, True, "auto", BF16),
+        (True, False, "auto", F16),
+        (False, True, "fp16", F16),
+        (False, True, "bf16", BF16),
+        (True, True, "fp32", F32),
+    ],
+)
 def test_dtype_choice(monkeypatch, hub, cuda, bf16, choice, expected):
     hub.cuda_available, hub.bf16_supported = cuda, bf16
     serve(monkeypatch, QWEN, VLM_DTYPE=choice)
@@ -302,7 +334,9 @@ def test_quantization_config_handed_to_from_pretrained(monkeypatch, model_id, mo
     assert skip >= EXPECTED_SKIPS[model_id]  # vision tower, projector and lm_head stay unquantized
     if mode == "4bit":
         assert args == {
-            "load_in_4bit": True, "bnb_4bit_quant_type": "nf4", "bnb_4bit_use_double_quant": True,
+            "load_in_4bit": True,
+            "bnb_4bit_quant_type": "nf4",
+            "bnb_4bit_use_double_quant": True,
             "bnb_4bit_compute_dtype": load_dtype(kwargs),
         }
     else:
@@ -405,20 +439,23 @@ def test_model_swap_is_refused_after_loading_too(monkeypatch):
 # =================================================================================================
 
 
-@pytest.mark.parametrize("extra, param, fragment", [
-    ({"max_new_tokens": 65}, "max_new_tokens", "64"),
-    ({"max_new_tokens": 0}, "max_new_tokens", None),
-    ({"max_new_tokens": "many"}, "max_new_tokens", None),
-    ({"temperature": 2.5}, "temperature", None),
-    ({"temperature": -0.1}, "temperature", None),
-    ({"top_p": 0}, "top_p", None),
-    ({"top_p": 1.5}, "top_p", None),
-    ({"do_sample": True, "temperature": 0}, "temperature", "do_sample"),
-    ({"do_sample": True}, "temperature", "do_sample"),  # the default temperature 0 cannot sample
-    ({"min_new_tokens": -1}, "min_new_tokens", None),
-    ({"foo": 1}, "foo", "unknown field"),
-    ({"task": "summarize"}, "task", "summarize"),
-])
+@pytest.mark.parametrize(
+    "extra, param, fragment",
+    [
+        ({"max_new_tokens": 65}, "max_new_tokens", "64"),
+        ({"max_new_tokens": 0}, "max_new_tokens", None),
+        ({"max_new_tokens": "many"}, "max_new_tokens", None),
+        ({"temperature": 2.5}, "temperature", None),
+        ({"temperature": -0.1}, "temperature", None),
+        ({"top_p": 0}, "top_p", None),
+        ({"top_p": 1.5}, "top_p", None),
+        ({"do_sample": True, "temperature": 0}, "temperature", "do_sample"),
+        ({"do_sample": True}, "temperature", "do_sample"),  # the default temperature 0 cannot sample
+        ({"min_new_tokens": -1}, "min_new_tokens", None),
+        ({"foo": 1}, "foo", "unknown field"),
+        ({"task": "summarize"}, "task", "summarize"),
+    ],
+)
 def test_bad_generation_parameters_name_the_field(monkeypatch, hub, extra, param, fragment):
     serve(monkeypatch, VLM_MAX_NEW_TOKENS=64)
     out = call(caption(**extra))
@@ -509,13 +546,12 @@ def test_caption_tasks_send_their_prompt_after_the_image(monkeypatch, hub, task)
     out = call({"task": task, "image_b64": b64(png((20, 10)))})
     assert out["task"] == task and out["image_count"] == 1
     (messages,) = hub.templates
-    assert messages == [{"role": "user", "content": [
-        {"type": "image"}, {"type": "text", "text": handler.TASK_PROMPTS[task]}]}]
+    assert messages == [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": TASK_PROMPTS[task]}]}]
     assert [im.size for im in sent_images()] == [(20, 10)]
 
 
 def test_caption_and_caption_long_prompts_differ():
-    assert handler.TASK_PROMPTS["caption"] != handler.TASK_PROMPTS["caption_long"]
+    assert TASK_PROMPTS["caption"] != TASK_PROMPTS["caption_long"]
 
 
 def test_vqa_sends_the_question(monkeypatch, hub):
@@ -527,20 +563,26 @@ def test_vqa_sends_the_question(monkeypatch, hub):
     assert hub.templates[0][0]["content"][0] == {"type": "image"}
 
 
-@pytest.mark.parametrize("payload, param, code", [
-    ({"task": "vqa", "image_b64": "IMG"}, "question", "invalid_request"),
-    ({"task": "vqa", "image_b64": "IMG", "question": "   "}, "question", "invalid_request"),
-    ({"task": "grounding", "image_b64": "IMG"}, "target", "invalid_request"),
-    ({"task": "grounding", "image_b64": "IMG", "target": ""}, "target", "invalid_request"),
-    ({"task": "caption"}, "image_url", "missing_image"),
-    ({"task": "vqa", "question": "what?"}, "image_url", "missing_image"),
-    ({"task": "chat"}, "messages", "invalid_request"),
-    ({"task": "chat", "image_b64": "IMG"}, "messages", "invalid_request"),
-    ({"image_b64": "IMG"}, "task", "invalid_request"),
-    ({}, "task", "invalid_request"),
-    ({"task": "caption", "image_b64": "IMG", "messages": [{"role": "user", "content": "hi"}]}, "messages",
-     "invalid_request"),
-])
+@pytest.mark.parametrize(
+    "payload, param, code",
+    [
+        ({"task": "vqa", "image_b64": "IMG"}, "question", "invalid_request"),
+        ({"task": "vqa", "image_b64": "IMG", "question": "   "}, "question", "invalid_request"),
+        ({"task": "grounding", "image_b64": "IMG"}, "target", "invalid_request"),
+        ({"task": "grounding", "image_b64": "IMG", "target": ""}, "target", "invalid_request"),
+        ({"task": "caption"}, "image_url", "missing_image"),
+        ({"task": "vqa", "question": "what?"}, "image_url", "missing_image"),
+        ({"task": "chat"}, "messages", "invalid_request"),
+        ({"task": "chat", "image_b64": "IMG"}, "messages", "invalid_request"),
+        ({"image_b64": "IMG"}, "task", "invalid_request"),
+        ({}, "task", "invalid_request"),
+        (
+            {"task": "caption", "image_b64": "IMG", "messages": [{"role": "user", "content": "hi"}]},
+            "messages",
+            "invalid_request",
+        ),
+    ],
+)
 def test_task_requirements_name_the_missing_field(monkeypatch, hub, payload, param, code):
     serve(monkeypatch)
     payload = {k: (b64(png()) if v == "IMG" else v) for k, v in payload.items()}
@@ -574,12 +616,15 @@ def test_output_shape_of_a_chat(monkeypatch, hub):
         assert absent not in out
 
 
-@pytest.mark.parametrize("max_new_tokens, response, reason", [
-    (5, "hello", "length"),
-    (11, "hello world", "length"),  # all budget used and no end token: cut off
-    (12, "hello world", "stop"),
-    (200, "hello world", "stop"),
-])
+@pytest.mark.parametrize(
+    "max_new_tokens, response, reason",
+    [
+        (5, "hello", "length"),
+        (11, "hello world", "length"),  # all budget used and no end token: cut off
+        (12, "hello world", "stop"),
+        (200, "hello world", "stop"),
+    ],
+)
 def test_finish_reason_stop_or_length(monkeypatch, hub, max_new_tokens, response, reason):
     hub.reply = "hello world"
     serve(monkeypatch)
@@ -691,8 +736,9 @@ def test_message_image_blocks_accept_every_form(monkeypatch, hub, form, kind):
     assert out.get("response") == "ok", out
     assert out["image_count"] == 1
     assert [im.size for im in sent_images()] == [(30, 20)]
-    assert hub.templates[-1] == [{"role": "user", "content": [
-        {"type": "image"}, {"type": "text", "text": "What is it?"}]}]
+    assert hub.templates[-1] == [
+        {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}]}
+    ]
 
 
 @pytest.mark.parametrize("mode", ["RGBA", "L", "P"])
@@ -723,30 +769,41 @@ def test_several_images_in_one_message_keep_their_order(monkeypatch, hub):
     assert out["image_count"] == 3
     assert [im.size for im in sent_images()] == [(10, 10), (20, 10), (30, 10)]
     assert hub.templates[-1][0]["content"] == [
-        {"type": "text", "text": "Compare"}, {"type": "image"}, {"type": "text", "text": "with"},
-        {"type": "image"}, {"type": "image"},
+        {"type": "text", "text": "Compare"},
+        {"type": "image"},
+        {"type": "text", "text": "with"},
+        {"type": "image"},
+        {"type": "image"},
     ]
 
 
 def test_loose_images_come_in_field_order_image_url_image_b64_images(monkeypatch):
     serve(monkeypatch)
-    out = call({"task": "caption", "images": [b64(png((30, 10))), b64(png((40, 10)))], "image_b64": b64(png((20, 10))),
-                "image_url": data_uri(png((10, 10)))})
+    out = call(
+        {
+            "task": "caption",
+            "images": [b64(png((30, 10))), b64(png((40, 10)))],
+            "image_b64": b64(png((20, 10))),
+            "image_url": data_uri(png((10, 10))),
+        }
+    )
     assert out["image_count"] == 4
     assert [im.size for im in sent_images()] == [(10, 10), (20, 10), (30, 10), (40, 10)]
 
 
 def test_loose_images_in_a_chat_go_before_the_first_user_message(monkeypatch, hub):
     serve(monkeypatch)
-    out = call({
-        "image_url": data_uri(png((12, 12))),
-        "messages": [
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": "What is this?"},
-            {"role": "assistant", "content": "A square."},
-            {"role": "user", "content": "Which colour?"},
-        ],
-    })
+    out = call(
+        {
+            "image_url": data_uri(png((12, 12))),
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {"role": "user", "content": "What is this?"},
+                {"role": "assistant", "content": "A square."},
+                {"role": "user", "content": "Which colour?"},
+            ],
+        }
+    )
     assert out["image_count"] == 1
     messages = hub.templates[-1]
     assert messages[1] == {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is this?"}]}
@@ -767,10 +824,19 @@ def test_plain_http_is_refused_by_default_and_fetched_when_internal_urls_are_all
 
 def test_an_unreachable_url_is_a_clean_error_naming_the_field(monkeypatch, hub):
     serve(monkeypatch)
-    out = call({"messages": [{"role": "user", "content": [
-        {"type": "text", "text": "look"},
-        {"type": "image_url", "image_url": {"url": "https://images.example.com/missing.png"}},
-    ]}]})
+    out = call(
+        {
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "look"},
+                        {"type": "image_url", "image_url": {"url": "https://images.example.com/missing.png"}},
+                    ],
+                }
+            ]
+        }
+    )
     assert_error(out, "messages[0].content[1].image_url.url")
     assert out["code"]
     assert not hub.models
@@ -783,24 +849,25 @@ def test_a_url_that_is_not_an_image_is_refused(monkeypatch):
     assert_error(out, "image_url")
 
 
-@pytest.mark.parametrize("payload, param, code", [
-    ({"image_b64": "!!!not base64!!!"}, "image_b64", "invalid_base64"),
-    ({"image_b64": "AAAAA"}, "image_b64", "invalid_base64"),
-    ({"image_b64": "QUJD=QUJD"}, "image_b64", "invalid_base64"),
-    ({"image_b64": b64(b"definitely not an image, just text")}, "image_b64",
-     "invalid_image_format"),
-    ({"image_url": data_uri(b"garbage bytes!")}, "image_url",
-     "invalid_image_format"),
-    ({"image_url": "data:image/png," + "abc"}, "image_url", None),  # not base64
-    ({"image_url": {"href": "https://images.example.com/a.png"}}, "image_url", "invalid_image"),
-    ({"image_url": {"url": "!!!"}}, "image_url.url", None),
-    ({"image_url": 42}, "image_url", "invalid_image"),
-    ({"image_url": ""}, "image_url", "invalid_image"),
-    ({"image_url": "   "}, "image_url", "invalid_image"),
-    ({"images": "not-a-list"}, "images", "invalid_request"),
-    ({"images": [b64(png()), 7]}, "images[1]", "invalid_image"),
-    ({"image_b64": b64(png()[:40])}, "image_b64", "invalid_image_format"),
-])
+@pytest.mark.parametrize(
+    "payload, param, code",
+    [
+        ({"image_b64": "!!!not base64!!!"}, "image_b64", "invalid_base64"),
+        ({"image_b64": "AAAAA"}, "image_b64", "invalid_base64"),
+        ({"image_b64": "QUJD=QUJD"}, "image_b64", "invalid_base64"),
+        ({"image_b64": b64(b"definitely not an image, just text")}, "image_b64", "invalid_image_format"),
+        ({"image_url": data_uri(b"garbage bytes!")}, "image_url", "invalid_image_format"),
+        ({"image_url": "data:image/png," + "abc"}, "image_url", None),  # not base64
+        ({"image_url": {"href": "https://images.example.com/a.png"}}, "image_url", "invalid_image"),
+        ({"image_url": {"url": "!!!"}}, "image_url.url", None),
+        ({"image_url": 42}, "image_url", "invalid_image"),
+        ({"image_url": ""}, "image_url", "invalid_image"),
+        ({"image_url": "   "}, "image_url", "invalid_image"),
+        ({"images": "not-a-list"}, "images", "invalid_request"),
+        ({"images": [b64(png()), 7]}, "images[1]", "invalid_image"),
+        ({"image_b64": b64(png()[:40])}, "image_b64", "invalid_image_format"),
+    ],
+)
 def test_bad_images_are_refused_naming_the_field(monkeypatch, hub, payload, param, code):
     serve(monkeypatch)
     out = call(dict({"task": "caption"}, **payload))
@@ -809,15 +876,18 @@ def test_bad_images_are_refused_naming_the_field(monkeypatch, hub, payload, para
     assert not hub.models
 
 
-@pytest.mark.parametrize("block, param", [
-    ({"type": "image_url", "image_url": {"url": "%%%"}}, "messages[0].content[1].image_url.url"),
-    ({"type": "image_url", "image_url": "%%%"}, "messages[0].content[1].image_url"),
-    ({"type": "image", "image": "%%%"}, "messages[0].content[1].image"),
-    ({"type": "image", "image": {"url": "%%%"}}, "messages[0].content[1].image.url"),
-    ({"type": "image", "image": None}, "messages[0].content[1].image"),
-    ({"type": "image_url"}, "messages[0].content[1].image_url"),
-    ({"type": "image"}, "messages[0].content[1].image"),
-])
+@pytest.mark.parametrize(
+    "block, param",
+    [
+        ({"type": "image_url", "image_url": {"url": "%%%"}}, "messages[0].content[1].image_url.url"),
+        ({"type": "image_url", "image_url": "%%%"}, "messages[0].content[1].image_url"),
+        ({"type": "image", "image": "%%%"}, "messages[0].content[1].image"),
+        ({"type": "image", "image": {"url": "%%%"}}, "messages[0].content[1].image.url"),
+        ({"type": "image", "image": None}, "messages[0].content[1].image"),
+        ({"type": "image_url"}, "messages[0].content[1].image_url"),
+        ({"type": "image"}, "messages[0].content[1].image"),
+    ],
+)
 def test_bad_image_blocks_name_their_path(monkeypatch, hub, block, param):
     serve(monkeypatch)
     out = call({"messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}, block]}]})
@@ -864,28 +934,38 @@ def test_text_over_the_limit(monkeypatch, hub):
 # =================================================================================================
 
 
-@pytest.mark.parametrize("messages, param", [
-    ("hello", "messages"),
-    ([], "messages"),
-    ({"role": "user", "content": "hi"}, "messages"),
-    (["hello"], "messages[0]"),
-    ([{"role": "robot", "content": "hi"}], "messages[0].role"),
-    ([{"content": "hi"}], "messages[0].role"),
-    ([{"role": "user"}], "messages[0].content"),
-    ([{"role": "user", "content": 5}], "messages[0].content"),
-    ([{"role": "user", "content": []}], "messages[0].content"),
-    ([{"role": "user", "content": ["hi"]}], "messages[0].content[0]"),
-    ([{"role": "user", "content": [{"type": "video", "video": "x"}]}], "messages[0].content[0].type"),
-    ([{"role": "user", "content": [{"text": "no type"}]}], "messages[0].content[0].type"),
-    ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text"),
-    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages[0].content[0].text"),
-    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "messages[1].role"),
-    ([{"role": "user", "content": "hi"},
-      {"role": "assistant", "content": [{"type": "image", "image": "IMG"}]},
-      {"role": "user", "content": "and?"}], "messages[1].content"),
-    ([{"role": "system", "content": [{"type": "image", "image": "IMG"}]},
-      {"role": "user", "content": "hi"}], "messages[0].content"),
-])
+@pytest.mark.parametrize(
+    "messages, param",
+    [
+        ("hello", "messages"),
+        ([], "messages"),
+        ({"role": "user", "content": "hi"}, "messages"),
+        (["hello"], "messages[0]"),
+        ([{"role": "robot", "content": "hi"}], "messages[0].role"),
+        ([{"content": "hi"}], "messages[0].role"),
+        ([{"role": "user"}], "messages[0].content"),
+        ([{"role": "user", "content": 5}], "messages[0].content"),
+        ([{"role": "user", "content": []}], "messages[0].content"),
+        ([{"role": "user", "content": ["hi"]}], "messages[0].content[0]"),
+        ([{"role": "user", "content": [{"type": "video", "video": "x"}]}], "messages[0].content[0].type"),
+        ([{"role": "user", "content": [{"text": "no type"}]}], "messages[0].content[0].type"),
+        ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text"),
+        ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages[0].content[0].text"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "messages[1].role"),
+        (
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "image", "image": "IMG"}]},
+                {"role": "user", "content": "and?"},
+            ],
+            "messages[1].content",
+        ),
+        (
+            [{"role": "system", "content": [{"type": "image", "image": "IMG"}]}, {"role": "user", "content": "hi"}],
+            "messages[0].content",
+        ),
+    ],
+)
 def test_bad_messages_name_the_field(monkeypatch, hub, messages, param):
     serve(monkeypatch)
     if isinstance(messages, list):
@@ -897,8 +977,11 @@ def test_bad_messages_name_the_field(monkeypatch, hub, messages, param):
 
 def test_too_many_messages(monkeypatch):
     serve(monkeypatch, VLM_MAX_MESSAGES=2)
-    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
-                {"role": "user", "content": "c"}]
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+    ]
     assert_error(call({"messages": messages}), "messages", "invalid_request")
     assert call({"messages": messages[:1]})["response"] == "ok"
 
@@ -907,8 +990,9 @@ def test_string_content_and_text_blocks_are_the_same(monkeypatch, hub):
     serve(monkeypatch)
     call({"messages": [{"role": "user", "content": "same words"}]})
     call({"messages": [{"role": "user", "content": [{"type": "text", "text": "same words"}]}]})
-    assert hub.templates[0] == hub.templates[1] == [
-        {"role": "user", "content": [{"type": "text", "text": "same words"}]}]
+    assert (
+        hub.templates[0] == hub.templates[1] == [{"role": "user", "content": [{"type": "text", "text": "same words"}]}]
+    )
 
 
 # =================================================================================================
@@ -921,11 +1005,18 @@ IMG_A, IMG_B = (20, 10), (10, 20)
 def conversation():
     return [
         {"role": "system", "content": "Be brief."},
-        {"role": "user", "content": [{"type": "image", "image": b64(png(IMG_A))},
-                                     {"type": "text", "text": "What is this?"}]},
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": b64(png(IMG_A))}, {"type": "text", "text": "What is this?"}],
+        },
         {"role": "assistant", "content": "A red box."},
-        {"role": "user", "content": [{"type": "text", "text": "And this?"},
-                                     {"type": "image_url", "image_url": {"url": data_uri(png(IMG_B))}}]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "And this?"},
+                {"type": "image_url", "image_url": {"url": data_uri(png(IMG_B))}},
+            ],
+        },
     ]
 
 
@@ -989,8 +1080,13 @@ def test_minicpm_without_system_message_sends_no_system_prompt(monkeypatch, hub)
     assert "system_prompt" not in kwargs
     assert kwargs["do_sample"] is True and kwargs["temperature"] == 0.4 and kwargs["top_p"] == 0.8
     assert hub.chat_calls[0]["generation_config"] == {  # chat()'s top_k 100 and repetition penalty are off
-        "do_sample": True, "temperature": 0.4, "top_p": 0.8, "top_k": 0, "repetition_penalty": 1.0}
-    assert hub.chat_calls[0]["msgs"][0]["content"][-1] == handler.TASK_PROMPTS["caption"]
+        "do_sample": True,
+        "temperature": 0.4,
+        "top_p": 0.8,
+        "top_k": 0,
+        "repetition_penalty": 1.0,
+    }
+    assert hub.chat_calls[0]["msgs"][0]["content"][-1] == TASK_PROMPTS["caption"]
 
 
 @pytest.mark.parametrize("model_id", [MINICPM, INTERNVL])
@@ -1033,14 +1129,17 @@ def test_phi3_text_only_passes_no_images_and_reports_length(monkeypatch, hub):
     assert out["usage"]["completion_tokens"] == 4
 
 
-@pytest.mark.parametrize("size, tiles", [
-    ((448, 448), 1),  # one tile, no thumbnail
-    ((64, 64), 1),
-    ((896, 448), 3),  # 2x1 grid + thumbnail
-    ((20, 10), 3),  # aspect ratio decides, not size
-    ((300, 1200), 5),  # 1x4 + thumbnail
-    ((1000, 1000), 10),  # large enough for 3x3 + thumbnail
-])
+@pytest.mark.parametrize(
+    "size, tiles",
+    [
+        ((448, 448), 1),  # one tile, no thumbnail
+        ((64, 64), 1),
+        ((896, 448), 3),  # 2x1 grid + thumbnail
+        ((20, 10), 3),  # aspect ratio decides, not size
+        ((300, 1200), 5),  # 1x4 + thumbnail
+        ((1000, 1000), 10),  # large enough for 3x3 + thumbnail
+    ],
+)
 def test_internvl_tiles_each_image_as_its_card_does(monkeypatch, hub, size, tiles):
     serve(monkeypatch, INTERNVL)
     out = call(caption(b64(png(size))))
@@ -1051,7 +1150,7 @@ def test_internvl_tiles_each_image_as_its_card_does(monkeypatch, hub, size, tile
     assert values.dims == (tiles, 3, 448, 448)
     assert values.tiles == [(448, 448)] * tiles and values.normalized
     assert values._dtype is F32  # the model's dtype (fp32 on CPU)
-    assert chat_call["question"] == "<image>\n" + handler.TASK_PROMPTS["caption"]
+    assert chat_call["question"] == "<image>\n" + TASK_PROMPTS["caption"]
     assert chat_call["history"] is None
 
 
@@ -1080,41 +1179,47 @@ def test_internvl_text_only_sends_no_pixels(monkeypatch, hub):
 # =================================================================================================
 
 
-@pytest.mark.parametrize("text, box", [
-    ("[10, 20, 30, 40]", [10, 20, 30, 40]),
-    ("The dog is at [10.5,20,30.25,40].", [10.5, 20, 30.25, 40]),
-    ('{"bbox": [30, 40, 10, 20]}', [10, 20, 30, 40]),  # corners are ordered
-    ('```json\n[{"bbox_2d": [1.5, 2, 3, 4], "label": "dog"}]\n```', [1.5, 2, 3, 4]),
-    ('{"bbox_2d" : [ 5 , 6 , 7 , 8 ]}', [5, 6, 7, 8]),
-    ("<|box_start|>(100,200),(300,400)<|box_end|>", [100, 200, 300, 400]),
-    ("<|object_ref_start|>dog<|object_ref_end|><|box_start|>(1,2),(3,4)<|box_end|>", [1, 2, 3, 4]),
-    ("(100, 200), (300, 400)", [100, 200, 300, 400]),
-    ("(100,200)(300,400)", [100, 200, 300, 400]),
-    ("box: 1, 2, 3, 4", [1, 2, 3, 4]),
-    ("-5, 10, 20, 30", [-5, 10, 20, 30]),
-    ('{"bbox": [1, 2, 3, 4]} or maybe [50, 60, 70, 80]', [1, 2, 3, 4]),  # the first, JSON first
-    ("no box here", None),
-    ("", None),
-    (None, None),
-    ("[1, 2, 3]", None),
-    ("(1, 2)", None),
-])
+@pytest.mark.parametrize(
+    "text, box",
+    [
+        ("[10, 20, 30, 40]", [10, 20, 30, 40]),
+        ("The dog is at [10.5,20,30.25,40].", [10.5, 20, 30.25, 40]),
+        ('{"bbox": [30, 40, 10, 20]}', [10, 20, 30, 40]),  # corners are ordered
+        ('```json\n[{"bbox_2d": [1.5, 2, 3, 4], "label": "dog"}]\n```', [1.5, 2, 3, 4]),
+        ('{"bbox_2d" : [ 5 , 6 , 7 , 8 ]}', [5, 6, 7, 8]),
+        ("<|box_start|>(100,200),(300,400)<|box_end|>", [100, 200, 300, 400]),
+        ("<|object_ref_start|>dog<|object_ref_end|><|box_start|>(1,2),(3,4)<|box_end|>", [1, 2, 3, 4]),
+        ("(100, 200), (300, 400)", [100, 200, 300, 400]),
+        ("(100,200)(300,400)", [100, 200, 300, 400]),
+        ("box: 1, 2, 3, 4", [1, 2, 3, 4]),
+        ("-5, 10, 20, 30", [-5, 10, 20, 30]),
+        ('{"bbox": [1, 2, 3, 4]} or maybe [50, 60, 70, 80]', [1, 2, 3, 4]),  # the first, JSON first
+        ("no box here", None),
+        ("", None),
+        (None, None),
+        ("[1, 2, 3]", None),
+        ("(1, 2)", None),
+    ],
+)
 def test_parse_bbox(text, box):
-    assert handler.parse_bbox(text) == box
+    assert parse_bbox(text) == box
 
 
-@pytest.mark.parametrize("box, system, size, input_size, expected", [
-    ([0, 0, 1000, 1000], "qwen-1000", (640, 480), None, [0, 0, 640, 480]),
-    ([500, 500, 750, 1000], "qwen-1000", (640, 480), None, [320, 240, 480, 480]),
-    ([100, 200, 300, 400], "qwen-abs-pixels", (640, 480), (1280, 960), [50, 100, 150, 200]),
-    ([100, 200, 300, 400], "qwen-abs-pixels", (640, 480), None, [100, 200, 300, 400]),
-    ([0.1, 0.25, 0.5, 1.0], None, (200, 100), None, [20, 25, 100, 100]),  # normalised
-    ([10, 20, 30, 40], None, (200, 100), None, [10, 20, 30, 40]),  # pixels
-    ([-50, -10, 5000, 5000], None, (200, 100), None, [0, 0, 200, 100]),  # clamped
-    ([-100, 0, 1200, 1100], "qwen-1000", (100, 50), None, [0, 0, 100, 50]),
-])
+@pytest.mark.parametrize(
+    "box, system, size, input_size, expected",
+    [
+        ([0, 0, 1000, 1000], "qwen-1000", (640, 480), None, [0, 0, 640, 480]),
+        ([500, 500, 750, 1000], "qwen-1000", (640, 480), None, [320, 240, 480, 480]),
+        ([100, 200, 300, 400], "qwen-abs-pixels", (640, 480), (1280, 960), [50, 100, 150, 200]),
+        ([100, 200, 300, 400], "qwen-abs-pixels", (640, 480), None, [100, 200, 300, 400]),
+        ([0.1, 0.25, 0.5, 1.0], None, (200, 100), None, [20, 25, 100, 100]),  # normalised
+        ([10, 20, 30, 40], None, (200, 100), None, [10, 20, 30, 40]),  # pixels
+        ([-50, -10, 5000, 5000], None, (200, 100), None, [0, 0, 200, 100]),  # clamped
+        ([-100, 0, 1200, 1100], "qwen-1000", (100, 50), None, [0, 0, 100, 50]),
+    ],
+)
 def test_box_to_pixels(box, system, size, input_size, expected):
-    pixels = handler.box_to_pixels(box, system, size, input_size)
+    pixels = box_to_pixels(box, system, size, input_size)
     assert pixels == expected
     assert all(isinstance(v, int) for v in pixels)
 
@@ -1206,11 +1311,16 @@ def test_batch_envelope_and_order(monkeypatch, hub):
 def test_native_items_with_the_same_sampling_share_one_padded_batch(monkeypatch, hub):
     hub.reply = echo
     serve(monkeypatch, QWEN)
-    out = batch(caption(b64(png((16, 16)))), chat("short"),
-                {"task": "vqa", "images": [b64(png((20, 10))), b64(png((30, 10)))],
-                 "question": "a much longer question here"})
+    out = batch(
+        caption(b64(png((16, 16)))),
+        chat("short"),
+        {"task": "vqa", "images": [b64(png((20, 10))), b64(png((30, 10)))], "question": "a much longer question here"},
+    )
     assert [r["response"] for r in out["results"]] == [
-        "echo:" + handler.TASK_PROMPTS["caption"], "echo:short", "echo:a much longer question here"]
+        "echo:" + TASK_PROMPTS["caption"],
+        "echo:short",
+        "echo:a much longer question here",
+    ]
     (processor_call,) = hub.processor_calls
     assert len(processor_call["text"]) == 3
     assert [[im.size for im in images] for images in processor_call["images"]] == [[(16, 16)], [], [(20, 10), (30, 10)]]
@@ -1221,8 +1331,9 @@ def test_native_items_with_the_same_sampling_share_one_padded_batch(monkeypatch,
 def test_a_bad_item_becomes_an_error_at_its_index(monkeypatch, hub):
     hub.reply = echo
     serve(monkeypatch)
-    out = batch(chat("a"), chat("b", temperature=9), "not an object", chat("d", model=LLAVA), chat("e"),
-                {"task": "caption"})
+    out = batch(
+        chat("a"), chat("b", temperature=9), "not an object", chat("d", model=LLAVA), chat("e"), {"task": "caption"}
+    )
     results = out["results"]
     assert out["count"] == 6 and len(results) == 6
     assert results[0]["response"] == "echo:a" and results[4]["response"] == "echo:e"
@@ -1253,13 +1364,16 @@ def test_a_batch_of_only_bad_items_loads_nothing(monkeypatch, hub):
     assert not hub.models
 
 
-@pytest.mark.parametrize("payload, param, code", [
-    ({"requests": []}, "requests", "invalid_request"),
-    ({"requests": "x"}, "requests", "invalid_request"),
-    ({"requests": {"task": "caption"}}, "requests", "invalid_request"),
-    ({"requests": [{"task": "caption"}], "task": "caption"}, "task", "invalid_request"),
-    ({"requests": [chat("a")] * 3}, "requests", "too_many_requests"),
-])
+@pytest.mark.parametrize(
+    "payload, param, code",
+    [
+        ({"requests": []}, "requests", "invalid_request"),
+        ({"requests": "x"}, "requests", "invalid_request"),
+        ({"requests": {"task": "caption"}}, "requests", "invalid_request"),
+        ({"requests": [{"task": "caption"}], "task": "caption"}, "task", "invalid_request"),
+        ({"requests": [chat("a")] * 3}, "requests", "too_many_requests"),
+    ],
+)
 def test_batch_envelope_errors(monkeypatch, hub, payload, param, code):
     serve(monkeypatch, VLM_MAX_BATCH_REQUESTS=2)
     out = run_job({"id": "j", "input": payload})
@@ -1272,8 +1386,13 @@ def test_greedy_and_sampled_items_share_one_batch_each_row_keeping_its_settings(
     # A near tie at every step: greedy and cold rows keep to the answer, hot rows stray from it.
     hub.reply, hub.runner_up_logit = echo, 9.9
     serve(monkeypatch)
-    out = batch(chat("A"), chat("B", do_sample=True, temperature=1.5), chat("C"),
-                chat("D", do_sample=True, temperature=0.01, top_p=0.5), chat("E", do_sample=True, temperature=1.5))
+    out = batch(
+        chat("A"),
+        chat("B", do_sample=True, temperature=1.5),
+        chat("C"),
+        chat("D", do_sample=True, temperature=0.01, top_p=0.5),
+        chat("E", do_sample=True, temperature=1.5),
+    )
     a, b, c, d, e = (r["response"] for r in out["results"])
     assert (a, c, d) == ("echo:A", "echo:C", "echo:D")
     assert b != "echo:B" and e != "echo:E"
@@ -1299,8 +1418,12 @@ def test_a_tiny_top_p_samples_like_greedy_and_a_wide_one_really_samples(monkeypa
     # the answer has ~40% of the mass: top_p=1 strays from it (seeded noise), top_p=0.01 cannot.
     hub.reply = echo
     serve(monkeypatch)
-    out = batch(chat("greedy"), chat("narrow", do_sample=True, temperature=2.0, top_p=0.01),
-                chat("wide", do_sample=True, temperature=2.0, top_p=1.0), chat("greedy too"))
+    out = batch(
+        chat("greedy"),
+        chat("narrow", do_sample=True, temperature=2.0, top_p=0.01),
+        chat("wide", do_sample=True, temperature=2.0, top_p=1.0),
+        chat("greedy too"),
+    )
     greedy, narrow, wide, greedy_too = (r["response"] for r in out["results"])
     assert len(hub.processor_calls) == 1  # all four rows decoded together
     assert greedy == "echo:greedy" and greedy_too == "echo:greedy too"
@@ -1311,8 +1434,12 @@ def test_a_tiny_top_p_samples_like_greedy_and_a_wide_one_really_samples(monkeypa
 def test_min_new_tokens_is_per_row_in_a_mixed_batch(monkeypatch, hub):
     hub.reply = echo
     serve(monkeypatch)
-    out = batch(chat("a", min_new_tokens=10), chat("b", do_sample=True, temperature=0.5, top_p=0.5),
-                chat("c"), chat("d", do_sample=True, temperature=0.5, top_p=0.5, min_new_tokens=9))
+    out = batch(
+        chat("a", min_new_tokens=10),
+        chat("b", do_sample=True, temperature=0.5, top_p=0.5),
+        chat("c"),
+        chat("d", do_sample=True, temperature=0.5, top_p=0.5, min_new_tokens=9),
+    )
     a, b, c, d = out["results"]
     assert len(hub.processor_calls) == 1  # one shared batch
     assert b["response"] == "echo:b" and b["usage"]["completion_tokens"] == 6
@@ -1367,7 +1494,7 @@ def test_a_row_at_its_own_budget_counts_as_ended(monkeypatch, hub):
 def compiled_engine(monkeypatch, hub, **env):
     """The compiled (CUDA) path: a fake GPU, VLM_COMPILE on, the fake model echoing its question."""
     hub.reply, hub.cuda_available, hub.device = echo, True, "cuda:0"
-    monkeypatch.setattr(handler, "COMPILE_AFTER_FIRST_ANSWER_S", 0)  # compiles at once (one test checks the wait)
+    monkeypatch.setattr(engine_module, "COMPILE_AFTER_FIRST_ANSWER_S", 0)  # compiles at once (one test checks the wait)
     serve(monkeypatch, QWEN, **dict({"VLM_COMPILE": "true"}, **env))
 
 
@@ -1457,8 +1584,12 @@ def compiled_and_ready(monkeypatch, hub, **env):
 
 def test_compiled_path_answers_like_the_eager_one(monkeypatch, hub):
     hub.reply, hub.repetition_penalty = echo, 1.1
-    items = [chat("one", min_new_tokens=8), caption(b64(png((16, 16)))), chat("three", max_new_tokens=2),
-             chat("four", do_sample=True, temperature=0.6, top_p=0.3)]
+    items = [
+        chat("one", min_new_tokens=8),
+        caption(b64(png((16, 16)))),
+        chat("three", max_new_tokens=2),
+        chat("four", do_sample=True, temperature=0.6, top_p=0.3),
+    ]
     serve(monkeypatch, QWEN, VLM_COMPILE="false")
     eager = batch(*items)["results"]
     handler.reset_engine()
@@ -1482,8 +1613,11 @@ def test_compiled_path_is_never_used_with_bitsandbytes(monkeypatch, hub):
 def test_sampling_on_the_compiled_path(monkeypatch, hub):
     compiled_and_ready(monkeypatch, hub)
     hub.runner_up_logit = 9.9  # a near tie: cold rows keep to the answer, hot ones stray
-    out = batch(chat("x", do_sample=True, temperature=0.01), chat("y", do_sample=True, temperature=0.01),
-                chat("z", do_sample=True, temperature=1.5))
+    out = batch(
+        chat("x", do_sample=True, temperature=0.01),
+        chat("y", do_sample=True, temperature=0.01),
+        chat("z", do_sample=True, temperature=1.5),
+    )
     cold_x, cold_y, hot = (r["response"] for r in out["results"])
     assert (cold_x, cold_y) == ("echo:x", "echo:y") and hot != "echo:z"
 
@@ -1499,15 +1633,20 @@ def test_the_forward_is_compiled_once_per_decode_shape_in_the_background(monkeyp
     assert set(shapes) == {8, 16}  # each row bucket traced once, on a shadow decoder
     out = [call(chat("a")), batch(*[chat(str(n)) for n in range(12)])]
     assert out[0]["response"] == "echo:a" and len(out[1]["results"]) == 12
-    assert len(hub.compiles) == 1 and len([d for d in hub.decoders if d is not engine.decoder]) == 2
+    assert len(hub.compiles) == 1 and len([d for d in hub.decoders if d is not engine._current_decoder()]) == 2
     # The saved compile artifacts are looked for before compiling and written after, once.
     assert [action for action, _ in hub.artifacts] == ["load", "save"]
 
 
 def test_a_failed_background_compile_leaves_decoding_uncompiled_and_right(monkeypatch, hub, caplog):
     compiled_engine(monkeypatch, hub)
-    monkeypatch.setattr(FakeSlotDecoder, "_advance", lambda self, bucket: (_ for _ in ()).throw(
-        RuntimeError("inductor failed")) if self.forwards[bucket] is not self.model else None)
+    monkeypatch.setattr(
+        FakeSlotDecoder,
+        "_advance",
+        lambda self, bucket: (
+            (_ for _ in ()).throw(RuntimeError("inductor failed")) if self.forwards[bucket] is not self.model else None
+        ),
+    )
     engine = handler.get_engine()
     engine.warm_up()
     assert not engine.wait_until_compiled(timeout=2)
@@ -1554,8 +1693,11 @@ def test_compiled_shapes_are_switched_to_together_once_all_are_compiled(monkeypa
     compiled_engine(monkeypatch, hub, VLM_MAX_BATCH_SIZE="16")
     engine = handler.get_engine()
     release, compile_shape = threading.Event(), engine._compile_shape
-    monkeypatch.setattr(engine, "_compile_shape", lambda bucket, length: (bucket != 16 or release.wait(30))
-                        and compile_shape(bucket, length))
+    monkeypatch.setattr(
+        engine,
+        "_compile_shape",
+        lambda bucket, length: (bucket != 16 or release.wait(30)) and compile_shape(bucket, length),
+    )
     engine.warm_up()
     for _ in range(3000):
         if 8 in hub.compiled_steps:  # the 8-row shape is compiled, the 16-row one is not yet
@@ -1575,8 +1717,11 @@ def test_a_shape_whose_compile_fails_once_is_compiled_on_a_second_try(monkeypatc
     compiled_engine(monkeypatch, hub, VLM_MAX_BATCH_SIZE="16")
     engine = handler.get_engine()
     tries, compile_shape = [], engine._compile_shape
-    monkeypatch.setattr(engine, "_compile_shape", lambda bucket, length: tries.append(bucket)
-                        or (tries.count(8) > 1 and compile_shape(bucket, length)))  # the 8-row shape fails once
+    monkeypatch.setattr(
+        engine,
+        "_compile_shape",
+        lambda bucket, length: tries.append(bucket) or (tries.count(8) > 1 and compile_shape(bucket, length)),
+    )  # the 8-row shape fails once
     engine.warm_up()
     assert engine.wait_until_compiled(timeout=30)
     assert tries == [8, 8, 16] and call(chat("a"))["response"] == "echo:a"
@@ -1585,7 +1730,7 @@ def test_a_shape_whose_compile_fails_once_is_compiled_on_a_second_try(monkeypatc
 def test_a_new_worker_answers_its_first_job_before_the_background_compile_starts(monkeypatch, hub):
     # On the H200 the compile running beside a new worker's first job made its answer 7-10 s later.
     compiled_engine(monkeypatch, hub)
-    monkeypatch.setattr(handler, "COMPILE_AFTER_FIRST_ANSWER_S", 30)
+    monkeypatch.setattr(engine_module, "COMPILE_AFTER_FIRST_ANSWER_S", 30)
     engine = handler.get_engine()
     engine.warm_up()
     assert not engine.wait_until_compiled(timeout=0.5) and not hub.compiled_steps  # waiting for a first answer
@@ -1621,8 +1766,9 @@ def test_warm_up_compiles_nothing_off_the_gpu(monkeypatch, hub):
 # =================================================================================================
 
 
-@pytest.mark.parametrize("job", [None, "text", 5, [], {}, {"input": None}, {"input": "text"}, {"input": []},
-                                 {"input": 3}])
+@pytest.mark.parametrize(
+    "job", [None, "text", 5, [], {}, {"input": None}, {"input": "text"}, {"input": []}, {"input": 3}]
+)
 def test_malformed_jobs_get_an_error_naming_input(monkeypatch, hub, job):
     serve(monkeypatch)
     out = run_job(job)
@@ -1687,6 +1833,20 @@ def test_after_sigterm_requests_still_running_fail_within_the_grace(monkeypatch,
     out = call(chat("long", max_new_tokens=500))
     assert out["code"] == "worker_stopping" and "retry" in out["error"]
     assert len(hub.steps) < 10
+
+
+def test_after_sigterm_items_queued_for_one_at_a_time_families_fail_too(monkeypatch, hub):
+    serve(monkeypatch, MINICPM)  # remote code: answered one item at a time, outside the batch
+    engine = handler.get_engine()
+
+    def reply(prompt):
+        engine.stop_after(0)  # SIGTERM while the first item runs, with no grace left
+        return "done"
+
+    hub.reply = reply
+    results = call({"requests": [caption(), caption(), caption()]})["results"]
+    assert results[0]["response"] == "done"  # a running chat() cannot be cut short
+    assert [r.get("code") for r in results[1:]] == ["worker_stopping", "worker_stopping"]
 
 
 @pytest.mark.parametrize("model_id", [MINICPM, INTERNVL, PHI3])
@@ -1758,8 +1918,9 @@ def test_a_sampled_neighbours_min_new_tokens_does_not_lengthen_an_answer(monkeyp
     # largest, so an item that asked for none was padded out with filler tokens.
     hub.reply = echo
     serve(monkeypatch)
-    out = batch(chat("a", do_sample=True, temperature=0.5),
-                chat("b", do_sample=True, temperature=0.5, min_new_tokens=12))
+    out = batch(
+        chat("a", do_sample=True, temperature=0.5), chat("b", do_sample=True, temperature=0.5, min_new_tokens=12)
+    )
     first, second = out["results"]
     assert first["response"] == "echo:a" and first["usage"]["completion_tokens"] == 6
     assert second["usage"]["completion_tokens"] >= 12 and second["response"].startswith("echo:b")
@@ -1772,3 +1933,62 @@ def test_greedy_neighbours_keep_their_own_min_new_tokens(monkeypatch, hub):
     first, second = out["results"]
     assert first["response"] == "echo:a" and first["usage"]["completion_tokens"] == 6
     assert second["usage"]["completion_tokens"] >= 12
+
+
+# =================================================================================================
+# The image: what the Dockerfile copies (no CI here builds it)
+# =================================================================================================
+
+ROOT = pathlib.Path(__file__).resolve().parent
+
+
+def first_party_modules(path: pathlib.Path, seen: set | None = None) -> set[pathlib.Path]:
+    """The files of every first-party module `path` imports, at any depth (lazy imports in functions too)."""
+    seen = set() if seen is None else seen
+    for node in ast.walk(ast.parse(path.read_text())):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        for name in (n for n in names if n.split(".")[0] == "runpod_vlm"):
+            parts = name.split(".")
+            for depth in range(1, len(parts) + 1):  # a package's __init__ runs on import
+                for found in (
+                    ROOT.joinpath(*parts[:depth], "__init__.py"),
+                    ROOT.joinpath(*parts[:depth]).with_suffix(".py"),
+                ):
+                    if found.is_file() and found not in seen:
+                        seen.add(found)
+                        first_party_modules(found, seen)
+    return seen
+
+
+def in_build_context(relative: str, patterns: list[str]) -> bool:
+    """Docker's .dockerignore rule: the last pattern matching the path or a folder above it decides."""
+    parts, included = relative.split("/"), True
+    for pattern in patterns:
+        negated, pattern = pattern.startswith("!"), pattern.lstrip("!")
+        prefixes = ["/".join(parts[: k + 1]) for k in range(len(parts))]
+        if any(fnmatch.fnmatchcase(p, pattern) and p.count("/") == pattern.count("/") for p in prefixes) or (
+            "**" in pattern and fnmatch.fnmatchcase(relative, pattern.replace("**/", "*"))
+        ):
+            included = negated
+    return included
+
+
+def test_the_image_holds_every_module_the_handler_reaches():
+    copied = []  # the sources of the Dockerfile's COPY lines, relative to the repository
+    for line in (ROOT / "Dockerfile").read_text().splitlines():
+        if line.startswith("COPY "):
+            copied += [source.rstrip("/") for source in line.split()[1:-1]]
+    ignore = [
+        line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines() if line.strip() and line[0] != "#"
+    ]
+    for source in copied:  # `docker build` fails on a COPY of what the context lacks
+        assert (ROOT / source).exists() and in_build_context(source, ignore), source
+    modules = first_party_modules(ROOT / "handler.py")
+    assert len(modules) >= 15  # the package's modules, found through the imports
+    for module in modules:
+        relative = module.relative_to(ROOT).as_posix()
+        assert any(relative == s or relative.startswith(s + "/") for s in copied), f"{relative} is not copied"
+        assert in_build_context(relative, ignore), f"{relative} is left out of the build context"
+    assert not in_build_context("runpod_vlm/engine/__pycache__/engine.cpython-311.pyc", ignore)

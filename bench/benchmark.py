@@ -1,7 +1,7 @@
 """GPU benchmark: the handler against the naive one-generate-per-request loop, on random weights.
 
 Builds random-weight Qwen2-VL models at real shapes offline (tools/tiny_models.py), loads them through
-the handler's own loading path, drives the async handler (`handler.answer(job)`) with data-URI images
+the handler's own loading path, drives the async handler (`handler.local_test_answer(job)`) with data-URI images
 and 128 forced new tokens, and writes every number to OUT/results.json (bench/plot.py draws the chart from it):
 
     python bench/benchmark.py --out OUT [--shapes qwen2-vl-2b,qwen2-vl-7b] [--quantized]
@@ -31,14 +31,14 @@ BATCHES = (1, 4, 16, 64)
 PROMPT = "Describe this image in one sentence."
 
 
-
 def run_job(job: dict):
     """One job through the async handler, as the runpod SDK runs it; its whole output."""
     import asyncio
 
     import handler
 
-    return asyncio.run(handler.answer(job))
+    return asyncio.run(handler.local_test_answer(job))
+
 
 def photo_uri(width: int, height: int, seed: int) -> str:
     """A photo-like JPEG (smooth gradients and noise) as a data URI."""
@@ -55,8 +55,13 @@ def photo_uri(width: int, height: int, seed: int) -> str:
 
 
 def request(image: str, new_tokens: int = NEW_TOKENS) -> dict:
-    return {"task": "vqa", "question": PROMPT, "image_url": image,
-            "max_new_tokens": new_tokens, "min_new_tokens": new_tokens}
+    return {
+        "task": "vqa",
+        "question": PROMPT,
+        "image_url": image,
+        "max_new_tokens": new_tokens,
+        "min_new_tokens": new_tokens,
+    }
 
 
 def sync():
@@ -165,9 +170,14 @@ def bench_shape(shape: str, args, results: dict, save) -> None:
         tiny_models.build("qwen2-vl", folder, shape, device="cuda", dtype="bf16")
         entry["build_s"] = time.perf_counter() - started
         torch.cuda.empty_cache()
-    os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", VLM_DTYPE="bf16",
-                      VLM_MAX_BATCH_SIZE="64", VLM_MAX_BATCH_REQUESTS="64",
-                      VLM_COMPILE_CACHE_DIR=str(Path(args.models) / "compile-cache"))
+    os.environ.update(
+        VLM_MODEL=str(folder),
+        VLM_ALLOW_ANY="true",
+        VLM_DTYPE="bf16",
+        VLM_MAX_BATCH_SIZE="64",
+        VLM_MAX_BATCH_REQUESTS="64",
+        VLM_COMPILE_CACHE_DIR=str(Path(args.models) / "compile-cache"),
+    )
     import handler
 
     handler.reset_engine()
@@ -187,8 +197,12 @@ def bench_shape(shape: str, args, results: dict, save) -> None:
     warm_up_s = time.perf_counter() - started if engine.wait_until_compiled(900) else None
     compiles_after_warm_up = compile_count()
     first_s, _ = timed(lambda: check(run_job({"input": request(images["448x448"][0])})))
-    entry["cold_start"] = {"load_s": load_s, "warm_up_s": warm_up_s, "first_request_s": first_s,
-                           "compiled": engine.compile}
+    entry["cold_start"] = {
+        "load_s": load_s,
+        "warm_up_s": warm_up_s,
+        "first_request_s": first_s,
+        "compiled": engine.compile,
+    }
     entry["weights_gb"] = weight_bytes / 1e9
     entry["decode_weights_gb"] = language_bytes / 1e9
     save()
@@ -249,8 +263,9 @@ def restart(folder: Path, cache_dir: Path) -> dict:
     """A fresh process that loads, warms up and answers once, with the compiled-kernel cache warm."""
     env = dict(os.environ, VLM_MODEL=str(folder), VLM_COMPILE_CACHE_DIR=str(cache_dir))
     started = time.perf_counter()
-    child = subprocess.run([sys.executable, __file__, "--child-restart"], env=env,
-                           capture_output=True, text=True, timeout=900)
+    child = subprocess.run(
+        [sys.executable, __file__, "--child-restart"], env=env, capture_output=True, text=True, timeout=900
+    )
     total = time.perf_counter() - started
     lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
     if child.returncode != 0 or not lines:
@@ -296,8 +311,11 @@ def main() -> None:
     results_path = out / "results.json"
     results = json.loads(results_path.read_text()) if results_path.exists() else {}
     results.update(
-        device=torch.cuda.get_device_name(), torch=torch.__version__, transformers=transformers.__version__,
-        new_tokens=NEW_TOKENS, command=" ".join(sys.argv),
+        device=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+        new_tokens=NEW_TOKENS,
+        command=" ".join(sys.argv),
     )
 
     def save():

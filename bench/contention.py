@@ -38,12 +38,15 @@ VARIANTS = {
 def stats(records: list[dict]) -> dict:
     if not records:
         return {"jobs": 0}
-    return {"jobs": len(records),
-            "ttft_median_s": statistics.median(r["ttft_s"] for r in records),
-            "ttft_max_s": max(r["ttft_s"] for r in records),
-            "decode_tokens_per_s_median": statistics.median(
-                (r["tokens"] - 1) / max(r["latency_s"] - r["ttft_s"], 1e-6) for r in records),
-            "longest_gap_s": max(r["longest_gap_s"] for r in records)}
+    return {
+        "jobs": len(records),
+        "ttft_median_s": statistics.median(r["ttft_s"] for r in records),
+        "ttft_max_s": max(r["ttft_s"] for r in records),
+        "decode_tokens_per_s_median": statistics.median(
+            (r["tokens"] - 1) / max(r["latency_s"] - r["ttft_s"], 1e-6) for r in records
+        ),
+        "longest_gap_s": max(r["longest_gap_s"] for r in records),
+    }
 
 
 def child() -> None:
@@ -66,8 +69,16 @@ def child() -> None:
 
     def one() -> dict:
         index = next(jobs)
-        job = {"id": f"j{index}", "input": {"task": "vqa", "question": QUESTIONS[index % 5], "max_new_tokens": 24,
-                                            "min_new_tokens": 24, "image_url": data_uri(448, 448, index)}}
+        job = {
+            "id": f"j{index}",
+            "input": {
+                "task": "vqa",
+                "question": QUESTIONS[index % 5],
+                "max_new_tokens": 24,
+                "min_new_tokens": 24,
+                "image_url": data_uri(448, 448, index),
+            },
+        }
         record = asyncio.run(run_job(handler, job))
         record.pop("text")
         return record
@@ -98,9 +109,18 @@ def child() -> None:
     compiled_s = time.perf_counter() - started if engine.wait_until_compiled(0) else None
     compiling.clear()
     after = [one() for _ in range(6)]
-    print(json.dumps({"compile_s": compiled_s, "before": stats(before), "during": stats(during),
-                      "after": stats(after), "load_average_1min_max": max(load, default=None),
-                      "engine_thread_where": frames.most_common(12)}))
+    print(
+        json.dumps(
+            {
+                "compile_s": compiled_s,
+                "before": stats(before),
+                "during": stats(during),
+                "after": stats(after),
+                "load_average_1min_max": max(load, default=None),
+                "engine_thread_where": frames.most_common(12),
+            }
+        )
+    )
 
 
 def main() -> None:
@@ -121,13 +141,23 @@ def main() -> None:
     results = {"command": " ".join(sys.argv)}
     for name, env in VARIANTS.items():
         caches = tempfile.mkdtemp(prefix="vlm-contention-")
-        child_env = {**os.environ, **env, "VLM_MODEL": str(folder), "VLM_ALLOW_ANY": "true", "VLM_DTYPE": "bf16",
-                     "VLM_STREAM_INTERVAL_MS": "0", "VLM_MAX_BATCH_SIZE": "8", "VLM_COMPILE": "true",
-                     "VLM_COMPILE_CACHE_DIR": caches, "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor",
-                     "TRITON_CACHE_DIR": f"{caches}/triton"}
+        child_env = {
+            **os.environ,
+            **env,
+            "VLM_MODEL": str(folder),
+            "VLM_ALLOW_ANY": "true",
+            "VLM_DTYPE": "bf16",
+            "VLM_STREAM_INTERVAL_MS": "0",
+            "VLM_MAX_BATCH_SIZE": "8",
+            "VLM_COMPILE": "true",
+            "VLM_COMPILE_CACHE_DIR": caches,
+            "TORCHINDUCTOR_CACHE_DIR": f"{caches}/inductor",
+            "TRITON_CACHE_DIR": f"{caches}/triton",
+        }
         try:
-            done = subprocess.run([sys.executable, __file__, "--child"], env=child_env, capture_output=True,
-                                  text=True, timeout=130)
+            done = subprocess.run(
+                [sys.executable, __file__, "--child"], env=child_env, capture_output=True, text=True, timeout=130
+            )
             lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
             results[name] = json.loads(lines[-1]) if lines else {"error": done.stderr[-2000:]}
         except subprocess.TimeoutExpired:

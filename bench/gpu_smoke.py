@@ -20,14 +20,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "tests")]
 
 
-
 def run_job(job: dict):
     """One job through the async handler, as the runpod SDK runs it; its whole output."""
     import asyncio
 
     import handler
 
-    return asyncio.run(handler.answer(job))
+    return asyncio.run(handler.local_test_answer(job))
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -46,11 +46,20 @@ def main() -> None:
     requests = [
         {"task": "caption", "image_url": data_uri(striped()), "max_new_tokens": 24},
         {"task": "vqa", "question": "what colour?", "image_url": data_uri(plain("red")), "max_new_tokens": 9},
-        {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}],
-         "max_new_tokens": 17, "min_new_tokens": 17},
+        {
+            "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello"}],
+            "max_new_tokens": 17,
+            "min_new_tokens": 17,
+        },
     ]
-    sampled = {"task": "caption", "image_url": data_uri(striped()), "max_new_tokens": 12,
-               "do_sample": True, "temperature": 0.8, "top_p": 0.9}
+    sampled = {
+        "task": "caption",
+        "image_url": data_uri(striped()),
+        "max_new_tokens": 12,
+        "do_sample": True,
+        "temperature": 0.8,
+        "top_p": 0.9,
+    }
 
     def answers(compile_: bool) -> dict:
         os.environ["VLM_COMPILE"] = "true" if compile_ else "false"
@@ -61,8 +70,13 @@ def main() -> None:
         before = int(counters["stats"]["unique_graphs"])
         solo = [run_job({"input": r}) for r in requests]
         batched = run_job({"id": "smoke", "input": {"requests": requests + [sampled]}})["results"]
-        return {"compiled": engine.compile, "warm_up_s": warm_up_s, "solo": solo, "batched": batched,
-                "graphs_compiled_during_requests": int(counters["stats"]["unique_graphs"]) - before}
+        return {
+            "compiled": engine.compile,
+            "warm_up_s": warm_up_s,
+            "solo": solo,
+            "batched": batched,
+            "graphs_compiled_during_requests": int(counters["stats"]["unique_graphs"]) - before,
+        }
 
     compiled, eager = answers(True), answers(False)
     report = {
@@ -70,10 +84,12 @@ def main() -> None:
         "warm_up_s": compiled["warm_up_s"],
         "graphs_compiled_during_requests": compiled["graphs_compiled_during_requests"],
         "errors": [a for run in (compiled, eager) for a in run["solo"] + run["batched"] if "error" in a],
-        "compiled_equals_eager": [c.get("response") == e.get("response")
-                                  for c, e in zip(compiled["solo"], eager["solo"])],
-        "compiled_batched_equals_solo": [b.get("response") == s.get("response")
-                                         for b, s in zip(compiled["batched"], compiled["solo"])],
+        "compiled_equals_eager": [
+            c.get("response") == e.get("response") for c, e in zip(compiled["solo"], eager["solo"])
+        ],
+        "compiled_batched_equals_solo": [
+            b.get("response") == s.get("response") for b, s in zip(compiled["batched"], compiled["solo"])
+        ],
         "finish_reasons": [a.get("finish_reason") for a in compiled["batched"]],
         "completion_tokens": [a.get("usage", {}).get("completion_tokens") for a in compiled["batched"]],
     }

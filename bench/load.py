@@ -40,7 +40,8 @@ def main() -> None:
     processor = transformers.AutoProcessor.from_pretrained(args.folder)
     mark("processor")
     model = transformers.AutoModelForImageTextToText.from_pretrained(
-        args.folder, dtype=torch.bfloat16, device_map=args.device_map).eval()
+        args.folder, dtype=torch.bfloat16, device_map=args.device_map
+    ).eval()
     torch.cuda.synchronize()
     mark("weights_from_pretrained")
     with torch.inference_mode():
@@ -56,8 +57,17 @@ def main() -> None:
     torch.cuda.synchronize()
     mark("bare_safetensors_to_gpu")
     gigabytes = sum(t.numel() * t.element_size() for shard in tensors for t in shard.values()) / 1e9
-    print(json.dumps({"device_map": args.device_map, "weights_gb": round(gigabytes, 2), "phases_s": phases,
-                      "torch": torch.__version__, "transformers": transformers.__version__}))
+    print(
+        json.dumps(
+            {
+                "device_map": args.device_map,
+                "weights_gb": round(gigabytes, 2),
+                "phases_s": phases,
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

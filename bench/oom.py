@@ -28,25 +28,35 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
 
 from benchmark import photo_uri  # noqa: E402
 
+from runpod_vlm.answers import stream_generation  # noqa: E402
+from runpod_vlm.vocabulary import RequestError  # noqa: E402
+
 SMALL, LARGE = 896, 2464  # about 1,024 and 7,744 visual tokens
 
 
 async def outcome(handler, job: dict) -> dict:
     """One job on the handler's path: its text or its error code."""
     settings, model_id = handler.served_model()
-    _, item = await asyncio.to_thread(handler.read_request, job["input"], settings, model_id, None)
+    _, item = await asyncio.to_thread(handler.read_job_item, job["input"], settings, model_id, None)
     result = None
-    async for event in handler.stream_generation(handler.get_engine(), item):
+    async for event in stream_generation(handler.get_engine(), item):
         result = event
-    if isinstance(result, handler.RequestError):
+    if isinstance(result, RequestError):
         return {"id": job["id"], "error": result.code, "message": result.message}
     return {"id": job["id"], "tokens": result.completion_tokens}
 
 
 def job(name: str, side: int, seed: int) -> dict:
-    return {"id": name, "input": {"task": "vqa", "question": "What is in the picture?",
-                                  "image_url": photo_uri(side, side, seed), "max_new_tokens": 32,
-                                  "min_new_tokens": 32}}
+    return {
+        "id": name,
+        "input": {
+            "task": "vqa",
+            "question": "What is in the picture?",
+            "image_url": photo_uri(side, side, seed),
+            "max_new_tokens": 32,
+            "min_new_tokens": 32,
+        },
+    }
 
 
 def main() -> None:
@@ -63,20 +73,30 @@ def main() -> None:
     if not (folder / "config.json").exists():
         tiny_models.build("qwen2-vl", folder, "qwen2-vl-2b", device="cuda", dtype="bf16")
         torch.cuda.empty_cache()
-    os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", VLM_DTYPE="bf16", VLM_COMPILE="false",
-                      VLM_CACHE_LEN="8192")
+    os.environ.update(
+        VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", VLM_DTYPE="bf16", VLM_COMPILE="false", VLM_CACHE_LEN="8192"
+    )
     import handler
 
     warnings: list[str] = []
     logging.basicConfig(level=logging.INFO)
-    logging.getLogger("runpod-vlm").addHandler(type("Collect", (logging.Handler,), {
-        "emit": lambda self, record: warnings.append(record.getMessage()) if record.levelno >= logging.WARNING else None
-    })())
+    logging.getLogger("runpod-vlm").addHandler(
+        type(
+            "Collect",
+            (logging.Handler,),
+            {
+                "emit": lambda self, record: (
+                    warnings.append(record.getMessage()) if record.levelno >= logging.WARNING else None
+                )
+            },
+        )()
+    )
     handler.get_engine()
 
     def run(*jobs: dict) -> list[dict]:
         async def all_at_once():
             return await asyncio.gather(*(outcome(handler, j) for j in jobs))
+
         return asyncio.run(all_at_once())
 
     def peak_of(*jobs: dict) -> tuple[float, list[dict]]:
@@ -100,13 +120,18 @@ def main() -> None:
 
     started, seen = time.perf_counter(), len(warnings)
     answers = run(*(job(f"small-{i}", SMALL, 10 + i) for i in range(8)))
-    results["eight_small"] = {"seconds": time.perf_counter() - started, "answers": answers,
-                              "all_answered": all("tokens" in a for a in answers),
-                              "oom_warnings": [w for w in warnings[seen:] if "out of GPU memory" in w]}
+    results["eight_small"] = {
+        "seconds": time.perf_counter() - started,
+        "answers": answers,
+        "all_answered": all("tokens" in a for a in answers),
+        "oom_warnings": [w for w in warnings[seen:] if "out of GPU memory" in w],
+    }
     seen = len(warnings)
     answers = run(job("large", LARGE, 20), job("small-a", SMALL, 21), job("small-b", SMALL, 22))
-    results["large_with_two_small"] = {"answers": answers,
-                                       "oom_warnings": [w for w in warnings[seen:] if "out of GPU memory" in w]}
+    results["large_with_two_small"] = {
+        "answers": answers,
+        "oom_warnings": [w for w in warnings[seen:] if "out of GPU memory" in w],
+    }
     torch.cuda.set_per_process_memory_fraction(1.0)
     torch.cuda.empty_cache()
     results["reserved_after_gib"] = torch.cuda.memory_reserved() / 2**30

@@ -1,6 +1,6 @@
 """Draw bench/results/chart.png from bench/results/results.json (needs matplotlib, no GPU).
 
-    python bench/plot.py [--results bench/results/results.json]
+python bench/plot.py [--results bench/results/results.json]
 """
 
 from __future__ import annotations
@@ -27,16 +27,30 @@ def main() -> None:
     for shape in shapes:
         curve = results[shape]["448x448"]["throughput"]
         batches = sorted(curve, key=int)
-        throughput.plot([int(b) for b in batches], [curve[b]["tokens_per_s"] for b in batches],
-                        marker="o", label=f"{shape} bf16 (compiled)")
+        throughput.plot(
+            [int(b) for b in batches],
+            [curve[b]["tokens_per_s"] for b in batches],
+            marker="o",
+            label=f"{shape} bf16 (compiled)",
+        )
         for mode in ("4bit", "8bit"):
             quantized = results[shape].get(mode, {}).get("throughput")
             if quantized:
                 points = sorted(quantized, key=int)
-                throughput.plot([int(b) for b in points], [quantized[b]["tokens_per_s"] for b in points],
-                                marker="s", linestyle="--", label=f"{shape} {mode} (bitsandbytes)")
-    throughput.set(xscale="log", yscale="log", xlabel="requests in one call (batch)",
-                   ylabel="generated tokens/s", title="Throughput through handler(job), 448x448, 128 tokens")
+                throughput.plot(
+                    [int(b) for b in points],
+                    [quantized[b]["tokens_per_s"] for b in points],
+                    marker="s",
+                    linestyle="--",
+                    label=f"{shape} {mode} (bitsandbytes)",
+                )
+    throughput.set(
+        xscale="log",
+        yscale="log",
+        xlabel="requests in one call (batch)",
+        ylabel="generated tokens/s",
+        title="Throughput through handler(job), 448x448, 128 tokens",
+    )
     throughput.set_xticks([1, 4, 16, 64], labels=["1", "4", "16", "64"])
     throughput.legend(fontsize=8)
     throughput.grid(alpha=0.3)
@@ -57,8 +71,11 @@ def main() -> None:
     naive.legend(fontsize=8)
     naive.grid(alpha=0.3, axis="y")
 
-    figure.suptitle(f"runpod-vlm on {results['device']} (random weights at real shapes; "
-                    f"torch {results['torch']}, transformers {results['transformers']})", fontsize=10)
+    figure.suptitle(
+        f"runpod-vlm on {results['device']} (random weights at real shapes; "
+        f"torch {results['torch']}, transformers {results['transformers']})",
+        fontsize=10,
+    )
     figure.tight_layout()
     out = path.with_name("chart.png")
     figure.savefig(out, dpi=110)

@@ -2,8 +2,8 @@
 
 Random weights at Qwen2-VL-2B shapes (tools/tiny_models.py), loaded through the handler's own path.
 Every job takes the handler's path, one asyncio task per job as the runpod SDK runs them: its request
-is read off the event loop (`handler.read_request`), then its item is streamed through the engine
-(`handler.stream_generation`); the SDK's posting is not included. Every figure is compared with a
+is read off the event loop (`handler.read_job_item`), then its item is streamed through the engine
+(`stream_generation`); the SDK's posting is not included. Every figure is compared with a
 baseline measured in the same run:
 
     python bench/serving.py --out OUT [--quick] [--skip cold,main,open]
@@ -40,6 +40,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
 
 from benchmark import photo_uri as data_uri  # noqa: E402
 
+from runpod_vlm.answers import stream_generation  # noqa: E402
+from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, RequestError, StreamDelta, Turn, answered_length  # noqa: E402
+
 SIZES = [(448, 448), (640, 480), (800, 600), (1024, 768), (1280, 720)]
 QUESTIONS = [
     "Describe this image in one sentence.",
@@ -61,10 +64,19 @@ def mixed_jobs(count: int, seed: int = 0) -> list[dict]:
     for index in range(count):
         width, height = rng.choice(SIZES)
         tokens = rng.randint(64, 256)
-        jobs.append({"id": f"mixed-{index}", "input": {
-            "task": "vqa", "question": rng.choice(QUESTIONS), "image_url": data_uri(width, height, index),
-            "max_new_tokens": tokens, "min_new_tokens": tokens, "stream": True,
-        }})
+        jobs.append(
+            {
+                "id": f"mixed-{index}",
+                "input": {
+                    "task": "vqa",
+                    "question": rng.choice(QUESTIONS),
+                    "image_url": data_uri(width, height, index),
+                    "max_new_tokens": tokens,
+                    "min_new_tokens": tokens,
+                    "stream": True,
+                },
+            }
+        )
     return jobs
 
 
@@ -74,28 +86,36 @@ async def run_job(handler, job: dict) -> dict:
     between two token deliveries."""
     started = time.perf_counter()
     settings, model_id = handler.served_model()
-    _, item = await asyncio.to_thread(handler.read_request, job["input"], settings, model_id, None)
+    _, item = await asyncio.to_thread(handler.read_job_item, job["input"], settings, model_id, None)
     first = previous = None
     gap, result = 0.0, None
-    async for event in handler.stream_generation(handler.get_engine(), item):
+    async for event in stream_generation(handler.get_engine(), item):
         now = time.perf_counter()
-        if isinstance(event, handler.StreamDelta):
+        if isinstance(event, StreamDelta):
             first = first or now
             gap = max(gap, now - previous) if previous else gap
             previous = now
         else:
             result = event
-    if isinstance(result, handler.RequestError):
+    if isinstance(result, RequestError):
         raise RuntimeError(f"job {job['id']} failed: {result.to_dict()}")
     end = time.perf_counter()
-    return {"ttft_s": first - started, "latency_s": end - started, "tokens": result.completion_tokens,
-            "longest_gap_s": gap, "text": result.text}
+    return {
+        "ttft_s": first - started,
+        "latency_s": end - started,
+        "tokens": result.completion_tokens,
+        "longest_gap_s": gap,
+        "text": result.text,
+    }
 
 
 def summarize(records: list[dict], seconds: float) -> dict:
     tokens = sum(r["tokens"] for r in records)
     return {
-        "jobs": len(records), "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds,
+        "jobs": len(records),
+        "seconds": seconds,
+        "tokens": tokens,
+        "tokens_per_s": tokens / seconds,
         "ttft_p50_s": percentile([r["ttft_s"] for r in records], 0.5),
         "ttft_p95_s": percentile([r["ttft_s"] for r in records], 0.95),
         "latency_p50_s": percentile([r["latency_s"] for r in records], 0.5),
@@ -134,12 +154,12 @@ def decode_step_ms(handler, engine, rows: int, steps: int = 80) -> float:
     import torch
     from PIL import Image
 
-    decoder = engine.decoder
+    decoder = engine._current_decoder()
     image = Image.new("RGB", (448, 448), (90, 120, 150))
-    params = handler.GenerationParams(max_new_tokens=steps + 8, temperature=0.0, top_p=1.0, do_sample=False,
-                                      min_new_tokens=steps + 8)
-    items = [handler.GenerationRequest("caption", [handler.Turn("user", [image, "Describe."])], params)
-             for _ in range(rows)]
+    params = GenerationParams(
+        max_new_tokens=steps + 8, temperature=0.0, top_p=1.0, do_sample=False, min_new_tokens=steps + 8
+    )
+    items = [GenerationRequest("caption", [Turn("user", [image, "Describe."])], params) for _ in range(rows)]
     with torch.inference_mode():
         inputs, _ = engine.adapter.batch_inputs(engine.processor, items, engine.model.device, engine.dtype)
         decoder.shift(decoder.plan(inputs["input_ids"].shape[1], params.max_new_tokens))
@@ -166,17 +186,17 @@ def gpu_parity(handler, engine, count: int = 6) -> dict:
         job["input"].update(stream=False, max_new_tokens=24, min_new_tokens=0)
 
     async def all_at_once():
-        return await asyncio.gather(*(handler.answer(job) for job in jobs))
+        return await asyncio.gather(*(handler.local_test_answer(job) for job in jobs))
 
     answers = asyncio.run(all_at_once())
     same = 0
     for job, answer in zip(jobs, answers):
-        _, item = handler.read_request(job["input"], engine.settings, engine.model_id, None)
+        _, item = handler.read_job_item(job["input"], engine.settings, engine.model_id, None)
         inputs, _ = engine.adapter.batch_inputs(engine.processor, [item], engine.model.device, engine.dtype)
         with torch.inference_mode():
             out = engine.model.generate(**inputs, max_new_tokens=24, do_sample=False)
-        ids = out[0, inputs["input_ids"].shape[1]:].tolist()
-        text = engine.tokenizer.decode(ids[: handler._trimmed_length(ids, engine.eos_ids)], skip_special_tokens=True)
+        ids = out[0, inputs["input_ids"].shape[1] :].tolist()
+        text = engine.tokenizer.decode(ids[: answered_length(ids, engine.eos_ids)], skip_special_tokens=True)
         same += text.strip() == answer["response"]
     return {"jobs": count, "identical_to_eager_generate": same}
 
@@ -185,12 +205,17 @@ def cold_start(folder: Path, compile_: bool, cache_dir: Path, log: Path) -> dict
     """A fresh worker process with the default batch settings; `cache_dir` may hold compile artifacts.
     Its whole log goes to `log`."""
     env = {k: v for k, v in os.environ.items() if k not in ("VLM_MAX_BATCH_SIZE", "VLM_MAX_CONCURRENCY")}
-    env.update(VLM_MODEL=str(folder), VLM_COMPILE="true" if compile_ else "false",
-               VLM_COMPILE_CACHE_DIR=str(cache_dir), BENCH_SPAWNED_AT=repr(time.time()))
+    env.update(
+        VLM_MODEL=str(folder),
+        VLM_COMPILE="true" if compile_ else "false",
+        VLM_COMPILE_CACHE_DIR=str(cache_dir),
+        BENCH_SPAWNED_AT=repr(time.time()),
+    )
     started = time.perf_counter()
     try:
-        child = subprocess.run([sys.executable, __file__, "--child-cold-start"], env=env,
-                               capture_output=True, text=True, timeout=300)
+        child = subprocess.run(
+            [sys.executable, __file__, "--child-cold-start"], env=env, capture_output=True, text=True, timeout=300
+        )
     except subprocess.TimeoutExpired as expired:
         log.write_text(str(expired.stderr or ""))
         return {"error": "timed out after 300 s"}
@@ -206,12 +231,22 @@ def cold_start(folder: Path, compile_: bool, cache_dir: Path, log: Path) -> dict
 
 def speed(handler) -> dict:
     """Batch-1 decode tokens/s and 16 concurrent jobs' tokens/s (448x448, 128 tokens)."""
-    one = {"id": "s1", "input": {"task": "vqa", "question": QUESTIONS[0], "image_url": data_uri(448, 448, 0),
-                                 "max_new_tokens": 128, "min_new_tokens": 128}}
+    one = {
+        "id": "s1",
+        "input": {
+            "task": "vqa",
+            "question": QUESTIONS[0],
+            "image_url": data_uri(448, 448, 0),
+            "max_new_tokens": 128,
+            "min_new_tokens": 128,
+        },
+    }
     record = min((asyncio.run(run_job(handler, one)) for _ in range(3)), key=lambda r: r["latency_s"])
     jobs = [{"id": f"s16-{i}", "input": dict(one["input"], image_url=data_uri(448, 448, i))} for i in range(16)]
-    return {"batch1_decode_tokens_per_s": 127 / (record["latency_s"] - record["ttft_s"]),
-            "batch16_tokens_per_s": asyncio.run(concurrent(handler, jobs))["tokens_per_s"]}
+    return {
+        "batch1_decode_tokens_per_s": 127 / (record["latency_s"] - record["ttft_s"]),
+        "batch16_tokens_per_s": asyncio.run(concurrent(handler, jobs))["tokens_per_s"],
+    }
 
 
 def child_cold_start() -> None:
@@ -227,24 +262,55 @@ def child_cold_start() -> None:
     engine = handler.get_engine()
     loaded = time.time() - spawned
     engine.warm_up()
-    job = {"id": "first", "input": {"task": "vqa", "question": QUESTIONS[0], "image_url": data_uri(448, 448, 0),
-                                    "max_new_tokens": 32, "min_new_tokens": 32}}
+    job = {
+        "id": "first",
+        "input": {
+            "task": "vqa",
+            "question": QUESTIONS[0],
+            "image_url": data_uri(448, 448, 0),
+            "max_new_tokens": 32,
+            "min_new_tokens": 32,
+        },
+    }
     asyncio.run(run_job(handler, job))
-    out = {"load_s": loaded, "process_start_to_first_answer_s": time.time() - spawned,
-           "compiled_at_first_answer": engine.compile and engine.wait_until_compiled(0)}
-    solo = [{"id": f"solo{i}", "input": {"task": "vqa", "question": QUESTIONS[i], "max_new_tokens": 48,
-                                         "image_url": data_uri(640, 480, 50 + i)}} for i in range(2)]
+    out = {
+        "load_s": loaded,
+        "process_start_to_first_answer_s": time.time() - spawned,
+        "compiled_at_first_answer": engine.compile and engine.wait_until_compiled(0),
+    }
+    solo = [
+        {
+            "id": f"solo{i}",
+            "input": {
+                "task": "vqa",
+                "question": QUESTIONS[i],
+                "max_new_tokens": 48,
+                "image_url": data_uri(640, 480, 50 + i),
+            },
+        }
+        for i in range(2)
+    ]
 
     def solo_answers() -> list[str]:
         return [asyncio.run(run_job(handler, job_))["text"] for job_ in solo]
 
     reference = solo_answers()
-    out["buckets_compiled_at_reference"] = [b for b, f in engine.decoder.forwards.items()
-                                            if f is engine._compiled_forward]
+    out["buckets_compiled_at_reference"] = [
+        b for b, f in engine._current_decoder().forwards.items() if f is engine._compiled_forward
+    ]
     out["speed_before_compiled"] = speed(handler)
-    traffic = [{"id": f"t{i}", "input": {"task": "vqa", "question": QUESTIONS[i % 5],
-                                         "image_url": data_uri(448, 448, 100 + i), "max_new_tokens": 96}}
-               for i in range(4)]
+    traffic = [
+        {
+            "id": f"t{i}",
+            "input": {
+                "task": "vqa",
+                "question": QUESTIONS[i % 5],
+                "image_url": data_uri(448, 448, 100 + i),
+                "max_new_tokens": 96,
+            },
+        }
+        for i in range(4)
+    ]
     gaps = []
     while engine.compile and not engine.wait_until_compiled(0) and time.time() - spawned < 150:
         gaps.append(max(r["longest_gap_s"] for r in asyncio.run(concurrent_records(handler, traffic))))
@@ -259,8 +325,9 @@ def child_cold_start() -> None:
         out["greedy_solo_answers_identical_before_and_after_compile"] = solo_answers() == reference
         from torch._dynamo.utils import compile_times  # where the compile's seconds went, summed over shapes
 
-        out["compile_phases_s"] = {name: round(float(seconds), 2)
-                                   for name, seconds in zip(*compile_times(repr="csv", aggregate=True))}
+        out["compile_phases_s"] = {
+            name: round(float(seconds), 2) for name, seconds in zip(*compile_times(repr="csv", aggregate=True))
+        }
     print(json.dumps(out))
 
 
@@ -273,8 +340,12 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
     parser.add_argument("--quick", action="store_true", help="fewer jobs (a smoke run)")
-    parser.add_argument("--skip", default="", help="comma-separated sections to skip: cold (or one of its "
-                        "eager, compiled_no_cache, compiled_with_cache), main, open")
+    parser.add_argument(
+        "--skip",
+        default="",
+        help="comma-separated sections to skip: cold (or one of its "
+        "eager, compiled_no_cache, compiled_with_cache), main, open",
+    )
     parser.add_argument("--child-cold-start", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child_cold_start:
@@ -291,8 +362,12 @@ def main() -> None:
     skip = set(filter(None, args.skip.split(",")))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    results: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                     "transformers": transformers.__version__, "command": " ".join(sys.argv)}
+    results: dict = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "command": " ".join(sys.argv),
+    }
 
     def save():
         (out / "serving.json").write_text(json.dumps(results, indent=2))
@@ -314,8 +389,9 @@ def main() -> None:
             save()
     if "main" in skip:
         return print(json.dumps(results, indent=2))
-    os.environ.update(VLM_MODEL=str(folder), VLM_MAX_BATCH_SIZE="64", VLM_MAX_CONCURRENCY="64",
-                      VLM_MAX_BATCH_REQUESTS="64")
+    os.environ.update(
+        VLM_MODEL=str(folder), VLM_MAX_BATCH_SIZE="64", VLM_MAX_CONCURRENCY="64", VLM_MAX_BATCH_REQUESTS="64"
+    )
     import handler
 
     started = time.perf_counter()
@@ -329,17 +405,36 @@ def main() -> None:
 
     uri = data_uri(448, 448, 0)
     first = {"id": "ttft", "input": {"task": "vqa", "question": QUESTIONS[0], "image_url": uri, "max_new_tokens": 1}}
-    full = {"id": "b1", "input": {"task": "vqa", "question": QUESTIONS[0], "image_url": uri,
-                                  "max_new_tokens": 128, "min_new_tokens": 128}}
+    full = {
+        "id": "b1",
+        "input": {
+            "task": "vqa",
+            "question": QUESTIONS[0],
+            "image_url": uri,
+            "max_new_tokens": 128,
+            "min_new_tokens": 128,
+        },
+    }
     ttft = statistics.median(asyncio.run(run_job(handler, first))["ttft_s"] for _ in range(5))
     whole = statistics.median(asyncio.run(run_job(handler, full))["latency_s"] for _ in range(3))
     results["batch1"] = {"time_to_first_token_s": ttft, "request_s": whole, "decode_tokens_per_s": 127 / (whole - ttft)}
     save()
 
     count = 16 if args.quick else 64
-    uniform = [{"id": f"u{i}", "input": {"task": "vqa", "question": QUESTIONS[0], "image_url": data_uri(448, 448, i),
-                                         "max_new_tokens": 128, "min_new_tokens": 128, "stream": True}}
-               for i in range(count)]
+    uniform = [
+        {
+            "id": f"u{i}",
+            "input": {
+                "task": "vqa",
+                "question": QUESTIONS[0],
+                "image_url": data_uri(448, 448, i),
+                "max_new_tokens": 128,
+                "min_new_tokens": 128,
+                "stream": True,
+            },
+        }
+        for i in range(count)
+    ]
     results["uniform_64x448x128"] = asyncio.run(concurrent(handler, uniform))
     results["decode_step_ms"] = {str(rows): decode_step_ms(handler, engine, rows) for rows in (1, 16, 64)}
     save()

@@ -4,7 +4,7 @@
 
 then `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x")`. POST /v1/chat/completions and GET
 /v1/models (also under /openai/v1/..., the path RunPod's gateway serves) become the jobs RunPod's
-gateway makes, {"openai_route": ..., "openai_input": <body>}, answered by `handler.openai_answers`:
+gateway makes, {"openai_route": ..., "openai_input": <body>}, answered by `handler.handler`:
 streamed answers as text/event-stream, errors with status 400 (invalid_request_error) or 500
 (server_error). The model loads before the port opens; the worker's VLM_* settings apply.
 """
@@ -31,7 +31,7 @@ async def answer(route: str, body: Optional[Any] = None):
     job_input = {"openai_route": route}
     if body is not None:
         job_input["openai_input"] = body
-    answers = handler.openai_answers(handler.get_engine, job_input)
+    answers = handler.handler({"id": "local-openai", "input": job_input})  # the RunPod job's own path
     first = await anext(answers)
     if isinstance(first, str):  # a streamed answer: server-sent events, as the handler yields them
 

@@ -20,6 +20,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
 
 import handler  # noqa: E402
 import tiny_models  # noqa: E402
+from runpod_vlm.settings import Settings  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -51,7 +52,7 @@ def serve(monkeypatch):
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         current = handler._engine
-        if env or current is None or current.settings != handler.Settings.from_env():
+        if env or current is None or current.settings != Settings.from_env():
             handler.reset_engine()
             special.append(bool(env))
         return handler.get_engine()
@@ -60,7 +61,6 @@ def serve(monkeypatch):
     yield start
     if any(special):
         handler.reset_engine()  # an engine loaded with test-only settings must not leak
-
 
 
 STARTUP_LIMIT_S = 180  # a deadline for a server to come up, not a performance assertion

@@ -33,70 +33,77 @@ import urllib.request
 import pytest
 
 import handler
+import runpod_vlm.engine.engine as engine_module
+from runpod_vlm import fetch, media
+from runpod_vlm.engine.decoder import SlotDecoder
+from runpod_vlm.families.remote import InternVL2Adapter
+from runpod_vlm.vocabulary import RequestError
 
 # =================================================================================================
 # The stubbed API surface
 # =================================================================================================
 
-STUBBED_API = frozenset({
-    # torch
-    "torch.cuda.is_available",
-    "torch.cuda.is_bf16_supported",
-    "torch.float32",
-    "torch.float16",
-    "torch.bfloat16",
-    "torch.inference_mode",
-    "torch.stack",
-    "torch.cat",
-    "torch.Tensor.shape",
-    "torch.Tensor.__getitem__",
-    "torch.Tensor.tolist",
-    "torch.Tensor.to",
-    "torch.Tensor.sum",
-    "torch.Tensor.__len__",
-    # torch: the compiled path (torch.compile, CUDA graphs on a side stream)
-    "torch.compile",
-    "torch.cuda.synchronize",
-    "torch.cuda.empty_cache",
-    # torchvision (InternVL2's tiling)
-    "torchvision.transforms.functional.to_tensor",
-    "torchvision.transforms.functional.normalize",
-    # transformers: loading
-    "transformers.__version__",
-    "transformers.AutoConfig.from_pretrained",
-    "transformers.PretrainedConfig.model_type",
-    "transformers.PretrainedConfig.get_text_config",
-    "transformers.PretrainedConfig.max_position_embeddings",
-    "transformers.AutoProcessor.from_pretrained",
-    "transformers.AutoModelForImageTextToText.from_pretrained",
-    "transformers.AutoModel.from_pretrained",
-    "transformers.AutoTokenizer.from_pretrained",
-    "transformers.AutoModelForCausalLM.from_pretrained",
-    "transformers.BitsAndBytesConfig",
-    # transformers: models
-    "transformers.PreTrainedModel.eval",
-    "transformers.PreTrainedModel.generate",
-    "transformers.PreTrainedModel.device",
-    "transformers.PreTrainedModel.dtype",
-    "transformers.PreTrainedModel.config",
-    "transformers.PreTrainedModel.generation_config",
-    "transformers.GenerationConfig.eos_token_id",
-    # transformers: processors and tokenizers
-    "transformers.ProcessorMixin.__call__",
-    "transformers.ProcessorMixin.apply_chat_template",
-    "transformers.ProcessorMixin.tokenizer",
-    "transformers.BatchFeature.to",
-    "transformers.BatchFeature.__getitem__",
-    "transformers.BatchFeature.__setitem__",
-    "transformers.BatchFeature.__contains__",
-    "transformers.PreTrainedTokenizerBase.decode",
-    "transformers.PreTrainedTokenizerBase.apply_chat_template",
-    "transformers.PreTrainedTokenizerBase.eos_token_id",
-    "transformers.PreTrainedTokenizerBase.padding_side",
-    # trust_remote_code model APIs
-    "remote.MiniCPMV.chat",
-    "remote.InternVLChatModel.chat",
-})
+STUBBED_API = frozenset(
+    {
+        # torch
+        "torch.cuda.is_available",
+        "torch.cuda.is_bf16_supported",
+        "torch.float32",
+        "torch.float16",
+        "torch.bfloat16",
+        "torch.inference_mode",
+        "torch.stack",
+        "torch.cat",
+        "torch.Tensor.shape",
+        "torch.Tensor.__getitem__",
+        "torch.Tensor.tolist",
+        "torch.Tensor.to",
+        "torch.Tensor.sum",
+        "torch.Tensor.__len__",
+        # torch: the compiled path (torch.compile, CUDA graphs on a side stream)
+        "torch.compile",
+        "torch.cuda.synchronize",
+        "torch.cuda.empty_cache",
+        # torchvision (InternVL2's tiling)
+        "torchvision.transforms.functional.to_tensor",
+        "torchvision.transforms.functional.normalize",
+        # transformers: loading
+        "transformers.__version__",
+        "transformers.AutoConfig.from_pretrained",
+        "transformers.PretrainedConfig.model_type",
+        "transformers.PretrainedConfig.get_text_config",
+        "transformers.PretrainedConfig.max_position_embeddings",
+        "transformers.AutoProcessor.from_pretrained",
+        "transformers.AutoModelForImageTextToText.from_pretrained",
+        "transformers.AutoModel.from_pretrained",
+        "transformers.AutoTokenizer.from_pretrained",
+        "transformers.AutoModelForCausalLM.from_pretrained",
+        "transformers.BitsAndBytesConfig",
+        # transformers: models
+        "transformers.PreTrainedModel.eval",
+        "transformers.PreTrainedModel.generate",
+        "transformers.PreTrainedModel.device",
+        "transformers.PreTrainedModel.dtype",
+        "transformers.PreTrainedModel.config",
+        "transformers.PreTrainedModel.generation_config",
+        "transformers.GenerationConfig.eos_token_id",
+        # transformers: processors and tokenizers
+        "transformers.ProcessorMixin.__call__",
+        "transformers.ProcessorMixin.apply_chat_template",
+        "transformers.ProcessorMixin.tokenizer",
+        "transformers.BatchFeature.to",
+        "transformers.BatchFeature.__getitem__",
+        "transformers.BatchFeature.__setitem__",
+        "transformers.BatchFeature.__contains__",
+        "transformers.PreTrainedTokenizerBase.decode",
+        "transformers.PreTrainedTokenizerBase.apply_chat_template",
+        "transformers.PreTrainedTokenizerBase.eos_token_id",
+        "transformers.PreTrainedTokenizerBase.padding_side",
+        # trust_remote_code model APIs
+        "remote.MiniCPMV.chat",
+        "remote.InternVLChatModel.chat",
+    }
+)
 
 USED: set = set()  # stubbed names the handler touched (fakes' own internal use is not recorded)
 MISSING: set = set()  # torch/transformers attributes the handler asked for that no stub provides
@@ -211,7 +218,7 @@ def _norm_key(key, ndim: int) -> tuple:
     if any(k is Ellipsis for k in key):
         i = key.index(Ellipsis)
         used = sum(1 for k in key if k is not None and k is not Ellipsis)
-        key = key[:i] + (slice(None),) * (ndim - used) + key[i + 1:]
+        key = key[:i] + (slice(None),) * (ndim - used) + key[i + 1 :]
     used = sum(1 for k in key if k is not None)
     if used > ndim:
         raise IndexError(f"too many indices for a tensor of dimension {ndim}")
@@ -561,7 +568,7 @@ class FakeTensor:
         _same_device(self, index, source)
         dims, dim = self.dims, dim % len(self.dims)
         positions = list(_flat(index._data))
-        if source.dims != dims[:dim] + (len(positions),) + dims[dim + 1:]:
+        if source.dims != dims[:dim] + (len(positions),) + dims[dim + 1 :]:
             raise RuntimeError(f"index_copy_: source {source.dims} does not fit {dims} at dim {dim}")
 
         def go(d, s, depth):
@@ -605,8 +612,7 @@ class FakeTensor:
         def split(p, k):
             return [split(x, k) for x in p] if isinstance(p, list) else p[k]
 
-        return (FakeTensor(split(pairs, 0), self._dtype, self._device),
-                FakeTensor(split(pairs, 1), I64, self._device))
+        return (FakeTensor(split(pairs, 0), self._dtype, self._device), FakeTensor(split(pairs, 1), I64, self._device))
 
     @_op
     def cumsum(self, dim=-1):
@@ -755,8 +761,11 @@ def torch_cat(tensors, dim=0):
             raise NotImplementedError("image stacks concatenate on dim 0 only")
         rest = tensors[0].dims[1:]
         return FakeImageTensor(
-            (sum(t.dims[0] for t in tensors),) + rest, [x for t in tensors for x in t.tiles],
-            tensors[0]._dtype, tensors[0]._device, all(t.normalized for t in tensors),
+            (sum(t.dims[0] for t in tensors),) + rest,
+            [x for t in tensors for x in t.tiles],
+            tensors[0]._dtype,
+            tensors[0]._device,
+            all(t.normalized for t in tensors),
         )
     raise NotImplementedError("the handler concatenates image stacks only")
 
@@ -768,8 +777,11 @@ def torch_stack(tensors, dim=0):
         raise NotImplementedError("the fake stack works on dim 0 only")
     if all(isinstance(t, FakeImageTensor) for t in tensors):
         return FakeImageTensor(
-            (len(tensors),) + tensors[0].dims, [x for t in tensors for x in t.tiles],
-            tensors[0]._dtype, tensors[0]._device, all(t.normalized for t in tensors),
+            (len(tensors),) + tensors[0].dims,
+            [x for t in tensors for x in t.tiles],
+            tensors[0]._dtype,
+            tensors[0]._device,
+            all(t.normalized for t in tensors),
         )
     return FakeTensor([_ensure_tensor(t)._data for t in tensors])
 
@@ -905,7 +917,7 @@ def tv_to_tensor(picture):
 
 def tv_normalize(tensor, mean, std, inplace=False):
     _use("torchvision.transforms.functional.normalize")
-    if tuple(mean) != handler.InternVL2Adapter.mean or tuple(std) != handler.InternVL2Adapter.std:
+    if tuple(mean) != InternVL2Adapter.mean or tuple(std) != InternVL2Adapter.std:
         HUB.protocol_errors.append(f"InternVL tiles normalised with {mean}/{std}")
     return FakeImageTensor(tensor.dims, tensor.tiles, tensor._dtype, tensor._device, normalized=True)
 
@@ -915,8 +927,18 @@ def tv_normalize(tensor, mean, std, inplace=False):
 # =================================================================================================
 
 SPECIALS = [
-    "<pad>", "<s>", "</s>", "<image>", "<|system|>", "<|user|>", "<|assistant|>", "<|end|>",
-    "<|object_ref_start|>", "<|object_ref_end|>", "<|box_start|>", "<|box_end|>",
+    "<pad>",
+    "<s>",
+    "</s>",
+    "<image>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
 ]
 SPECIAL_IDS = {s: i for i, s in enumerate(SPECIALS)}
 PAD, EOS, END = SPECIAL_IDS["<pad>"], SPECIAL_IDS["</s>"], SPECIAL_IDS["<|end|>"]
@@ -1004,8 +1026,21 @@ MODEL_TYPES = {
     "zai-org/GLM-4.1V-9B-Thinking": "glm4v",
     "microsoft/Phi-4-multimodal-instruct": "phi4_multimodal",
 }
-NATIVE_TYPES = {"qwen2_vl", "qwen2_5_vl", "llava", "llava_next", "idefics3", "qwen3_vl", "gemma3", "paligemma",
-                "smolvlm", "llava_onevision", "internvl", "mistral3", "glm4v"}
+NATIVE_TYPES = {
+    "qwen2_vl",
+    "qwen2_5_vl",
+    "llava",
+    "llava_next",
+    "idefics3",
+    "qwen3_vl",
+    "gemma3",
+    "paligemma",
+    "smolvlm",
+    "llava_onevision",
+    "internvl",
+    "mistral3",
+    "glm4v",
+}
 
 QWEN = "Qwen/Qwen2-VL-2B-Instruct"
 QWEN25 = "Qwen/Qwen2.5-VL-3B-Instruct"
@@ -1183,8 +1218,9 @@ class FakeProcessor:
         _use("transformers.ProcessorMixin.__call__")
         with _quiet():
             texts = [text] if isinstance(text, str) else list(text)
-            HUB.processor_calls.append(dict(text=texts, images=images, padding=padding,
-                                            return_tensors=return_tensors, **kwargs))
+            HUB.processor_calls.append(
+                dict(text=texts, images=images, padding=padding, return_tensors=return_tensors, **kwargs)
+            )
             rows = [encode_text(t) for t in texts]
             width = max(len(r) for r in rows)
             if len({len(r) for r in rows}) > 1 and not padding:
@@ -1341,10 +1377,14 @@ class FakeModel(FakeModelBase):
                 self._real, self._prompt_length, self._step = real, width, 0
                 self._prompt_mask = mask._data if mask is not None else [[1] * width for _ in range(rows)]
                 pixels = kwargs.get("pixel_values")
-                HUB.prefills.append(dict(
-                    prompts=prompts, pixel_dtype=getattr(pixels, "_dtype", None),
-                    keys=sorted(kwargs), cache=cache,
-                ))
+                HUB.prefills.append(
+                    dict(
+                        prompts=prompts,
+                        pixel_dtype=getattr(pixels, "_dtype", None),
+                        keys=sorted(kwargs),
+                        cache=cache,
+                    )
+                )
                 last = width - 1 if cache_position is None else cache_position._data[-1]
             elif self._scripts is None or cache_position._data[0] < self._prompt_length:
                 # Any in-range state will do to warm up or capture a step: answer, remember nothing.
@@ -1358,13 +1398,15 @@ class FakeModel(FakeModelBase):
                 step = self._step
                 if rows != len(self._scripts):
                     HUB.protocol_errors.append(
-                        f"decode step {step}: {rows} rows after a prefill of {len(self._scripts)}")
+                        f"decode step {step}: {rows} rows after a prefill of {len(self._scripts)}"
+                    )
                 if cache is not HUB.prefills[-1]["cache"]:
                     HUB.protocol_errors.append(f"decode step {step}: not the prefill's KV cache")
                 last = self._prompt_length + step - 1
                 if cache_position is not None and cache_position.tolist() != [last]:
                     HUB.protocol_errors.append(
-                        f"decode step {step}: cache_position {cache_position.tolist()}, expected [{last}]")
+                        f"decode step {step}: cache_position {cache_position.tolist()}, expected [{last}]"
+                    )
                 positions = kwargs.get("position_ids")
                 if positions is not None:
                     got = [row[-1] for row in positions._data]
@@ -1374,9 +1416,11 @@ class FakeModel(FakeModelBase):
                 mask = kwargs.get("attention_mask")
                 if mask is not None:
                     for r, (m, prompt_mask) in enumerate(zip(mask._data, self._prompt_mask)):
-                        if m[:self._prompt_length] != prompt_mask or not all(m[self._prompt_length:last + 1]):
-                            HUB.protocol_errors.append(f"decode step {step}: row {r}'s attention mask hides "
-                                                       "a token it should see or shows padding")
+                        if m[: self._prompt_length] != prompt_mask or not all(m[self._prompt_length : last + 1]):
+                            HUB.protocol_errors.append(
+                                f"decode step {step}: row {r}'s attention mask hides "
+                                "a token it should see or shows padding"
+                            )
                             break
             if isinstance(cache, FakeStaticCache):
                 cache.dirty = True
@@ -1392,14 +1436,30 @@ class FakeModel(FakeModelBase):
             return FakeOutput(FakeTensor(logits, F32, HUB.device))
 
     # ---- generate() ----
-    def generate(self, input_ids=None, attention_mask=None, max_new_tokens=20, min_new_tokens=0,
-                 pad_token_id=None, eos_token_id=None, **kwargs):
+    def generate(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        max_new_tokens=20,
+        min_new_tokens=0,
+        pad_token_id=None,
+        eos_token_id=None,
+        **kwargs,
+    ):
         _use("transformers.PreTrainedModel.generate")
         with _quiet():
             self._check_inference("generate")
-            HUB.generate_calls.append(dict(kwargs, max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens,
-                                           pad_token_id=pad_token_id, eos_token_id=eos_token_id,
-                                           rows=len(input_ids._data), pixel_values=kwargs.get("pixel_values")))
+            HUB.generate_calls.append(
+                dict(
+                    kwargs,
+                    max_new_tokens=max_new_tokens,
+                    min_new_tokens=min_new_tokens,
+                    pad_token_id=pad_token_id,
+                    eos_token_id=eos_token_id,
+                    rows=len(input_ids._data),
+                    pixel_values=kwargs.get("pixel_values"),
+                )
+            )
             prompts, _ = self._prompts(input_ids, attention_mask)
             stops = {EOS, END}  # the generation config's end tokens, unless the call overrides them
             if eos_token_id is not None:
@@ -1429,8 +1489,15 @@ class FakeInnerLM:
         self.generation_config = FakeGenerationConfig()
 
     def generate(self, inputs_embeds=None, eos_token_id=None, max_new_tokens=20, min_new_tokens=0, **kwargs):
-        HUB.inner_generate_calls.append(dict(kwargs, inputs_embeds=inputs_embeds, eos_token_id=eos_token_id,
-                                             max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens))
+        HUB.inner_generate_calls.append(
+            dict(
+                kwargs,
+                inputs_embeds=inputs_embeds,
+                eos_token_id=eos_token_id,
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=min_new_tokens,
+            )
+        )
         stops = list(eos_token_id) if isinstance(eos_token_id, list) else [eos_token_id]
         new = []  # the reply, ended (as a trained model ends it) by the first token it is asked to stop at
         for k, token in enumerate((encode_text(HUB.respond(HUB.chat_question)) + stops[:1])[:max_new_tokens]):
@@ -1455,26 +1522,51 @@ class FakeMiniCPMV(FakeModelBase):
         super().__init__(path, kwargs)
         self.llm = FakeInnerLM()
 
-    def chat(self, image=None, msgs=None, tokenizer=None, max_new_tokens=2048, min_new_tokens=0, sampling=True,
-             system_prompt="", **kwargs):
+    def chat(
+        self,
+        image=None,
+        msgs=None,
+        tokenizer=None,
+        max_new_tokens=2048,
+        min_new_tokens=0,
+        sampling=True,
+        system_prompt="",
+        **kwargs,
+    ):
         _use("remote.MiniCPMV.chat")
         with _quiet():
             roles = [m["role"] for m in msgs]
             assert set(roles) <= {"user", "assistant"} and roles[0] == "user", roles  # the repository's asserts
-            config = ({"top_p": 0.8, "top_k": 100, "temperature": 0.7, "do_sample": True, "repetition_penalty": 1.05}
-                      if sampling else {"num_beams": 3, "repetition_penalty": 1.2})
+            config = (
+                {"top_p": 0.8, "top_k": 100, "temperature": 0.7, "do_sample": True, "repetition_penalty": 1.05}
+                if sampling
+                else {"num_beams": 3, "repetition_penalty": 1.2}
+            )
             config.update((k, kwargs[k]) for k in config.keys() & kwargs.keys())
-            HUB.chat_calls.append(dict(
-                image=image, tokenizer=tokenizer, generation_config=config,
-                kwargs=dict(kwargs, max_new_tokens=max_new_tokens, sampling=sampling,
-                            **({"system_prompt": system_prompt} if system_prompt else {})),
-                msgs=[{"role": m["role"], "content": list(m["content"])} for m in msgs],
-            ))
+            HUB.chat_calls.append(
+                dict(
+                    image=image,
+                    tokenizer=tokenizer,
+                    generation_config=config,
+                    kwargs=dict(
+                        kwargs,
+                        max_new_tokens=max_new_tokens,
+                        sampling=sampling,
+                        **({"system_prompt": system_prompt} if system_prompt else {}),
+                    ),
+                    msgs=[{"role": m["role"], "content": list(m["content"])} for m in msgs],
+                )
+            )
             last = msgs[-1]["content"]
             HUB.chat_question = " ".join(p for p in last if isinstance(p, str)) if isinstance(last, list) else last
             prompt = system_prompt + "".join(str(m["content"]) for m in msgs)
-            ids = self.llm.generate(inputs_embeds=_embedded(prompt), eos_token_id=[END, EOS],
-                                    max_new_tokens=max_new_tokens, min_new_tokens=min_new_tokens, **config)._data[0]
+            ids = self.llm.generate(
+                inputs_embeds=_embedded(prompt),
+                eos_token_id=[END, EOS],
+                max_new_tokens=max_new_tokens,
+                min_new_tokens=min_new_tokens,
+                **config,
+            )._data[0]
             return decode([t for t in ids if t not in (END, EOS)], skip_special_tokens=True).strip()
 
 
@@ -1487,17 +1579,33 @@ class FakeInternVL(FakeModelBase):
         self.language_model = FakeInnerLM()
         self.system_message = "You are an AI assistant."
 
-    def chat(self, tokenizer, pixel_values, question, generation_config, history=None,
-             return_history=False, num_patches_list=None, **kwargs):
+    def chat(
+        self,
+        tokenizer,
+        pixel_values,
+        question,
+        generation_config,
+        history=None,
+        return_history=False,
+        num_patches_list=None,
+        **kwargs,
+    ):
         _use("remote.InternVLChatModel.chat")
         with _quiet():
             if pixel_values is not None and pixel_values.dims[0] != sum(num_patches_list or [pixel_values.dims[0]]):
                 HUB.protocol_errors.append("InternVL pixel_values rows != sum(num_patches_list)")
-            HUB.chat_calls.append(dict(
-                tokenizer=tokenizer, pixel_values=pixel_values, question=question,
-                generation_config=dict(generation_config), history=history, num_patches_list=num_patches_list,
-                system_message=self.system_message, kwargs=kwargs,
-            ))
+            HUB.chat_calls.append(
+                dict(
+                    tokenizer=tokenizer,
+                    pixel_values=pixel_values,
+                    question=question,
+                    generation_config=dict(generation_config),
+                    history=history,
+                    num_patches_list=num_patches_list,
+                    system_message=self.system_message,
+                    kwargs=kwargs,
+                )
+            )
             HUB.chat_question = question
             prompt = self.system_message + "".join(q + a for q, a in history or []) + question
             generation_config["eos_token_id"] = END
@@ -1570,30 +1678,50 @@ class StubModule(types.ModuleType):
         if not attr.startswith("__"):
             MISSING.add(f"{self.__name__}.{attr}")
         raise AttributeError(
-            f"stub module {self.__name__!r} has no attribute {attr!r}: add a stub and list it in STUBBED_API")
+            f"stub module {self.__name__!r} has no attribute {attr!r}: add a stub and list it in STUBBED_API"
+        )
 
 
 def build_stub_modules() -> dict:
-    cuda = StubModule("torch.cuda", {
-        "is_available": cuda_is_available, "is_bf16_supported": cuda_is_bf16_supported,
-        "Stream": FakeStream, "current_stream": cuda_current_stream, "stream": cuda_stream,
-        "CUDAGraph": FakeCUDAGraph, "graph": cuda_graph, "synchronize": cuda_synchronize,
-        "empty_cache": cuda_empty_cache,
-    })
+    cuda = StubModule(
+        "torch.cuda",
+        {
+            "is_available": cuda_is_available,
+            "is_bf16_supported": cuda_is_bf16_supported,
+            "Stream": FakeStream,
+            "current_stream": cuda_current_stream,
+            "stream": cuda_stream,
+            "CUDAGraph": FakeCUDAGraph,
+            "graph": cuda_graph,
+            "synchronize": cuda_synchronize,
+            "empty_cache": cuda_empty_cache,
+        },
+    )
     torch = StubModule(
         "torch",
         {
-            "float32": F32, "float16": F16, "bfloat16": BF16, "bool": BOOL, "long": I64, "float": F32,
-            "inference_mode": torch_inference_mode, "no_grad": torch_no_grad, "stack": torch_stack, "cat": torch_cat,
-            "zeros": torch_zeros, "zeros_like": torch_zeros_like, "empty_like": torch_empty_like,
-            "tensor": torch_tensor, "arange": torch_arange, "where": torch_where, "softmax": torch_softmax,
+            "float32": F32,
+            "float16": F16,
+            "bfloat16": BF16,
+            "bool": BOOL,
+            "long": I64,
+            "float": F32,
+            "inference_mode": torch_inference_mode,
+            "no_grad": torch_no_grad,
+            "stack": torch_stack,
+            "cat": torch_cat,
+            "zeros": torch_zeros,
+            "zeros_like": torch_zeros_like,
+            "empty_like": torch_empty_like,
+            "tensor": torch_tensor,
+            "arange": torch_arange,
+            "where": torch_where,
+            "softmax": torch_softmax,
             "compile": torch_compile,
         },
         {"cuda": cuda, "Tensor": FakeTensor},
     )
-    functional = StubModule(
-        "torchvision.transforms.functional", {"to_tensor": tv_to_tensor, "normalize": tv_normalize}
-    )
+    functional = StubModule("torchvision.transforms.functional", {"to_tensor": tv_to_tensor, "normalize": tv_normalize})
     transforms = StubModule("torchvision.transforms", {}, {"functional": functional})
     torchvision = StubModule("torchvision", {}, {"transforms": transforms})
     transformers = StubModule(
@@ -1611,11 +1739,15 @@ def build_stub_modules() -> dict:
         },
     )
     return {
-        "torch": torch, "torch.cuda": cuda, "torchvision": torchvision,
-        "torchvision.transforms": transforms, "torchvision.transforms.functional": functional,
+        "torch": torch,
+        "torch.cuda": cuda,
+        "torchvision": torchvision,
+        "torchvision.transforms": transforms,
+        "torchvision.transforms.functional": functional,
         "transformers": transformers,
         # Absent, as on a machine without them: importing either fails.
-        "qwen_vl_utils": None, "bitsandbytes": None,
+        "qwen_vl_utils": None,
+        "bitsandbytes": None,
     }
 
 
@@ -1649,12 +1781,16 @@ def hub(monkeypatch):
     HUB.reset()
     MISSING.clear()
     handler.reset_engine()
-    monkeypatch.setattr(handler, "SlotDecoder", FakeSlotDecoder)
+    monkeypatch.setattr(engine_module, "SlotDecoder", FakeSlotDecoder)
     # The compile-artifact file is torch's (tests/test_compile_cache.py runs it for real): here the
     # engine's use of it is recorded.
-    monkeypatch.setattr(handler, "compile_cache_key", lambda model_id, **parts: f"{model_id}:{parts['shapes']}")
-    monkeypatch.setattr(handler, "load_compile_artifacts", lambda s, key: HUB.artifacts.append(("load", key)) or False)
-    monkeypatch.setattr(handler, "save_compile_artifacts", lambda settings, key: HUB.artifacts.append(("save", key)))
+    monkeypatch.setattr(engine_module, "compile_cache_key", lambda model_id, **parts: f"{model_id}:{parts['shapes']}")
+    monkeypatch.setattr(
+        engine_module, "load_compile_artifacts", lambda s, key: HUB.artifacts.append(("load", key)) or False
+    )
+    monkeypatch.setattr(
+        engine_module, "save_compile_artifacts", lambda settings, key: HUB.artifacts.append(("save", key))
+    )
     yield HUB
     handler.reset_engine()
     assert not MISSING, f"the handler used torch/transformers API the stubs lack: {sorted(MISSING)}"
@@ -1677,17 +1813,15 @@ def web(monkeypatch):
             raise urllib.error.URLError("unreachable (fake web)")
         return WEB[url]
 
-    if hasattr(handler, "fetch_image_url"):
-        def fake_fetch(url, policy=None, param=None, *args, **kwargs):
-            check = getattr(handler, "check_image_url", None)
-            if check is not None and policy is not None:
-                check(url, policy, param)  # the policy still decides what may be fetched
-            try:
-                return serve_url(url)
-            except urllib.error.URLError:
-                raise handler.RequestError("fetch_failed", "the image URL could not be fetched", param) from None
+    def fake_fetch(url, policy=None, param=None, *args, **kwargs):
+        if policy is not None:
+            fetch.check_image_url(url, policy, param)  # the policy still decides what may be fetched
+        try:
+            return serve_url(url)
+        except urllib.error.URLError:
+            raise RequestError("fetch_failed", "the image URL could not be fetched", param) from None
 
-        monkeypatch.setattr(handler, "fetch_image_url", fake_fetch)
+    monkeypatch.setattr(media, "fetch_image_url", fake_fetch)
 
     class FakeResponse(io.BytesIO):
         status = code = 200
@@ -1740,11 +1874,11 @@ def model_load():
 
 
 # =================================================================================================
-# The decoder, faked: handler.SlotDecoder's protocol in plain Python
+# The decoder, faked: SlotDecoder's protocol in plain Python
 # =================================================================================================
 
 
-class FakeSlotDecoder(handler.SlotDecoder):
+class FakeSlotDecoder(SlotDecoder):
     """The real decoder's slot bookkeeping (plan, buckets, forwards) with rows that answer HUB's
     script for their prompt: the fake logits are 10 for the script's token, HUB.runner_up_logit for
     FILLER and 0 elsewhere; end tokens are blocked before min_new_tokens, the generation config's
@@ -1789,8 +1923,11 @@ class FakeSlotDecoder(handler.SlotDecoder):
         if HUB.repetition_penalty:
             for token in answer["seen"]:
                 if token < VOCAB:
-                    logits[token] = logits[token] / HUB.repetition_penalty if logits[token] > 0 else (
-                        logits[token] * HUB.repetition_penalty)
+                    logits[token] = (
+                        logits[token] / HUB.repetition_penalty
+                        if logits[token] > 0
+                        else (logits[token] * HUB.repetition_penalty)
+                    )
         if k < p.min_new_tokens:
             for token in self.eos_ids:
                 if token < VOCAB:
@@ -1830,5 +1967,6 @@ class FakeSlotDecoder(handler.SlotDecoder):
         for _ in range(steps):
             self._advance(bucket)
         self.pointer += steps
-        return [[self._next(row) for _ in range(steps)] if row in self.answers else [PAD] * steps
-                for row in range(bucket)]
+        return [
+            [self._next(row) for _ in range(steps)] if row in self.answers else [PAD] * steps for row in range(bucket)
+        ]

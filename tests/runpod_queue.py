@@ -318,8 +318,9 @@ class Worker:
 
 
 @contextlib.contextmanager
-def worker(queue: JobQueue, model_folder: Path | str, log_path: Path | str, script: str = "handler.py",
-           **env: str) -> Iterator[Worker]:
+def worker(
+    queue: JobQueue, model_folder: Path | str, log_path: Path | str, script: str = "handler.py", **env: str
+) -> Iterator[Worker]:
     """`python handler.py` (or `script`) in the SDK's production loop against `queue`, serving a tiny
     model on CPU; stopped with SIGTERM (then SIGKILL after 30 s) on exit. `env` adds or overrides
     variables (e.g. RUNPOD_LOG_LEVEL); nothing leaves loopback: the SDK's start-up checks (a TCP
@@ -341,7 +342,11 @@ def worker(queue: JobQueue, model_folder: Path | str, log_path: Path | str, scri
     log_path = Path(log_path)
     with log_path.open("wb") as log:
         process = subprocess.Popen(
-            [sys.executable, script], cwd=ROOT, env=variables, stdout=log, stderr=subprocess.STDOUT,
+            [sys.executable, script],
+            cwd=ROOT,
+            env=variables,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             start_new_session=True,  # the SDK's ping process goes with it
         )
         running = Worker(process, log_path)

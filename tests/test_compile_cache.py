@@ -22,6 +22,22 @@ import pytest
 import torch
 
 import handler
+import runpod_vlm.engine.compile as compile_module
+import runpod_vlm.engine.engine as engine_module
+from runpod_vlm.engine.compile import (
+    COMPILE_ARTIFACTS_SUFFIX,
+    compile_artifact_dirs,
+    compile_cache_key,
+    load_compile_artifacts,
+    model_view,
+    runtime_fingerprint,
+    save_compile_artifacts,
+    set_torch_cache_dirs,
+)
+from runpod_vlm.engine.decoder import SlotDecoder
+from runpod_vlm.engine.loading import missing_model_files, weights_source
+from runpod_vlm.settings import Settings
+from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, Turn
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +60,7 @@ KEY_INPUTS = dict(
 
 
 def key_of(model_id: str = "Qwen/Qwen2-VL-2B-Instruct", **changes) -> str:
-    return handler.compile_cache_key(model_id, **{**KEY_INPUTS, **changes})
+    return compile_cache_key(model_id, **{**KEY_INPUTS, **changes})
 
 
 @pytest.fixture(autouse=True)
@@ -60,12 +76,12 @@ def folders(tmp_path, monkeypatch):
     """A fake network volume and container; `env` as the worker would see it on RunPod."""
     volume = tmp_path / "runpod-volume"
     volume.mkdir()
-    monkeypatch.setattr(handler, "RUNPOD_VOLUME", str(volume))
-    monkeypatch.setattr(handler, "_reported_unwritable", set())
+    monkeypatch.setattr(compile_module, "RUNPOD_VOLUME", str(volume))
+    monkeypatch.setattr(compile_module, "_reported_unwritable", set())
     env = {"HF_HOME": str(tmp_path / "hf")}
     return {
         "env": env,
-        "settings": handler.Settings.from_env(env),
+        "settings": Settings.from_env(env),
         "volume": volume / "vlm-compile-cache",
         "container": tmp_path / "hf" / "compile-cache",
     }
@@ -128,11 +144,11 @@ def test_key_reads_a_transformers_config_and_this_process_runtime():
     from transformers import Qwen2VLConfig
 
     small, large = Qwen2VLConfig(), Qwen2VLConfig(text_config={"num_hidden_layers": 3})
-    assert handler.compile_cache_key("m", config=small) == handler.compile_cache_key("m", config=Qwen2VLConfig())
-    assert handler.compile_cache_key("m", config=small) != handler.compile_cache_key("m", config=large)
-    runtime = handler.runtime_fingerprint()
+    assert compile_cache_key("m", config=small) == compile_cache_key("m", config=Qwen2VLConfig())
+    assert compile_cache_key("m", config=small) != compile_cache_key("m", config=large)
+    runtime = runtime_fingerprint()
     assert runtime["torch"] == torch.__version__ and runtime["gpu"] == "cpu"
-    assert handler.compile_cache_key("m") == handler.compile_cache_key("m", runtime=runtime)
+    assert compile_cache_key("m") == compile_cache_key("m", runtime=runtime)
 
 
 # ---- folders ------------------------------------------------------------------------------------
@@ -140,23 +156,24 @@ def test_key_reads_a_transformers_config_and_this_process_runtime():
 
 def test_folders_prefer_the_network_volume_then_the_container(folders, tmp_path, monkeypatch):
     env, settings = folders["env"], folders["settings"]
-    assert handler.compile_artifact_dirs(settings, env) == [str(folders["volume"]), str(folders["container"])]
+    assert compile_artifact_dirs(settings, env) == [str(folders["volume"]), str(folders["container"])]
 
     explicit = {**env, "VLM_COMPILE_CACHE_DIR": str(tmp_path / "mine")}
-    assert handler.compile_artifact_dirs(handler.Settings.from_env(explicit), explicit) == [
-        str(tmp_path / "mine"), str(folders["container"])
+    assert compile_artifact_dirs(Settings.from_env(explicit), explicit) == [
+        str(tmp_path / "mine"),
+        str(folders["container"]),
     ]
 
-    monkeypatch.setattr(handler, "RUNPOD_VOLUME", str(tmp_path / "no-volume-here"))
-    assert handler.compile_artifact_dirs(settings, env) == [str(folders["container"])]
+    monkeypatch.setattr(compile_module, "RUNPOD_VOLUME", str(tmp_path / "no-volume-here"))
+    assert compile_artifact_dirs(settings, env) == [str(folders["container"])]
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert handler.compile_artifact_dirs(handler.Settings.from_env({}), {}) == [
+    assert compile_artifact_dirs(Settings.from_env({}), {}) == [
         str(tmp_path / "home" / ".cache" / "runpod-vlm" / "compile-cache")
     ]
 
 
 def test_torch_caches_follow_the_setting_and_leave_an_unwritable_one(folders, tmp_path, monkeypatch, caplog):
-    handler.set_torch_cache_dirs(folders["settings"], folders["env"])
+    set_torch_cache_dirs(folders["settings"], folders["env"])
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folders["container"] / "inductor")
     assert os.environ["TRITON_CACHE_DIR"] == str(folders["container"] / "triton")
 
@@ -166,12 +183,12 @@ def test_torch_caches_follow_the_setting_and_leave_an_unwritable_one(folders, tm
     for name in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR"):
         monkeypatch.delenv(name)
     with caplog.at_level(logging.INFO, logger="runpod-vlm"):
-        handler.set_torch_cache_dirs(handler.Settings.from_env(env), env)
+        set_torch_cache_dirs(Settings.from_env(env), env)
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(folders["container"] / "inductor")
     assert [r.levelno for r in compile_cache_records(caplog)] == [logging.WARNING]
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/chosen")  # an operator's own choice stays
-    handler.set_torch_cache_dirs(folders["settings"], folders["env"])
+    set_torch_cache_dirs(folders["settings"], folders["env"])
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/chosen"
 
 
@@ -181,14 +198,15 @@ ROUND_TRIP = """
 import json, sys
 import torch
 from torch._dynamo.utils import counters
-import handler
+from runpod_vlm.engine.compile import compile_cache_key, load_compile_artifacts, save_compile_artifacts
+from runpod_vlm.settings import Settings
 
-settings = handler.Settings.from_env()
-key = handler.compile_cache_key("tiny/matmul", dtype=torch.float32, shapes=[[8, 8]])
-loaded = handler.load_compile_artifacts(settings, key)
+settings = Settings.from_env()
+key = compile_cache_key("tiny/matmul", dtype=torch.float32, shapes=[[8, 8]])
+loaded = load_compile_artifacts(settings, key)
 square = torch.compile(lambda a: a @ a.T)  # an extern matmul: no C++ kernel to build, so quick
 square(torch.ones(8, 8))
-saved = handler.save_compile_artifacts(settings, key) if sys.argv[1] == "save" else None
+saved = save_compile_artifacts(settings, key) if sys.argv[1] == "save" else None
 print(json.dumps({"loaded": loaded, "saved": saved, "hits": counters["inductor"]["fxgraph_cache_hit"],
                   "misses": counters["inductor"]["fxgraph_cache_miss"]}))
 """
@@ -202,8 +220,9 @@ def run_round_trip(root: Path, step: str) -> dict:
         "TRITON_CACHE_DIR": str(root / step / "triton"),
         "HF_HOME": str(root / step / "hf"),
     }
-    done = subprocess.run([sys.executable, "-c", ROUND_TRIP, step], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, "-c", ROUND_TRIP, step], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -237,10 +256,10 @@ def test_a_damaged_file_is_one_line_and_compiling_from_scratch(saved_by_a_proces
     real = Path(saved_by_a_process[1]["saved"]).read_bytes()
     key = key_of()
     folders["volume"].mkdir()
-    path = folders["volume"] / (key + handler.COMPILE_ARTIFACTS_SUFFIX)
+    path = folders["volume"] / (key + COMPILE_ARTIFACTS_SUFFIX)
     path.write_bytes(_damage(real, how))
     with caplog.at_level(logging.INFO, logger="runpod-vlm"):
-        assert handler.load_compile_artifacts(folders["settings"], key, folders["env"]) is False
+        assert load_compile_artifacts(folders["settings"], key, folders["env"]) is False
     [record] = compile_cache_records(caplog)
     assert record.levelno == logging.WARNING and str(path) in record.getMessage()
 
@@ -250,9 +269,9 @@ def test_a_damaged_file_is_one_line_and_compiling_from_scratch(saved_by_a_proces
 
 def test_a_saved_file_loads_and_reaches_torch_whole(folders, torch_saves, torch_loads, caplog):
     key = key_of()
-    handler.save_compile_artifacts(folders["settings"], key, folders["env"])
+    save_compile_artifacts(folders["settings"], key, folders["env"])
     with caplog.at_level(logging.INFO, logger="runpod-vlm"):
-        assert handler.load_compile_artifacts(folders["settings"], key, folders["env"]) is True
+        assert load_compile_artifacts(folders["settings"], key, folders["env"]) is True
     assert torch_loads == torch_saves
     [record] = compile_cache_records(caplog)
     assert record.levelno == logging.INFO and "loaded" in record.getMessage()
@@ -260,7 +279,7 @@ def test_a_saved_file_loads_and_reaches_torch_whole(folders, torch_saves, torch_
 
 def test_no_file_is_one_line_and_no_torch_call(folders, torch_loads, caplog):
     with caplog.at_level(logging.INFO, logger="runpod-vlm"):
-        assert handler.load_compile_artifacts(folders["settings"], key_of(), folders["env"]) is False
+        assert load_compile_artifacts(folders["settings"], key_of(), folders["env"]) is False
     assert torch_loads == []
     [record] = compile_cache_records(caplog)
     assert "no artifacts" in record.getMessage()
@@ -268,10 +287,10 @@ def test_no_file_is_one_line_and_no_torch_call(folders, torch_loads, caplog):
 
 def test_another_setups_file_is_never_opened(folders, torch_saves, torch_loads, caplog):
     """The key is the file name: artifacts of another dtype, or another torch, are simply not found."""
-    handler.save_compile_artifacts(folders["settings"], key_of(dtype="torch.float16"), folders["env"])
-    handler.save_compile_artifacts(folders["settings"], key_of(runtime={**RUNTIME, "torch": "2.8.0"}), folders["env"])
+    save_compile_artifacts(folders["settings"], key_of(dtype="torch.float16"), folders["env"])
+    save_compile_artifacts(folders["settings"], key_of(runtime={**RUNTIME, "torch": "2.8.0"}), folders["env"])
     with caplog.at_level(logging.INFO, logger="runpod-vlm"):
-        assert handler.load_compile_artifacts(folders["settings"], key_of(), folders["env"]) is False
+        assert load_compile_artifacts(folders["settings"], key_of(), folders["env"]) is False
     assert torch_loads == []
     assert "no artifacts" in compile_cache_records(caplog)[-1].getMessage()
 
@@ -281,21 +300,21 @@ def test_torch_refusing_or_raising_is_one_line_not_a_crash(folders, torch_saves,
         raise RuntimeError("unpickling failed")
 
     key = key_of()
-    handler.save_compile_artifacts(folders["settings"], key, folders["env"])
+    save_compile_artifacts(folders["settings"], key, folders["env"])
     monkeypatch.setattr(torch.compiler, "load_cache_artifacts", refuse)
     with caplog.at_level(logging.INFO, logger="runpod-vlm"):
-        assert handler.load_compile_artifacts(folders["settings"], key, folders["env"]) is False
+        assert load_compile_artifacts(folders["settings"], key, folders["env"]) is False
     [record] = compile_cache_records(caplog)
     assert "unpickling failed" in record.getMessage()
 
 
 def test_a_bad_volume_file_falls_back_to_the_container_copy(folders, torch_loads, caplog):
-    key, name = key_of(), key_of() + handler.COMPILE_ARTIFACTS_SUFFIX
+    key, name = key_of(), key_of() + COMPILE_ARTIFACTS_SUFFIX
     for folder, payload in [(folders["volume"], b"bad" * 100), (folders["container"], b"good" * 100)]:
         folder.mkdir(parents=True)
         (folder / name).write_bytes(payload)
     with caplog.at_level(logging.INFO, logger="runpod-vlm"):
-        assert handler.load_compile_artifacts(folders["settings"], key, folders["env"]) is True
+        assert load_compile_artifacts(folders["settings"], key, folders["env"]) is True
     assert torch_loads == [b"bad" * 100, b"good" * 100]
     assert [r.levelno for r in compile_cache_records(caplog)] == [logging.WARNING, logging.INFO]
 
@@ -305,21 +324,21 @@ def test_a_bad_volume_file_falls_back_to_the_container_copy(folders, torch_loads
 
 def test_save_writes_the_volume_and_replaces_older_artifacts(folders, torch_saves):
     key = key_of()
-    path = handler.save_compile_artifacts(folders["settings"], key, folders["env"])
-    assert path == str(folders["volume"] / (key + handler.COMPILE_ARTIFACTS_SUFFIX))
+    path = save_compile_artifacts(folders["settings"], key, folders["env"])
+    assert path == str(folders["volume"] / (key + COMPILE_ARTIFACTS_SUFFIX))
     assert Path(path).read_bytes() == torch_saves[0]
     torch_saves[0] = os.urandom(30_000)
-    assert handler.save_compile_artifacts(folders["settings"], key, folders["env"]) == path
+    assert save_compile_artifacts(folders["settings"], key, folders["env"]) == path
     assert Path(path).read_bytes() == torch_saves[0]  # new artifacts replace them
     assert [n for n in os.listdir(folders["volume"]) if n.endswith(".tmp")] == []
 
 
 def test_save_with_nothing_compiled_or_a_torch_error_writes_nothing(folders, monkeypatch, caplog):
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: None)
-    assert handler.save_compile_artifacts(folders["settings"], key_of(), folders["env"]) is None
+    assert save_compile_artifacts(folders["settings"], key_of(), folders["env"]) is None
     monkeypatch.setattr(torch.compiler, "save_cache_artifacts", lambda: 1 / 0)
     with caplog.at_level(logging.INFO, logger="runpod-vlm"):
-        assert handler.save_compile_artifacts(folders["settings"], key_of(), folders["env"]) is None
+        assert save_compile_artifacts(folders["settings"], key_of(), folders["env"]) is None
     assert "ZeroDivisionError" in compile_cache_records(caplog)[-1].getMessage()
     assert not folders["volume"].exists() and not folders["container"].exists()
 
@@ -344,10 +363,10 @@ def test_an_unwritable_volume_falls_back_to_the_container_with_one_line(folders,
     refuse_new_files(monkeypatch, folders["volume"])
     key = key_of()
     with caplog.at_level(logging.INFO, logger="runpod-vlm"):
-        first = handler.save_compile_artifacts(folders["settings"], key, folders["env"])
+        first = save_compile_artifacts(folders["settings"], key, folders["env"])
         torch_saves[0] = os.urandom(30_000)
-        second = handler.save_compile_artifacts(folders["settings"], key, folders["env"])
-    assert first == second == str(folders["container"] / (key + handler.COMPILE_ARTIFACTS_SUFFIX))
+        second = save_compile_artifacts(folders["settings"], key, folders["env"])
+    assert first == second == str(folders["container"] / (key + COMPILE_ARTIFACTS_SUFFIX))
     assert Path(second).read_bytes() == torch_saves[0]
     warnings = [r for r in compile_cache_records(caplog) if r.levelno == logging.WARNING]
     assert len(warnings) == 1 and str(folders["volume"]) in warnings[0].getMessage()
@@ -357,21 +376,21 @@ def test_an_unwritable_volume_falls_back_to_the_container_with_one_line(folders,
 def test_a_file_where_the_folder_should_be_falls_back_too(folders, torch_saves, tmp_path):
     (tmp_path / "a-file").write_text("")
     env = {**folders["env"], "VLM_COMPILE_CACHE_DIR": str(tmp_path / "a-file" / "cache")}
-    path = handler.save_compile_artifacts(handler.Settings.from_env(env), key_of(), env)
-    assert path == str(folders["container"] / (key_of() + handler.COMPILE_ARTIFACTS_SUFFIX))
+    path = save_compile_artifacts(Settings.from_env(env), key_of(), env)
+    assert path == str(folders["container"] / (key_of() + COMPILE_ARTIFACTS_SUFFIX))
 
 
 def test_nowhere_writable_saves_nothing_and_does_not_raise(folders, torch_saves, tmp_path):
     folders["volume"].write_text("")  # files where both folders should be
     (tmp_path / "hf").write_text("")
-    assert handler.save_compile_artifacts(folders["settings"], key_of(), folders["env"]) is None
+    assert save_compile_artifacts(folders["settings"], key_of(), folders["env"]) is None
 
 
 def test_a_read_only_volume_still_serves_its_artifacts(folders, torch_saves, torch_loads, monkeypatch):
     key = key_of()
-    handler.save_compile_artifacts(folders["settings"], key, folders["env"])
+    save_compile_artifacts(folders["settings"], key, folders["env"])
     refuse_new_files(monkeypatch, folders["volume"])
-    assert handler.load_compile_artifacts(folders["settings"], key, folders["env"]) is True
+    assert load_compile_artifacts(folders["settings"], key, folders["env"]) is True
     assert torch_loads == torch_saves
 
 
@@ -380,22 +399,23 @@ def test_a_read_only_volume_still_serves_its_artifacts(folders, torch_saves, tor
 
 def _artifact_files(folder: Path) -> tuple[list[str], list[str]]:
     names = os.listdir(folder)
-    return [n for n in names if n.endswith(handler.COMPILE_ARTIFACTS_SUFFIX)], [n for n in names if n.endswith(".tmp")]
+    return [n for n in names if n.endswith(COMPILE_ARTIFACTS_SUFFIX)], [n for n in names if n.endswith(".tmp")]
 
 
 def test_concurrent_writers_leave_one_whole_file_and_readers_never_see_a_part(tmp_path, monkeypatch):
     env = {"VLM_COMPILE_CACHE_DIR": str(tmp_path / "cache"), "HF_HOME": str(tmp_path / "hf")}
-    settings, key = handler.Settings.from_env(env), key_of()
+    settings, key = Settings.from_env(env), key_of()
     payloads = [bytes([n]) * 400_000 for n in range(8)]
     # Each writer thread saves its own payload: thread n's name is "n".
-    monkeypatch.setattr(torch.compiler, "save_cache_artifacts",
-                        lambda: (payloads[int(threading.current_thread().name)], None))
-    path = tmp_path / "cache" / (key + handler.COMPILE_ARTIFACTS_SUFFIX)
+    monkeypatch.setattr(
+        torch.compiler, "save_cache_artifacts", lambda: (payloads[int(threading.current_thread().name)], None)
+    )
+    path = tmp_path / "cache" / (key + COMPILE_ARTIFACTS_SUFFIX)
     seen = []
 
     def write():
         for _ in range(5):
-            assert handler.save_compile_artifacts(settings, key, env) == str(path)
+            assert save_compile_artifacts(settings, key, env) == str(path)
 
     def read():
         while any(w.is_alive() for w in writers):
@@ -416,18 +436,20 @@ def test_concurrent_writers_leave_one_whole_file_and_readers_never_see_a_part(tm
 def test_concurrent_processes_leave_one_whole_file(tmp_path):
     folder, key = tmp_path / "cache", key_of()
     script = (
-        "import sys, torch, handler\n"
+        "import sys, torch\n"
+        "from runpod_vlm.engine.compile import save_compile_artifacts\n"
+        "from runpod_vlm.settings import Settings\n"
         "n = int(sys.argv[1])\n"
         "torch.compiler.save_cache_artifacts = lambda: (bytes([n]) * 300_000, None)\n"
-        "settings = handler.Settings.from_env()\n"
+        "settings = Settings.from_env()\n"
         "for _ in range(10):\n"
-        "    assert handler.save_compile_artifacts(settings, sys.argv[2])\n"
+        "    assert save_compile_artifacts(settings, sys.argv[2])\n"
     )
     env = {**os.environ, "VLM_COMPILE_CACHE_DIR": str(folder), "HF_HOME": str(tmp_path / "hf")}
     writers = [subprocess.Popen([sys.executable, "-c", script, str(n), key], cwd=ROOT, env=env) for n in range(4)]
     assert [w.wait(timeout=120) for w in writers] == [0] * 4
     finals, temporaries = _artifact_files(folder)
-    assert finals == [key + handler.COMPILE_ARTIFACTS_SUFFIX] and temporaries == []
+    assert finals == [key + COMPILE_ARTIFACTS_SUFFIX] and temporaries == []
     assert (folder / finals[0]).read_bytes() in [bytes([n]) * 300_000 for n in range(4)]
 
 
@@ -459,41 +481,44 @@ MODEL_FILES = {"config.json": b"{}", "model.safetensors": b"weights", "tokenizer
 def test_a_cached_model_resolves_to_its_snapshot(tmp_path, caplog):
     snapshot = fake_hub_cache(tmp_path, "Qwen/Qwen2-VL-2B-Instruct", MODEL_FILES)
     with caplog.at_level(logging.INFO, logger="runpod-vlm"):
-        assert handler.resolve_model_source("Qwen/Qwen2-VL-2B-Instruct", str(tmp_path)) == str(snapshot)
+        assert weights_source("Qwen/Qwen2-VL-2B-Instruct", str(tmp_path)) == str(snapshot)
     assert "RunPod's cached models" in caplog.records[-1].getMessage()
 
 
 def test_a_model_not_cached_resolves_to_its_id(tmp_path):
     fake_hub_cache(tmp_path, "llava-hf/llava-1.5-7b-hf", MODEL_FILES)
     for hub_cache in (tmp_path, tmp_path / "absent"):
-        assert handler.resolve_model_source("Qwen/Qwen2-VL-2B-Instruct", str(hub_cache)) == "Qwen/Qwen2-VL-2B-Instruct"
+        assert weights_source("Qwen/Qwen2-VL-2B-Instruct", str(hub_cache)) == "Qwen/Qwen2-VL-2B-Instruct"
     assert not (tmp_path / "absent").exists()  # looking never makes /runpod-volume appear
 
 
 def test_a_local_folder_is_used_as_given(tmp_path):
-    assert handler.resolve_model_source(str(tmp_path), str(tmp_path / "absent")) == str(tmp_path)
+    assert weights_source(str(tmp_path), str(tmp_path / "absent")) == str(tmp_path)
 
 
 def test_without_refs_the_only_snapshot_is_used_and_two_are_ambiguous(tmp_path):
     snapshot = fake_hub_cache(tmp_path, "Org/Model", MODEL_FILES, ref=False)
-    assert handler.resolve_model_source("Org/Model", str(tmp_path)) == str(snapshot)
+    assert weights_source("Org/Model", str(tmp_path)) == str(snapshot)
     fake_hub_cache(tmp_path, "Org/Model", MODEL_FILES, ref=False, revision="a" * 40)
-    assert handler.resolve_model_source("Org/Model", str(tmp_path)) == "Org/Model"
+    assert weights_source("Org/Model", str(tmp_path)) == "Org/Model"
 
 
 def test_an_incomplete_snapshot_is_not_used(tmp_path, caplog):
     shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
     index = {"weight_map": {"a.weight": shards[0], "b.weight": shards[1]}}
-    files = {"config.json": b"{}", "model.safetensors.index.json": json.dumps(index).encode(),
-             "model-00001-of-00002.safetensors": b"half"}
+    files = {
+        "config.json": b"{}",
+        "model.safetensors.index.json": json.dumps(index).encode(),
+        "model-00001-of-00002.safetensors": b"half",
+    }
     snapshot = fake_hub_cache(tmp_path, "Org/Sharded", files)
     # A link to a blob that never arrived (an interrupted download) counts as missing.
     (snapshot / "model-00002-of-00002.safetensors").symlink_to("../../blobs/never-downloaded")
     with caplog.at_level(logging.INFO, logger="runpod-vlm"):
-        assert handler.resolve_model_source("Org/Sharded", str(tmp_path)) == "Org/Sharded"
+        assert weights_source("Org/Sharded", str(tmp_path)) == "Org/Sharded"
     assert "model-00002-of-00002.safetensors" in caplog.records[-1].getMessage()
     no_weights = fake_hub_cache(tmp_path, "Org/Empty", {"config.json": b"{}"})
-    assert handler._missing_model_files(str(no_weights)) == ["weights (*.safetensors)"]
+    assert missing_model_files(str(no_weights)) == ["weights (*.safetensors)"]
 
 
 def test_transformers_loads_the_resolved_snapshot(tiny_model, tmp_path):
@@ -502,7 +527,7 @@ def test_transformers_loads_the_resolved_snapshot(tiny_model, tmp_path):
     folder = tiny_model("qwen2-vl")
     files = {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
     fake_hub_cache(tmp_path, "Org/tiny-qwen2-vl", files)
-    source = handler.resolve_model_source("Org/tiny-qwen2-vl", str(tmp_path))
+    source = weights_source("Org/tiny-qwen2-vl", str(tmp_path))
     assert source != "Org/tiny-qwen2-vl"
     model = AutoModelForImageTextToText.from_pretrained(source, device_map="cpu")
     AutoProcessor.from_pretrained(source)
@@ -512,8 +537,8 @@ def test_transformers_loads_the_resolved_snapshot(tiny_model, tmp_path):
 
 def prefill(engine, decoder, parts: list, count: int = 1, first_row: int = 0, new_tokens: int = 8) -> None:
     """`count` greedy chats of one user turn of `parts`, prefilled into the rows from `first_row`."""
-    params = handler.GenerationParams(max_new_tokens=new_tokens, temperature=0.0, top_p=1.0, do_sample=False)
-    items = [handler.GenerationRequest("chat", [handler.Turn("user", parts)], params)] * count
+    params = GenerationParams(max_new_tokens=new_tokens, temperature=0.0, top_p=1.0, do_sample=False)
+    items = [GenerationRequest("chat", [Turn("user", parts)], params)] * count
     inputs, _ = engine.adapter.batch_inputs(engine.processor, items, engine.model.device, engine.dtype)
     decoder.shift(decoder.plan(inputs["input_ids"].shape[1], new_tokens))
     decoder.prefill(inputs, list(range(first_row, first_row + count)), [params] * count)
@@ -524,9 +549,9 @@ def compile_in_background(engine, monkeypatch, buckets: list[int], backend) -> N
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, dynamic, **options: compile_(fn, dynamic=dynamic, backend=backend))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(handler, "COMPILE_AFTER_FIRST_ANSWER_S", 0)
-    monkeypatch.setattr(handler, "load_compile_artifacts", lambda *args: False)
-    monkeypatch.setattr(handler, "save_compile_artifacts", lambda *args: None)
+    monkeypatch.setattr(engine_module, "COMPILE_AFTER_FIRST_ANSWER_S", 0)
+    monkeypatch.setattr(engine_module, "load_compile_artifacts", lambda *args: False)
+    monkeypatch.setattr(engine_module, "save_compile_artifacts", lambda *args: None)
     engine._compile_in_background(buckets, 256)
     engine._compiler.shutdown(wait=True)
 
@@ -541,13 +566,18 @@ def test_a_compiled_decode_step_is_traced_once_whatever_the_prefills(tiny_model,
 
     engine = serve(tiny_model(family), VLM_COMPILE="false")
     traces = []
-    forward = torch.compile(handler._model_view(engine.model).__call__, dynamic=False,
-                            backend=lambda graph, example_inputs: traces.append(graph) or graph.forward)
-    shadow = handler.SlotDecoder(handler._model_view(engine.model), engine.eos_ids, rows=16, length=256,
-                                 use_graph=False, interval=8)
-    decoder = handler.SlotDecoder(engine.model, engine.eos_ids, rows=16, length=256, use_graph=False, interval=8)
-    plans = [(shadow, ["warm up"], 8, 0), (decoder, [Image.new("RGB", (64, 64)), "Hi."], 1, 0),
-             (decoder, [Image.new("RGB", (96, 64)), "Say."], 3, 1)]
+    forward = torch.compile(
+        model_view(engine.model).__call__,
+        dynamic=False,
+        backend=lambda graph, example_inputs: traces.append(graph) or graph.forward,
+    )
+    shadow = SlotDecoder(model_view(engine.model), engine.eos_ids, rows=16, length=256, use_graph=False, interval=8)
+    decoder = SlotDecoder(engine.model, engine.eos_ids, rows=16, length=256, use_graph=False, interval=8)
+    plans = [
+        (shadow, ["warm up"], 8, 0),
+        (decoder, [Image.new("RGB", (64, 64)), "Hi."], 1, 0),
+        (decoder, [Image.new("RGB", (96, 64)), "Say."], 3, 1),
+    ]
     with torch.inference_mode():
         for step, (slots, parts, count, first_row) in enumerate(plans):
             prefill(engine, slots, parts, count, first_row)
@@ -563,13 +593,14 @@ def test_the_step_compiles_one_decoder_layer_per_shape_and_decodes_as_the_plain_
     # compiled once per shape (a layer's cache index, read by dynamo, would have made every layer a trace of its own).
     engine = serve(tiny_model("qwen2-vl"), VLM_COMPILE="false", VLM_MAX_BATCH_SIZE="16")
     traces = []
-    compile_in_background(engine, monkeypatch, [8, 16],
-                          backend=lambda graph, example_inputs: traces.append(graph) or graph.forward)
+    compile_in_background(
+        engine, monkeypatch, [8, 16], backend=lambda graph, example_inputs: traces.append(graph) or graph.forward
+    )
     assert engine._compiled_shapes == {(8, 256), (16, 256)} and len(engine.model.get_decoder().layers) == 2
     assert len(traces) == 2 and not any("embed_tokens" in graph.code for graph in traces)
     tokens = []
     for forward in (engine.model, engine._compiled_forward):
-        decoder = handler.SlotDecoder(engine.model, engine.eos_ids, rows=16, length=256, use_graph=False, interval=4)
+        decoder = SlotDecoder(engine.model, engine.eos_ids, rows=16, length=256, use_graph=False, interval=4)
         for bucket in decoder.buckets:
             decoder.use_forward(bucket, forward)
         with torch.inference_mode():
@@ -584,7 +615,7 @@ def test_a_failed_cuda_graph_capture_is_tried_again_at_a_later_step(tiny_model, 
     # On the H200 a capture that overlapped the background compile failed, and the worker then decoded
     # without graphs for good. A failed capture is now tried again, up to 3 times in all.
     engine = serve(tiny_model("qwen2-vl"), VLM_COMPILE="false")
-    decoder = handler.SlotDecoder(engine.model, engine.eos_ids, rows=8, length=256, use_graph=True, interval=2)
+    decoder = SlotDecoder(engine.model, engine.eos_ids, rows=8, length=256, use_graph=True, interval=2)
     tries = []
 
     def capture(bucket):
@@ -619,7 +650,7 @@ def test_a_prefill_on_the_engine_thread_during_the_compile_does_not_fail_it(tiny
     assert engine._compiled_shapes == {(8, 256)}
     tokens = []
     for forward in (engine.model, engine._compiled_forward):  # the view's compiled step decodes as the model
-        decoder = handler.SlotDecoder(engine.model, engine.eos_ids, rows=8, length=256, use_graph=False, interval=4)
+        decoder = SlotDecoder(engine.model, engine.eos_ids, rows=8, length=256, use_graph=False, interval=4)
         decoder.use_forward(8, forward)
         with torch.inference_mode():
             prefill(engine, decoder, ["Say hi."], new_tokens=8)
@@ -627,25 +658,42 @@ def test_a_prefill_on_the_engine_thread_during_the_compile_does_not_fail_it(tiny
     assert tokens[0] == tokens[1]
 
 
-def test_jobs_answered_while_the_step_compiles_and_after_get_their_eager_tokens(tiny_model, serve, tmp_path,
-                                                                                monkeypatch):
+def test_jobs_answered_while_the_step_compiles_and_after_get_their_eager_tokens(
+    tiny_model, serve, tmp_path, monkeypatch
+):
     # The whole background compile for real, on CPU (inductor's C++ backend; no CUDA graphs): jobs of several
     # lengths and images, sent together again and again while the step compiles and once it is switched to,
     # get exactly the tokens of the plain forward.
     from sample_images import data_uri, striped
 
-    engine = serve(tiny_model("qwen2-vl"), VLM_COMPILE="false", VLM_MAX_BATCH_SIZE="4", VLM_SYNC_INTERVAL="2",
-                   VLM_CACHE_LEN="256", VLM_COMPILE_CACHE_DIR=str(tmp_path))
-    jobs = [{"task": "vqa", "image_url": data_uri(striped((40 + 8 * n, 40))), "question": f"What is {n}?",
-             "max_new_tokens": 6 + 4 * n, "min_new_tokens": 6 + 4 * n} for n in range(3)]
+    engine = serve(
+        tiny_model("qwen2-vl"),
+        VLM_COMPILE="false",
+        VLM_MAX_BATCH_SIZE="4",
+        VLM_SYNC_INTERVAL="2",
+        VLM_CACHE_LEN="256",
+        VLM_COMPILE_CACHE_DIR=str(tmp_path),
+    )
+    jobs = [
+        {
+            "task": "vqa",
+            "image_url": data_uri(striped((40 + 8 * n, 40))),
+            "question": f"What is {n}?",
+            "max_new_tokens": 6 + 4 * n,
+            "min_new_tokens": 6 + 4 * n,
+        }
+        for n in range(3)
+    ]
     jobs.append({"messages": [{"role": "user", "content": "No image."}], "max_new_tokens": 12})
-    eager = [asyncio.run(handler.answer({"id": "eager", "input": job})) for job in jobs]
+    eager = [asyncio.run(handler.local_test_answer({"id": "eager", "input": job})) for job in jobs]
 
     async def together():
-        return await asyncio.gather(*(handler.answer({"id": str(n), "input": job}) for n, job in enumerate(jobs)))
+        return await asyncio.gather(
+            *(handler.local_test_answer({"id": str(n), "input": job}) for n, job in enumerate(jobs))
+        )
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(handler, "COMPILE_AFTER_FIRST_ANSWER_S", 0)
+    monkeypatch.setattr(engine_module, "COMPILE_AFTER_FIRST_ANSWER_S", 0)
     engine.compile, engine._decoder = True, None  # the next decoder compiles its step in the background
     rounds = []
     while not engine.wait_until_compiled(0) and len(rounds) < 200:

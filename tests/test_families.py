@@ -14,6 +14,8 @@ import safetensors.torch
 import torch
 
 import handler
+from runpod_vlm.families import FAMILIES, adapter_for
+from runpod_vlm.settings import CURATED_MODELS
 from sample_images import data_uri, plain, striped
 
 # Families whose processor has a chat template (PaliGemma, prompted by task prefixes, is below).
@@ -23,7 +25,7 @@ NEW_TOKENS = 5
 
 def ask(payload: dict) -> dict:
     job = {"id": "job-1", "input": payload}
-    return asyncio.run(handler.answer(job))
+    return asyncio.run(handler.local_test_answer(job))
 
 
 @pytest.fixture(scope="module", params=CHAT_FAMILIES)
@@ -45,7 +47,7 @@ def check_batch_against_card(engine, requests: list[dict], cards: list[tuple[lis
     """Two or more requests in one call: each row of the adapter's batch inputs (what the engine
     prefills) has the prompt ids of the card's recipe for that request alone, and each answer is
     the card's greedy answer (text and token counts)."""
-    items = [handler.parse_request(request, engine.settings)[1] for request in requests]
+    items = [handler.read_job_item(request, engine.settings, engine.model_id)[1] for request in requests]
     inputs, _ = engine.adapter.batch_inputs(engine.processor, items, engine.model.device, engine.dtype)
     for row, (prompt, _) in enumerate(cards):
         ids, mask = inputs["input_ids"][row], inputs["attention_mask"][row]
@@ -64,7 +66,7 @@ def worker_rows(calls: list[dict], rows: int) -> list[tuple[list[int], list[int]
     result = []
     for row in range(rows):
         ids, mask = first["input_ids"][row], first["attention_mask"][row]
-        prompt = ids[mask[-len(ids):].bool()].tolist()
+        prompt = ids[mask[-len(ids) :].bool()].tolist()
         result.append((prompt, [int(call["choice"][row]) for call in calls][:NEW_TOKENS]))
     return result
 
@@ -75,7 +77,7 @@ def reference_model(folder: str):
     Phi-4-multimodal's `vision-lora` adapter loaded and set when the folder has one, as its card does."""
     import transformers
 
-    model_class = handler.adapter_for(transformers.AutoConfig.from_pretrained(folder).model_type).model_class
+    model_class = adapter_for(transformers.AutoConfig.from_pretrained(folder).model_type).model_class
     model = getattr(transformers, model_class).from_pretrained(folder, dtype=torch.float32).eval()
     if (Path(folder) / "vision-lora").is_dir():
         # The card passes the repo id with adapter_kwargs={"subfolder": "vision-lora"}; for a local folder,
@@ -96,7 +98,7 @@ def card_recipe(folder, messages: list[dict]) -> tuple[list[int], list[int]]:
     with torch.inference_mode():
         output = model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS)
     prompt = inputs["input_ids"][0]
-    return prompt.tolist(), output[0, len(prompt):].tolist()
+    return prompt.tolist(), output[0, len(prompt) :].tolist()
 
 
 def text(value: str) -> dict:
@@ -106,16 +108,26 @@ def text(value: str) -> dict:
 FIRST, SECOND, THIRD = striped((100, 50)), plain("green", (40, 60)), striped((64, 64))
 # Two different requests: a system prompt and two images in one turn; a single-image question.
 TWO_IMAGES = (
-    {"messages": [
-        {"role": "system", "content": "Answer in one word."},
-        {"role": "user", "content": [{"type": "image_url", "image_url": data_uri(FIRST)},
-                                     text("Which is green?"),
-                                     {"type": "image_url", "image_url": data_uri(SECOND)}]},
-    ], "max_new_tokens": NEW_TOKENS},
+    {
+        "messages": [
+            {"role": "system", "content": "Answer in one word."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": data_uri(FIRST)},
+                    text("Which is green?"),
+                    {"type": "image_url", "image_url": data_uri(SECOND)},
+                ],
+            },
+        ],
+        "max_new_tokens": NEW_TOKENS,
+    },
     [
         {"role": "system", "content": [text("Answer in one word.")]},
-        {"role": "user", "content": [{"type": "image", "image": FIRST}, text("Which is green?"),
-                                     {"type": "image", "image": SECOND}]},
+        {
+            "role": "user",
+            "content": [{"type": "image", "image": FIRST}, text("Which is green?"), {"type": "image", "image": SECOND}],
+        },
     ],
 )
 ONE_IMAGE = (
@@ -138,8 +150,11 @@ def test_a_request_alone_matches_the_card(engine, tiny_model, family, forward_ca
 
 
 def test_two_different_requests_batched_match_the_card(engine, tiny_model, family):
-    check_batch_against_card(engine, [TWO_IMAGES[0], ONE_IMAGE[0]],
-                             [card_recipe(tiny_model(family), messages) for _, messages in [TWO_IMAGES, ONE_IMAGE]])
+    check_batch_against_card(
+        engine,
+        [TWO_IMAGES[0], ONE_IMAGE[0]],
+        [card_recipe(tiny_model(family), messages) for _, messages in [TWO_IMAGES, ONE_IMAGE]],
+    )
 
 
 # ---- PaliGemma: task prefixes instead of a chat template ----------------------------------------
@@ -157,15 +172,18 @@ def paligemma_card(folder, prefix: str, image) -> tuple[list[int], list[int]]:
     with torch.inference_mode():
         output = model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS)
     prompt = inputs["input_ids"][0]
-    return prompt.tolist(), output[0, len(prompt):].tolist()
+    return prompt.tolist(), output[0, len(prompt) :].tolist()
 
 
 PALIGEMMA_REQUESTS = [
     ({"task": "caption", "image_url": data_uri(FIRST)}, "caption en", FIRST),
     ({"task": "vqa", "image_url": data_uri(THIRD), "question": "What is shown?"}, "answer en What is shown?", THIRD),
     ({"task": "grounding", "image_url": data_uri(SECOND), "target": "the square"}, "detect the square", SECOND),
-    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": data_uri(THIRD)},
-                                                text("ocr")]}]}, "ocr", THIRD),
+    (
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": data_uri(THIRD)}, text("ocr")]}]},
+        "ocr",
+        THIRD,
+    ),
 ]
 
 
@@ -176,7 +194,8 @@ def test_paligemma_prompts_are_the_cards_task_prefixes_alone_and_batched(paligem
         assert "error" not in out, out
         assert worker_rows(calls, 1) == [paligemma_card(tiny_model("paligemma"), prefix, image)]
     check_batch_against_card(
-        paligemma, [{**request, "max_new_tokens": NEW_TOKENS} for request, _, _ in PALIGEMMA_REQUESTS],
+        paligemma,
+        [{**request, "max_new_tokens": NEW_TOKENS} for request, _, _ in PALIGEMMA_REQUESTS],
         [paligemma_card(tiny_model("paligemma"), prefix, image) for _, prefix, image in PALIGEMMA_REQUESTS],
     )
 
@@ -186,23 +205,34 @@ def test_paligemma_text_only_reads_a_black_image(paligemma, tiny_model):
 
     check_batch_against_card(
         paligemma,
-        [{"messages": [{"role": "user", "content": "caption en"}], "max_new_tokens": NEW_TOKENS},
-         {**PALIGEMMA_REQUESTS[0][0], "max_new_tokens": NEW_TOKENS}],
-        [paligemma_card(tiny_model("paligemma"), "caption en", Image.new("RGB", (1, 1))),
-         paligemma_card(tiny_model("paligemma"), "caption en", FIRST)],
+        [
+            {"messages": [{"role": "user", "content": "caption en"}], "max_new_tokens": NEW_TOKENS},
+            {**PALIGEMMA_REQUESTS[0][0], "max_new_tokens": NEW_TOKENS},
+        ],
+        [
+            paligemma_card(tiny_model("paligemma"), "caption en", Image.new("RGB", (1, 1))),
+            paligemma_card(tiny_model("paligemma"), "caption en", FIRST),
+        ],
     )
 
 
-@pytest.mark.parametrize("messages", [
-    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [text("caption en")]}],
-    [{"role": "user", "content": [text("caption en")]}, {"role": "assistant", "content": "A cat."},
-     {"role": "user", "content": [text("answer en why?")]}],
-    [{"role": "user", "content": [{"type": "image_url", "image_url": data_uri(SECOND)}, text("caption en")]}],
-])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": [text("caption en")]}],
+        [
+            {"role": "user", "content": [text("caption en")]},
+            {"role": "assistant", "content": "A cat."},
+            {"role": "user", "content": [text("answer en why?")]},
+        ],
+        [{"role": "user", "content": [{"type": "image_url", "image_url": data_uri(SECOND)}, text("caption en")]}],
+    ],
+)
 def test_paligemma_refuses_what_its_card_cannot_express(paligemma, messages):
     messages[-1]["content"].insert(0, {"type": "image_url", "image_url": data_uri(FIRST)})
-    out = ask({"requests": [{"messages": messages}, {"task": "caption", "image_url": data_uri(FIRST),
-                                                     "max_new_tokens": 2}]})
+    out = ask(
+        {"requests": [{"messages": messages}, {"task": "caption", "image_url": data_uri(FIRST), "max_new_tokens": 2}]}
+    )
     refused, answered = out["results"]
     assert refused["code"] == "invalid_request" and refused["param"] == "requests[0].messages", refused
     assert "error" not in answered  # its neighbour still answers
@@ -219,8 +249,13 @@ def forward_calls_of(monkeypatch):
         @functools.wraps(real_forward)  # generate() reads the forward's signature
         def recording_forward(*args, **kwargs):
             output = real_forward(*args, **kwargs)
-            calls.append({"input_ids": kwargs.get("input_ids"), "attention_mask": kwargs.get("attention_mask"),
-                          "choice": output.logits[:, -1].argmax(-1)})
+            calls.append(
+                {
+                    "input_ids": kwargs.get("input_ids"),
+                    "attention_mask": kwargs.get("attention_mask"),
+                    "choice": output.logits[:, -1].argmax(-1),
+                }
+            )
             return output
 
         recording_forward.__wrapped_forward__ = real_forward
@@ -250,24 +285,43 @@ def script_answer(engine, monkeypatch, answer_text: str) -> None:
     monkeypatch.setattr(engine.model, "forward", scripted_forward)
 
 
-@pytest.mark.parametrize("family, answer, box_format, labels", [
-    ("qwen3-vl", '```json\n[{"bbox_2d": [100, 200, 500, 800], "label": "stripe"},\n'
-                 ' {"bbox_2d": [0, 0, 1000, 1000], "label": "all"}]\n```', "qwen-1000", ["stripe", "all"]),
-    ("paligemma", "<loc0205><loc0102><loc0819><loc0512> stripe ; <loc0000><loc0000><loc1024><loc1024> all",
-     "paligemma-1024", ["stripe", "all"]),
-    # GLM-4.1V thinks first; only the boxes of its answer count
-    ("glm4v", "<think>Maybe [1, 2, 3, 4].</think><answer><|begin_of_box|>[[100, 200, 500, 800], [0, 0, 1000, 1000]]"
-              "<|end_of_box|></answer>", "glm-1000", [None, None]),
-])
-def test_grounding_returns_every_box_in_image_pixels(family, answer, box_format, labels, tiny_model, serve,
-                                                     monkeypatch):
+@pytest.mark.parametrize(
+    "family, answer, box_format, labels",
+    [
+        (
+            "qwen3-vl",
+            '```json\n[{"bbox_2d": [100, 200, 500, 800], "label": "stripe"},\n'
+            ' {"bbox_2d": [0, 0, 1000, 1000], "label": "all"}]\n```',
+            "qwen-1000",
+            ["stripe", "all"],
+        ),
+        (
+            "paligemma",
+            "<loc0205><loc0102><loc0819><loc0512> stripe ; <loc0000><loc0000><loc1024><loc1024> all",
+            "paligemma-1024",
+            ["stripe", "all"],
+        ),
+        # GLM-4.1V thinks first; only the boxes of its answer count
+        (
+            "glm4v",
+            "<think>Maybe [1, 2, 3, 4].</think><answer><|begin_of_box|>[[100, 200, 500, 800], [0, 0, 1000, 1000]]"
+            "<|end_of_box|></answer>",
+            "glm-1000",
+            [None, None],
+        ),
+    ],
+)
+def test_grounding_returns_every_box_in_image_pixels(
+    family, answer, box_format, labels, tiny_model, serve, monkeypatch
+):
     engine = serve(tiny_model(family))
     script_answer(engine, monkeypatch, answer)
-    out = ask({"task": "grounding", "image_url": data_uri(striped((100, 50))), "target": "a stripe",
-               "annotate": True})
+    out = ask({"task": "grounding", "image_url": data_uri(striped((100, 50))), "target": "a stripe", "annotate": True})
     assert "error" not in out, out
-    assert out["boxes"] == [{"bbox": [10, 10, 50, 40], "label": labels[0]},
-                            {"bbox": [0, 0, 100, 50], "label": labels[1]}]
+    assert out["boxes"] == [
+        {"bbox": [10, 10, 50, 40], "label": labels[0]},
+        {"bbox": [0, 0, 100, 50], "label": labels[1]},
+    ]
     assert out["bbox"] == [10, 10, 50, 40] and out["box_format"] == box_format and out["image_size"] == [100, 50]
     assert out["annotated_image"].startswith("data:image/png;base64,")
 
@@ -275,7 +329,10 @@ def test_grounding_returns_every_box_in_image_pixels(family, answer, box_format,
 def test_qwen3_vl_takes_the_pixel_limits(tiny_model, serve):
     engine = serve(tiny_model("qwen3-vl"), VLM_MAX_PIXELS=str(64 * 64))
     inputs, sizes = engine.adapter.batch_inputs(
-        engine.processor, [handler.parse_request(ONE_IMAGE[0], engine.settings)[1]], "cpu", torch.float32
+        engine.processor,
+        [handler.read_job_item(ONE_IMAGE[0], engine.settings, engine.model_id)[1]],
+        "cpu",
+        torch.float32,
     )
     assert inputs["image_grid_thw"].tolist() == [[1, 4, 4]]  # 64x64 at most: 4x4 patches of 16
     assert sizes == [(64, 64)]
@@ -286,12 +343,27 @@ def test_qwen3_vl_takes_the_pixel_limits(tiny_model, serve):
 VISION_WORDS = ("vision", "visual", "projector", "connector", "resampler", "merger", "patch_embed")
 
 
-@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "llava", "llava-next", "qwen3-vl", "gemma3",
-                                    "llava-onevision", "paligemma", "smolvlm", "internvl-hf", "mistral3", "llama4",
-                                    "glm4v"])
+@pytest.mark.parametrize(
+    "family",
+    [
+        "qwen2-vl",
+        "qwen2.5-vl",
+        "llava",
+        "llava-next",
+        "qwen3-vl",
+        "gemma3",
+        "llava-onevision",
+        "paligemma",
+        "smolvlm",
+        "internvl-hf",
+        "mistral3",
+        "llama4",
+        "glm4v",
+    ],
+)
 def test_quantization_skips_cover_the_vision_side_of_real_module_trees(family, tiny_model):
     model, _ = reference_model(str(tiny_model(family)))
-    adapter = handler.adapter_for(model.config.model_type)
+    adapter = adapter_for(model.config.model_type)
     skips = adapter.quantization_skip_modules
     modules = dict(model.named_modules())
     assert all(name in modules for name in skips), skips
@@ -302,18 +374,27 @@ def test_quantization_skips_cover_the_vision_side_of_real_module_trees(family, t
 
     parameters = [name for name, _ in model.named_parameters()]
     vision = [name for name in parameters if any(word in name for word in VISION_WORDS)]
-    language = [name for name in parameters if ("language_model" in name or "text_model" in name)
-                and not name.startswith(f"{skips[-1]}.")]
+    language = [
+        name
+        for name in parameters
+        if ("language_model" in name or "text_model" in name) and not name.startswith(f"{skips[-1]}.")
+    ]
     assert vision and all(skipped(name) for name in vision)
     assert language and not any(skipped(name) for name in language)
 
 
 def test_the_generic_adapter_finds_vision_modules_of_any_native_type():
-    assert handler.adapter_for("mistral3").quantization_skip_modules == (
-        "model.vision_tower", "model.multi_modal_projector", "lm_head")
-    assert handler.adapter_for("glm4v").quantization_skip_modules == ("model.visual", "lm_head")
-    assert handler.adapter_for("llama4").quantization_skip_modules == (
-        "vision_model", "multi_modal_projector", "language_model.lm_head")
+    assert adapter_for("mistral3").quantization_skip_modules == (
+        "model.vision_tower",
+        "model.multi_modal_projector",
+        "lm_head",
+    )
+    assert adapter_for("glm4v").quantization_skip_modules == ("model.visual", "lm_head")
+    assert adapter_for("llama4").quantization_skip_modules == (
+        "vision_model",
+        "multi_modal_projector",
+        "language_model.lm_head",
+    )
 
 
 # ---- remote-code families, against fakes that follow each repository's documented code ----------
@@ -341,8 +422,9 @@ class FakeRemoteModel:
 
     def __init__(self, answer: list[int], prompt_tokens: int = 7):
         self.answer, self.prompt_tokens = answer, prompt_tokens
-        self.config = type("Config", (), {"get_text_config": lambda self, decoder=True: self,
-                                          "max_position_embeddings": 4096})()
+        self.config = type(
+            "Config", (), {"get_text_config": lambda self, decoder=True: self, "max_position_embeddings": 4096}
+        )()
         self.generation_config = type("GenerationConfig", (), {"eos_token_id": EOS})()
         self.generate_calls: list[dict] = []
 
@@ -361,21 +443,32 @@ class FakeMiniCPMV(FakeRemoteModel):
         self.llm = type("LLM", (), {"generate": lambda llm, **kw: self.inner_generate(**kw)})()
         self.chat_calls: list[dict] = []
 
-    def chat(self, image, msgs, tokenizer, max_new_tokens=2048, min_new_tokens=0, sampling=True,
-             system_prompt="", **kwargs):
+    def chat(
+        self, image, msgs, tokenizer, max_new_tokens=2048, min_new_tokens=0, sampling=True, system_prompt="", **kwargs
+    ):
         self.chat_calls.append(dict(msgs=msgs, sampling=sampling, system_prompt=system_prompt, kwargs=kwargs))
         for i, msg in enumerate(msgs):  # modeling_minicpmv.py's checks
             assert msg["role"] in ["user", "assistant"]
             if i == 0:
                 assert msg["role"] == "user", "The role of first msg should be user"
         if sampling:
-            generation_config = {"top_p": 0.8, "top_k": 100, "temperature": 0.7, "do_sample": True,
-                                 "repetition_penalty": 1.05}
+            generation_config = {
+                "top_p": 0.8,
+                "top_k": 100,
+                "temperature": 0.7,
+                "do_sample": True,
+                "repetition_penalty": 1.05,
+            }
         else:
             generation_config = {"num_beams": 3, "repetition_penalty": 1.2}
         generation_config.update((k, kwargs[k]) for k in generation_config.keys() & kwargs.keys())
-        output = self.llm.generate(inputs_embeds=torch.zeros(1, self.prompt_tokens, 4), pad_token_id=0,
-                                   eos_token_id=[END, EOS], max_new_tokens=max_new_tokens, **generation_config)
+        output = self.llm.generate(
+            inputs_embeds=torch.zeros(1, self.prompt_tokens, 4),
+            pad_token_id=0,
+            eos_token_id=[END, EOS],
+            max_new_tokens=max_new_tokens,
+            **generation_config,
+        )
         return tokenizer.decode(output[0], skip_special_tokens=True)
 
 
@@ -387,13 +480,27 @@ class FakeInternVL2(FakeRemoteModel):
 
     system_message = "the model's default system message"
 
-    def chat(self, tokenizer, pixel_values, question, generation_config, history=None, return_history=False,
-             num_patches_list=None, **kwargs):
-        self.chat_calls.append(dict(question=question, history=history, generation_config=generation_config,
-                                    system_message=self.system_message))  # template.system_message
+    def chat(
+        self,
+        tokenizer,
+        pixel_values,
+        question,
+        generation_config,
+        history=None,
+        return_history=False,
+        num_patches_list=None,
+        **kwargs,
+    ):
+        self.chat_calls.append(
+            dict(
+                question=question,
+                history=history,
+                generation_config=generation_config,
+                system_message=self.system_message,
+            )
+        )  # template.system_message
         generation_config["eos_token_id"] = END  # template.sep, <|im_end|>
-        output = self.language_model.generate(inputs_embeds=torch.zeros(1, self.prompt_tokens, 4),
-                                              **generation_config)
+        output = self.language_model.generate(inputs_embeds=torch.zeros(1, self.prompt_tokens, 4), **generation_config)
         # the card's chat: decode without special tokens, then cut at the separator
         return tokenizer.decode(output[0], skip_special_tokens=True)
 
@@ -417,8 +524,9 @@ def serve_remote(serve, monkeypatch):
         for auto in ("AutoModel", "AutoModelForCausalLM"):
             monkeypatch.setattr(getattr(transformers, auto), "from_pretrained", load_model)
         for auto in ("AutoTokenizer", "AutoProcessor"):
-            monkeypatch.setattr(getattr(transformers, auto), "from_pretrained",
-                                lambda path, **kw: processor or FakeTokenizer())
+            monkeypatch.setattr(
+                getattr(transformers, auto), "from_pretrained", lambda path, **kw: processor or FakeTokenizer()
+            )
         engine = serve(Path(f"/remote/{model_type}"), VLM_MAX_BATCH_SIZE="4", **env)
         return engine, loads
 
@@ -426,9 +534,13 @@ def serve_remote(serve, monkeypatch):
 
 
 def chat_request(**extra):
-    return {"messages": [{"role": "system", "content": "Be brief."},
-                         {"role": "user", "content": [{"type": "image_url", "image_url": data_uri(FIRST)},
-                                                      text("What is it?")]}], **extra}
+    return {
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "image_url", "image_url": data_uri(FIRST)}, text("What is it?")]},
+        ],
+        **extra,
+    }
 
 
 def test_minicpm_v_greedy_is_greedy_and_sampling_is_temperature_and_top_p(serve_remote):
@@ -467,10 +579,13 @@ def test_internvl2_sampling_is_exactly_temperature_and_top_p(serve_remote):
 
 
 @pytest.mark.parametrize("model_type, fake", [("minicpmv", FakeMiniCPMV), ("internvl_chat", FakeInternVL2)])
-@pytest.mark.parametrize("messages", [
-    [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Hi"}],
-    [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Late."}, {"role": "user", "content": "Hi"}],
-])
+@pytest.mark.parametrize(
+    "messages",
+    [
+        [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Hi"}],
+        [{"role": "user", "content": "Hi"}, {"role": "system", "content": "Late."}, {"role": "user", "content": "Hi"}],
+    ],
+)
 def test_remote_code_refuses_turns_its_card_cannot_express(serve_remote, model_type, fake, messages):
     model = fake(answer=[5, EOS])
     serve_remote(model_type, model)
@@ -497,8 +612,11 @@ def test_phi3_vision_asks_for_eager_attention_without_flash_attn(serve_remote, m
     import importlib.util
 
     real_find_spec = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec",
-                        lambda name, *a: object() if name == "flash_attn" and flash_attn else real_find_spec(name, *a))
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: object() if name == "flash_attn" and flash_attn else real_find_spec(name, *a),
+    )
     _, loads = serve_remote("phi3_v", FakeRemoteModel(answer=[]))
     # Its config.json sets `_attn_implementation`; a kwarg of that name overrides it, `attn_implementation`
     # does not (tests/test_remote_code_real.py loads the real repository code).
@@ -514,13 +632,13 @@ def test_every_curated_native_family_has_a_tiny_builder_and_card_parity_here():
 
     remote_code = {"minicpm-v", "phi3-vision", "internvl"}
     built = {{"glm4v": "glm-4.1v"}.get(name, name) for name in tiny_models.FAMILIES}
-    curated = {model.family for model in handler.CURATED_MODELS.values()} - remote_code
+    curated = {model.family for model in CURATED_MODELS.values()} - remote_code
     assert curated <= built, curated - built
 
 
 def test_curated_grounding_matches_the_familys_adapter():
-    adapters = {adapter.name: adapter for adapter in map(handler.adapter_for, handler.FAMILIES)}
-    for model_id, model in handler.CURATED_MODELS.items():
+    adapters = {adapter.name: adapter for adapter in map(adapter_for, FAMILIES)}
+    for model_id, model in CURATED_MODELS.items():
         assert adapters[model.family].grounding == model.grounding, model_id
 
 
@@ -531,8 +649,11 @@ TEXT_ONLY = (
 
 
 def test_a_text_only_request_batched_with_an_image_request_matches_the_card(engine, tiny_model, family):
-    check_batch_against_card(engine, [TEXT_ONLY[0], ONE_IMAGE[0]],
-                             [card_recipe(tiny_model(family), messages) for _, messages in [TEXT_ONLY, ONE_IMAGE]])
+    check_batch_against_card(
+        engine,
+        [TEXT_ONLY[0], ONE_IMAGE[0]],
+        [card_recipe(tiny_model(family), messages) for _, messages in [TEXT_ONLY, ONE_IMAGE]],
+    )
 
 
 class FakePhi3Processor:
@@ -541,8 +662,9 @@ class FakePhi3Processor:
 
     def __init__(self):
         self.tokenizer = FakeTokenizer()
-        self.tokenizer.apply_chat_template = lambda messages, tokenize, add_generation_prompt: "".join(
-            f"<|{m['role']}|>{m['content']}<|end|>" for m in messages) + "<|assistant|>"
+        self.tokenizer.apply_chat_template = lambda messages, tokenize, add_generation_prompt: (
+            "".join(f"<|{m['role']}|>{m['content']}<|end|>" for m in messages) + "<|assistant|>"
+        )
 
     def __call__(self, prompt, images=None, return_tensors=None):
         from transformers import BatchFeature
@@ -588,12 +710,15 @@ def phi4_card(folder, prompt: str, images: list) -> tuple[list[int], list[int]]:
     with torch.inference_mode():
         output = model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS)
     prompt_ids = inputs["input_ids"][0]
-    return prompt_ids.tolist(), output[0, len(prompt_ids):].tolist()
+    return prompt_ids.tolist(), output[0, len(prompt_ids) :].tolist()
 
 
 PHI4_CARDS = [
-    (TWO_IMAGES[0], "<|system|>Answer in one word.<|end|><|user|><|image|>Which is green?<|image|><|end|><|assistant|>",
-     [FIRST, SECOND]),
+    (
+        TWO_IMAGES[0],
+        "<|system|>Answer in one word.<|end|><|user|><|image|>Which is green?<|image|><|end|><|assistant|>",
+        [FIRST, SECOND],
+    ),
     (ONE_IMAGE[0], "<|user|><|image|>What is shown?<|end|><|assistant|>", [THIRD]),
     (TEXT_ONLY[0], "<|user|>Say hello.<|end|><|assistant|>", []),
 ]
@@ -614,8 +739,11 @@ def test_phi4_multimodal_matches_transformers_recipe_alone_and_batched(tiny_mode
     out = ask(request)
     assert "error" not in out, out
     assert worker_rows(calls, 1) == [phi4_card(folder, prompt, images)]
-    check_batch_against_card(engine, [request for request, _, _ in PHI4_CARDS],
-                             [phi4_card(folder, prompt, images) for _, prompt, images in PHI4_CARDS])
+    check_batch_against_card(
+        engine,
+        [request for request, _, _ in PHI4_CARDS],
+        [phi4_card(folder, prompt, images) for _, prompt, images in PHI4_CARDS],
+    )
 
 
 def test_phi4_multimodal_answers_with_its_vision_lora_as_the_card_does(tiny_model, serve, forward_calls_of):
@@ -639,8 +767,11 @@ def test_phi4_multimodal_answers_with_its_vision_lora_as_the_card_does(tiny_mode
     finally:
         reference.enable_adapters()
     assert base[0] == card[0] and base[1] != card[1]  # same prompt; the adapter changes the answer
-    check_batch_against_card(engine, [request for request, _, _ in PHI4_CARDS],
-                             [phi4_card(folder, prompt, images) for _, prompt, images in PHI4_CARDS])
+    check_batch_against_card(
+        engine,
+        [request for request, _, _ in PHI4_CARDS],
+        [phi4_card(folder, prompt, images) for _, prompt, images in PHI4_CARDS],
+    )
 
 
 def test_phi4_multimodal_vision_lora_wraps_the_quantized_projections(tiny_model, serve):
@@ -658,7 +789,7 @@ def test_phi4_multimodal_vision_lora_wraps_the_quantized_projections(tiny_model,
 
 def test_phi4_multimodal_keeps_its_image_embedding_out_of_quantization(tiny_model):
     model, _ = reference_model(str(tiny_model("phi4-multimodal")))
-    vision, head = handler.adapter_for("phi4_multimodal").quantization_skip_modules
+    vision, head = adapter_for("phi4_multimodal").quantization_skip_modules
     modules = dict(model.named_modules())
     assert modules[head] is model.get_output_embeddings()
     assert {"img_processor", "img_projection_up", "img_projection_down"} <= set(dict(modules[vision].named_children()))

@@ -9,7 +9,11 @@ import io
 import pytest
 from PIL import Image
 
-import handler
+from runpod_vlm.families import ADAPTERS
+from runpod_vlm.grounding import box_to_pixels, grounding_fields, parse_bbox, parse_boxes
+from runpod_vlm.request import parse_request
+from runpod_vlm.settings import Settings
+from runpod_vlm.vocabulary import Generation, GenerationParams, GenerationRequest, RequestError, Turn
 
 QWEN2_VL_TWO_DOGS = (
     "<|object_ref_start|>the dog<|object_ref_end|><|box_start|>(100,250),(500,750)<|box_end|> and "
@@ -23,53 +27,67 @@ QWEN25_VL_JSON = """```json
 ```"""
 
 
-@pytest.mark.parametrize("text, boxes", [
-    (QWEN2_VL_TWO_DOGS, [([100, 250, 500, 750], "the dog"), ([600, 100, 900, 400], "the cat")]),
-    # one reference, several instances: the label holds for the boxes after it
-    ("<|object_ref_start|>cars<|object_ref_end|><|box_start|>(1,2),(3,4)<|box_end|>"
-     "<|box_start|>(5,6),(7,8)<|box_end|>", [([1, 2, 3, 4], "cars"), ([5, 6, 7, 8], "cars")]),
-    ("<|box_start|>(300,400),(100,200)<|box_end|>", [([100, 200, 300, 400], None)]),
-    (QWEN25_VL_JSON, [([135, 114, 1016, 672], "orange cat"), ([12, 40, 120, 300], 'lamp "left"')]),
-    # Qwen3-VL, no fence, and an answer cut off by max_new_tokens after the first object
-    ('[{"bbox_2d": [10, 20, 30, 40], "label": "a"}, {"bbox_2d": [50, 60, 7', [([10, 20, 30, 40], "a")]),
-    ('{"label": "b", "bbox": [1, 2, 3, 4]}', [([1, 2, 3, 4], "b")]),
-    # PaliGemma: y1 x1 y2 x2 in 1024 bins, objects separated by " ; "
-    ("<loc0100><loc0200><loc0300><loc0400> dog ; <loc0000><loc0010><loc1023><loc0020> cat",
-     [([200, 100, 400, 300], "dog"), ([10, 0, 20, 1023], "cat")]),
-    ("<loc0100><loc0200><loc0300><loc0400>", [([200, 100, 400, 300], None)]),
-    # GLM-4.1V: boxes between <|begin_of_box|> and <|end_of_box|>, in any brackets; its thinking is ignored
-    ("<think>first guess [1, 2, 3, 4]</think><answer><|begin_of_box|>[[100,200,300,400],[500,600,700,800]]"
-     "<|end_of_box|></answer>", [([100, 200, 300, 400], None), ([500, 600, 700, 800], None)]),
-    ("<|begin_of_box|>(10, 20), (30, 40)<|end_of_box|> and <|begin_of_box|><5,6,7,8><|end_of_box|>",
-     [([10, 20, 30, 40], None), ([5, 6, 7, 8], None)]),
-    ("<|begin_of_box|>[300, 400, 100, 200]", [([100, 200, 300, 400], None)]),  # cut off by max_new_tokens
-    ("<|begin_of_box|>42<|end_of_box|> is near [1, 2, 3, 4]", [([1, 2, 3, 4], None)]),  # a boxed number, no box
-    ("<think>the dog is at [1, 2, 3, 4] or", []),  # still thinking when cut off
-    ("dog at [10, 20, 30, 40], cat at [50, 60, 70, 80]", [([10, 20, 30, 40], None), ([50, 60, 70, 80], None)]),
-    ("(1, 2), (3, 4) and (5,6),(7,8)", [([1, 2, 3, 4], None), ([5, 6, 7, 8], None)]),
-    ("box: 1, 2, 3, 4", [([1, 2, 3, 4], None)]),
-    ("I see no dog.", []),
-    (None, []),
-])
+@pytest.mark.parametrize(
+    "text, boxes",
+    [
+        (QWEN2_VL_TWO_DOGS, [([100, 250, 500, 750], "the dog"), ([600, 100, 900, 400], "the cat")]),
+        # one reference, several instances: the label holds for the boxes after it
+        (
+            "<|object_ref_start|>cars<|object_ref_end|><|box_start|>(1,2),(3,4)<|box_end|>"
+            "<|box_start|>(5,6),(7,8)<|box_end|>",
+            [([1, 2, 3, 4], "cars"), ([5, 6, 7, 8], "cars")],
+        ),
+        ("<|box_start|>(300,400),(100,200)<|box_end|>", [([100, 200, 300, 400], None)]),
+        (QWEN25_VL_JSON, [([135, 114, 1016, 672], "orange cat"), ([12, 40, 120, 300], 'lamp "left"')]),
+        # Qwen3-VL, no fence, and an answer cut off by max_new_tokens after the first object
+        ('[{"bbox_2d": [10, 20, 30, 40], "label": "a"}, {"bbox_2d": [50, 60, 7', [([10, 20, 30, 40], "a")]),
+        ('{"label": "b", "bbox": [1, 2, 3, 4]}', [([1, 2, 3, 4], "b")]),
+        # PaliGemma: y1 x1 y2 x2 in 1024 bins, objects separated by " ; "
+        (
+            "<loc0100><loc0200><loc0300><loc0400> dog ; <loc0000><loc0010><loc1023><loc0020> cat",
+            [([200, 100, 400, 300], "dog"), ([10, 0, 20, 1023], "cat")],
+        ),
+        ("<loc0100><loc0200><loc0300><loc0400>", [([200, 100, 400, 300], None)]),
+        # GLM-4.1V: boxes between <|begin_of_box|> and <|end_of_box|>, in any brackets; its thinking is ignored
+        (
+            "<think>first guess [1, 2, 3, 4]</think><answer><|begin_of_box|>[[100,200,300,400],[500,600,700,800]]"
+            "<|end_of_box|></answer>",
+            [([100, 200, 300, 400], None), ([500, 600, 700, 800], None)],
+        ),
+        (
+            "<|begin_of_box|>(10, 20), (30, 40)<|end_of_box|> and <|begin_of_box|><5,6,7,8><|end_of_box|>",
+            [([10, 20, 30, 40], None), ([5, 6, 7, 8], None)],
+        ),
+        ("<|begin_of_box|>[300, 400, 100, 200]", [([100, 200, 300, 400], None)]),  # cut off by max_new_tokens
+        ("<|begin_of_box|>42<|end_of_box|> is near [1, 2, 3, 4]", [([1, 2, 3, 4], None)]),  # a boxed number, no box
+        ("<think>the dog is at [1, 2, 3, 4] or", []),  # still thinking when cut off
+        ("dog at [10, 20, 30, 40], cat at [50, 60, 70, 80]", [([10, 20, 30, 40], None), ([50, 60, 70, 80], None)]),
+        ("(1, 2), (3, 4) and (5,6),(7,8)", [([1, 2, 3, 4], None), ([5, 6, 7, 8], None)]),
+        ("box: 1, 2, 3, 4", [([1, 2, 3, 4], None)]),
+        ("I see no dog.", []),
+        (None, []),
+    ],
+)
 def test_parse_boxes_reads_every_box_and_label(text, boxes):
-    assert handler.parse_boxes(text) == [(list(map(float, box)), label) for box, label in boxes]
-    assert handler.parse_bbox(text) == (boxes[0][0] if boxes else None)
+    assert parse_boxes(text) == [(list(map(float, box)), label) for box, label in boxes]
+    assert parse_bbox(text) == (boxes[0][0] if boxes else None)
 
 
 def test_paligemma_bins_scale_to_the_image():
-    assert handler.box_to_pixels([0, 256, 512, 1024], "paligemma-1024", (200, 100)) == [0, 25, 100, 100]
+    assert box_to_pixels([0, 256, 512, 1024], "paligemma-1024", (200, 100)) == [0, 25, 100, 100]
 
 
 def grounding_item(size=(640, 480), annotate=False):
     image = Image.new("RGB", size, "white")
-    params = handler.GenerationParams(max_new_tokens=64, temperature=0.0, top_p=1.0, do_sample=False)
-    return handler.GenerationRequest("grounding", [handler.Turn("user", [image])], params,
-                                     grounding_target="the dog", annotate=annotate)
+    params = GenerationParams(max_new_tokens=64, temperature=0.0, top_p=1.0, do_sample=False)
+    return GenerationRequest(
+        "grounding", [Turn("user", [image])], params, grounding_target="the dog", annotate=annotate
+    )
 
 
 def test_qwen2_vl_fields_list_every_box_in_original_pixels():
-    fields = handler.grounding_fields(
-        grounding_item(), handler.Generation("", "stop", raw_text=QWEN2_VL_TWO_DOGS), handler.ADAPTERS["qwen2-vl"]
+    fields = grounding_fields(
+        grounding_item(), Generation("", "stop", raw_text=QWEN2_VL_TWO_DOGS), ADAPTERS["qwen2-vl"]
     )
     assert fields["boxes"] == [
         {"bbox": [64, 120, 320, 360], "label": "the dog"},
@@ -82,28 +100,25 @@ def test_qwen2_vl_fields_list_every_box_in_original_pixels():
 
 def test_qwen25_vl_boxes_scale_from_the_resized_input():
     # the 640x480 image went in as 1280x960: pixels of the input are halved
-    generation = handler.Generation("", "stop", raw_text=QWEN25_VL_JSON, image_input_size=(1280, 960))
-    fields = handler.grounding_fields(grounding_item(), generation, handler.ADAPTERS["qwen2.5-vl"])
+    generation = Generation("", "stop", raw_text=QWEN25_VL_JSON, image_input_size=(1280, 960))
+    fields = grounding_fields(grounding_item(), generation, ADAPTERS["qwen2.5-vl"])
     assert [b["bbox"] for b in fields["boxes"]] == [[68, 57, 508, 336], [6, 20, 60, 150]]
     assert [b["label"] for b in fields["boxes"]] == ["orange cat", 'lamp "left"']
     assert fields["box_format"] == "qwen-abs-pixels"
 
 
 def test_no_box_in_the_answer_gives_an_empty_list_and_a_warning():
-    fields = handler.grounding_fields(
-        grounding_item(), handler.Generation("no dog", "stop", raw_text="no dog"), handler.ADAPTERS["qwen2-vl"]
-    )
+    fields = grounding_fields(grounding_item(), Generation("no dog", "stop", raw_text="no dog"), ADAPTERS["qwen2-vl"])
     assert fields["boxes"] == [] and fields["bbox"] is None and fields["bbox_warning"]
 
 
 def test_annotate_draws_every_box_on_a_copy_of_the_image():
     item = grounding_item(size=(200, 100), annotate=True)
     answer = "<|object_ref_start|>dog<|object_ref_end|><|box_start|>(100,100),(500,900)<|box_end|>"
-    fields = handler.grounding_fields(item, handler.Generation("", "stop", raw_text=answer),
-                                      handler.ADAPTERS["qwen2-vl"])
+    fields = grounding_fields(item, Generation("", "stop", raw_text=answer), ADAPTERS["qwen2-vl"])
     prefix = "data:image/png;base64,"
     assert fields["annotated_image"].startswith(prefix)
-    drawn = Image.open(io.BytesIO(base64.b64decode(fields["annotated_image"][len(prefix):])))
+    drawn = Image.open(io.BytesIO(base64.b64decode(fields["annotated_image"][len(prefix) :])))
     assert drawn.format == "PNG" and drawn.size == (200, 100)
     x1, y1, x2, y2 = fields["bbox"]  # [20, 10, 100, 90]
     assert drawn.getpixel((x2 - 1, (y1 + y2) // 2)) != (255, 255, 255)  # the right edge is drawn
@@ -115,11 +130,10 @@ def test_annotate_draws_every_box_on_a_copy_of_the_image():
 
 def test_annotate_is_refused_outside_the_grounding_task():
     image = "data:image/png;base64," + base64.b64encode(_png(8, 8)).decode()
-    with pytest.raises(handler.RequestError) as error:
-        handler.parse_request({"task": "caption", "image_url": image, "annotate": True}, handler.Settings())
+    with pytest.raises(RequestError) as error:
+        parse_request({"task": "caption", "image_url": image, "annotate": True}, Settings())
     assert error.value.code == "invalid_request" and error.value.param == "annotate"
-    _, item = handler.parse_request({"task": "grounding", "image_url": image, "target": "x", "annotate": True},
-                                    handler.Settings())
+    _, item = parse_request({"task": "grounding", "image_url": image, "target": "x", "annotate": True}, Settings())
     assert item.annotate is True
 
 
@@ -130,14 +144,13 @@ def _png(width, height) -> bytes:
 
 
 def test_a_label_with_a_broken_escape_is_kept_as_written():
-    assert handler.parse_boxes('{"bbox_2d": [1, 2, 3, 4], "label": "a\\x"}') == [([1.0, 2.0, 3.0, 4.0], "a\\x")]
+    assert parse_boxes('{"bbox_2d": [1, 2, 3, 4], "label": "a\\x"}') == [([1.0, 2.0, 3.0, 4.0], "a\\x")]
 
 
 def test_glm_boxes_are_relative_to_1000_of_the_original_image():
     answer = "<answer><|begin_of_box|>[[100, 250, 500, 750]]<|end_of_box|></answer>"
-    fields = handler.grounding_fields(grounding_item(), handler.Generation("", "stop", raw_text=answer),
-                                      handler.ADAPTERS["glm-4.1v"])
+    fields = grounding_fields(grounding_item(), Generation("", "stop", raw_text=answer), ADAPTERS["glm-4.1v"])
     assert fields["boxes"] == [{"bbox": [64, 120, 320, 360], "label": None}]
     assert fields["box_format"] == "glm-1000" and fields["image_size"] == [640, 480]
-    prompt = handler.ADAPTERS["glm-4.1v"].request_turns(grounding_item())[-1].parts[-1]
+    prompt = ADAPTERS["glm-4.1v"].request_turns(grounding_item())[-1].parts[-1]
     assert prompt == "Help me to locate the dog in the image and give me its bounding boxes."

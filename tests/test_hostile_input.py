@@ -11,6 +11,8 @@ import logging
 import pytest
 
 import handler
+from runpod_vlm.request import check_strings
+from runpod_vlm.vocabulary import MAX_ECHO_CHARS, MAX_PARAM_CHARS, RequestError
 from sample_images import data_uri, striped
 
 SMALL = 4096  # bytes: the most any error answer may weigh
@@ -21,6 +23,7 @@ def answer(job: dict) -> dict:
     """handler.handler(job)'s final output, whether the handler returns, awaits or streams."""
     result = handler.handler(job)
     if inspect.isasyncgen(result):
+
         async def last():
             outputs = [output async for output in result]
             return outputs[-1] if outputs else None
@@ -70,7 +73,7 @@ def vqa(**fields) -> dict:
 def test_a_15_mb_unknown_field_name_gets_a_small_answer_naming_it(no_model):
     name = "x" * HUGE
     output = answer(vqa(**{name: 1}))
-    cut = "x" * handler.MAX_ECHO_CHARS + "…"
+    cut = "x" * MAX_ECHO_CHARS + "…"
     assert_refused(output, cut)
     assert "unknown field" in output["error"]
 
@@ -78,7 +81,7 @@ def test_a_15_mb_unknown_field_name_gets_a_small_answer_naming_it(no_model):
 def test_an_unknown_field_in_a_batch_item_names_its_cut_path(no_model):
     output = answer({"id": "b", "input": {"requests": [{"task": "caption", "y" * HUGE: True}]}})
     (item,) = output["results"]
-    assert_refused(item, "requests[0]." + "y" * handler.MAX_ECHO_CHARS + "…")
+    assert_refused(item, "requests[0]." + "y" * MAX_ECHO_CHARS + "…")
     assert posted_size(output) < SMALL
 
 
@@ -102,9 +105,9 @@ def test_a_huge_question_is_refused_by_length_without_echo(no_model):
 
 
 def test_a_long_field_path_is_cut_as_a_whole():
-    error = handler.RequestError("invalid_request", "m" * 100_000, ".".join(["k" * 60] * 100))
+    error = RequestError("invalid_request", "m" * 100_000, ".".join(["k" * 60] * 100))
     out = error.to_dict()
-    assert len(out["param"]) <= handler.MAX_PARAM_CHARS + 1 and out["param"].endswith("…")
+    assert len(out["param"]) <= MAX_PARAM_CHARS + 1 and out["param"].endswith("…")
     assert posted_size(out) < SMALL
 
 
@@ -113,16 +116,19 @@ def test_a_long_field_path_is_cut_as_a_whole():
 LONE = "\ud800"
 
 
-@pytest.mark.parametrize("fields, param", [
-    ({"question": f"what{LONE}?"}, "question"),
-    ({"question": "what\x00?"}, "question"),
-    ({"task": "grounding", "target": f"the {LONE}cat"}, "target"),
-    ({"model": f"m{LONE}"}, "model"),
-    ({"image_url": f"https://images.example.com/{LONE}.png"}, "image_url"),
-    ({"images": [data_uri(striped()), f"\x00{LONE}"]}, "images[1]"),
-    ({f"bad{LONE}key": 1}, "bad\\ud800key"),
-    ({"nul\x00key": 1}, "nul\x00key"),
-])
+@pytest.mark.parametrize(
+    "fields, param",
+    [
+        ({"question": f"what{LONE}?"}, "question"),
+        ({"question": "what\x00?"}, "question"),
+        ({"task": "grounding", "target": f"the {LONE}cat"}, "target"),
+        ({"model": f"m{LONE}"}, "model"),
+        ({"image_url": f"https://images.example.com/{LONE}.png"}, "image_url"),
+        ({"images": [data_uri(striped()), f"\x00{LONE}"]}, "images[1]"),
+        ({f"bad{LONE}key": 1}, "bad\\ud800key"),
+        ({"nul\x00key": 1}, "nul\x00key"),
+    ],
+)
 def test_invalid_unicode_or_nul_is_refused_naming_the_field(fields, param, no_model, caplog):
     job = vqa(**fields)
     with caplog.at_level(logging.DEBUG, logger="runpod-vlm"):
@@ -134,17 +140,34 @@ def test_invalid_unicode_or_nul_is_refused_naming_the_field(fields, param, no_mo
 
 
 def test_invalid_unicode_in_a_message_block_is_refused(no_model):
-    output = answer({"id": "c", "input": {"messages": [
-        {"role": "user", "content": [{"type": "text", "text": "fine"}, {"type": "text", "text": f"x{LONE}"}]},
-    ]}})
+    output = answer(
+        {
+            "id": "c",
+            "input": {
+                "messages": [
+                    {
+                        "role": "user",
+                        "content": [{"type": "text", "text": "fine"}, {"type": "text", "text": f"x{LONE}"}],
+                    },
+                ]
+            },
+        }
+    )
     assert_refused(output, "messages[0].content[1].text")
 
 
 def test_a_surrogate_in_a_batch_item_sinks_only_that_item(no_model):
-    output = answer({"id": "b", "input": {"requests": [
-        {"task": "vqa", "image_url": data_uri(striped())},  # no question: refused on its own
-        {"task": "vqa", "image_url": data_uri(striped()), "question": LONE},
-    ]}})
+    output = answer(
+        {
+            "id": "b",
+            "input": {
+                "requests": [
+                    {"task": "vqa", "image_url": data_uri(striped())},  # no question: refused on its own
+                    {"task": "vqa", "image_url": data_uri(striped()), "question": LONE},
+                ]
+            },
+        }
+    )
     first, second = output["results"]
     assert_refused(first, "requests[0].question")
     assert_refused(second, "requests[1].question")
@@ -152,7 +175,7 @@ def test_a_surrogate_in_a_batch_item_sinks_only_that_item(no_model):
 
 
 def test_valid_unicode_passes_the_checks():
-    handler.check_strings({"question": "Ça va? 猫 🐱 \u200b 😀", "k\u00e9y": ["ß"]}, None)
+    check_strings({"question": "Ça va? 猫 🐱 \u200b 😀", "k\u00e9y": ["ß"]}, None)
 
 
 # ---- structure: nesting and non-objects ---------------------------------------------------------
@@ -172,7 +195,7 @@ def test_deep_nesting_is_refused_without_recursion(no_model):
 
 
 def test_nesting_as_deep_as_a_real_request_is_accepted():
-    handler.check_strings({"requests": [{"messages": [{"content": [{"image_url": {"url": "x"}}]}]}]}, None)
+    check_strings({"requests": [{"messages": [{"content": [{"image_url": {"url": "x"}}]}]}]}, None)
 
 
 def test_an_image_object_inside_an_image_object_is_refused(no_model):
@@ -180,21 +203,24 @@ def test_an_image_object_inside_an_image_object_is_refused(no_model):
     assert_refused(output, "image_url.url", "invalid_image")
 
 
-@pytest.mark.parametrize("job, param", [
-    ({"id": "n", "input": "caption this"}, "input"),
-    ({"id": "n", "input": ["task", "caption"]}, "input"),
-    ({"id": "n", "input": None}, "input"),
-    ({"id": "n", "input": 7}, "input"),
-    ({"id": "n"}, "input"),
-    ({"id": "n", "input": {"requests": "all of them"}}, "requests"),
-    ({"id": "n", "input": {"requests": [[1, 2]]}}, None),
-    ({"id": "n", "input": {"messages": "hello"}}, "messages"),
-    ({"id": "n", "input": {"messages": [["user", "hi"]]}}, "messages[0]"),
-    ({"id": "n", "input": {"messages": [{"role": "user", "content": [7]}]}}, "messages[0].content[0]"),
-    ({"id": "n", "input": {"task": "caption", "images": {"0": "x"}}}, "images"),
-    ({"id": "n", "input": {"task": ["caption"]}}, "task"),
-    ({"id": "n", "input": {"task": "vqa", "image_url": 12, "question": "q"}}, "image_url"),
-])
+@pytest.mark.parametrize(
+    "job, param",
+    [
+        ({"id": "n", "input": "caption this"}, "input"),
+        ({"id": "n", "input": ["task", "caption"]}, "input"),
+        ({"id": "n", "input": None}, "input"),
+        ({"id": "n", "input": 7}, "input"),
+        ({"id": "n"}, "input"),
+        ({"id": "n", "input": {"requests": "all of them"}}, "requests"),
+        ({"id": "n", "input": {"requests": [[1, 2]]}}, None),
+        ({"id": "n", "input": {"messages": "hello"}}, "messages"),
+        ({"id": "n", "input": {"messages": [["user", "hi"]]}}, "messages[0]"),
+        ({"id": "n", "input": {"messages": [{"role": "user", "content": [7]}]}}, "messages[0].content[0]"),
+        ({"id": "n", "input": {"task": "caption", "images": {"0": "x"}}}, "images"),
+        ({"id": "n", "input": {"task": ["caption"]}}, "task"),
+        ({"id": "n", "input": {"task": "vqa", "image_url": 12, "question": "q"}}, "image_url"),
+    ],
+)
 def test_inputs_that_are_not_objects_get_clean_errors(job, param, no_model):
     output = answer(job)
     if param is None:  # a batch: the item itself is at fault

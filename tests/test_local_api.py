@@ -17,10 +17,18 @@ from conftest import free_port, running_server
 from sample_images import b64, data_uri, plain, striped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
 def worker_env(model_folder, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLM_", "RUNPOD_"))}
-    env.update(VLM_MODEL=str(model_folder), VLM_ALLOW_ANY="true", VLM_DEVICE_MAP="cpu",
-               HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", **extra)
+    env.update(
+        VLM_MODEL=str(model_folder),
+        VLM_ALLOW_ANY="true",
+        VLM_DEVICE_MAP="cpu",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        **extra,
+    )
     return env
 
 
@@ -55,8 +63,13 @@ def runsync(api: str, payload: dict):
 
 
 def test_a_streamed_answer_is_its_chunks_joined(api):
-    request = {"task": "vqa", "image_url": data_uri(striped()), "question": "What is it?",
-               "max_new_tokens": 12, "min_new_tokens": 12}
+    request = {
+        "task": "vqa",
+        "image_url": data_uri(striped()),
+        "question": "What is it?",
+        "max_new_tokens": 12,
+        "min_new_tokens": 12,
+    }
     whole = runsync(api, request)
     chunks = runsync(api, dict(request, stream=True))
     assert "".join(chunk["text"] for chunk in chunks) == whole["response"]
@@ -74,40 +87,60 @@ def test_caption(api):
 
 def test_vqa_with_raw_base64(api):
     raw = b64(plain("red", (64, 48)))
-    out = runsync(api, {"task": "vqa", "image_b64": raw, "question": "What colour is it?",
-                        "max_new_tokens": 3})
+    out = runsync(api, {"task": "vqa", "image_b64": raw, "question": "What colour is it?", "max_new_tokens": 3})
     assert out["task"] == "vqa" and out["usage"]["completion_tokens"] == 3
 
 
 def test_multi_turn_multi_image_chat(api):
-    out = runsync(api, {"messages": [
-        {"role": "system", "content": "You are terse."},
-        {"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": data_uri(striped())}},
-            {"type": "image_url", "image_url": {"url": data_uri(plain("blue"))}},
-            {"type": "text", "text": "Which one is blue?"},
-        ]},
-        {"role": "assistant", "content": "The second one."},
-        {"role": "user", "content": "Are you sure?"},
-    ], "max_new_tokens": 3})
+    out = runsync(
+        api,
+        {
+            "messages": [
+                {"role": "system", "content": "You are terse."},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": data_uri(striped())}},
+                        {"type": "image_url", "image_url": {"url": data_uri(plain("blue"))}},
+                        {"type": "text", "text": "Which one is blue?"},
+                    ],
+                },
+                {"role": "assistant", "content": "The second one."},
+                {"role": "user", "content": "Are you sure?"},
+            ],
+            "max_new_tokens": 3,
+        },
+    )
     assert out["task"] == "chat" and out["image_count"] == 2
     assert out["usage"]["prompt_tokens"] > 0
 
 
 def test_grounding(api):
-    out = runsync(api, {"task": "grounding", "image_url": data_uri(striped((84, 56))),
-                        "target": "the left stripe", "max_new_tokens": 4})
+    out = runsync(
+        api,
+        {
+            "task": "grounding",
+            "image_url": data_uri(striped((84, 56))),
+            "target": "the left stripe",
+            "max_new_tokens": 4,
+        },
+    )
     assert out["task"] == "grounding" and out["supports_grounding"] is True
     # A random model rarely writes a box: then the box is None and a warning says why.
     assert out["bbox"] is not None or out["bbox_warning"]
 
 
 def test_batch(api):
-    out = runsync(api, {"requests": [
-        {"task": "caption", "image_url": data_uri(striped()), "max_new_tokens": 2},
-        {"task": "vqa", "image_url": data_uri(striped())},  # no question
-        {"messages": [{"role": "user", "content": "Hello?"}], "max_new_tokens": 2},
-    ]})
+    out = runsync(
+        api,
+        {
+            "requests": [
+                {"task": "caption", "image_url": data_uri(striped()), "max_new_tokens": 2},
+                {"task": "vqa", "image_url": data_uri(striped())},  # no question
+                {"messages": [{"role": "user", "content": "Hello?"}], "max_new_tokens": 2},
+            ]
+        },
+    )
     assert out["count"] == 3
     first, bad, last = out["results"]
     assert first["task"] == "caption" and last["task"] == "chat"
@@ -128,7 +161,7 @@ def test_the_same_url_is_refused_by_default_and_never_fetched(image_server, monk
         if name.startswith(("VLM_MEDIA", "VLM_URL", "VLM_TRUST_ENV")) or name == "VLM_ALLOW_INTERNAL_URLS":
             monkeypatch.delenv(name)
     job = {"input": {"task": "caption", "image_url": image_server.url, "max_new_tokens": 3}}
-    out = asyncio.run(handler.answer(job))
+    out = asyncio.run(handler.local_test_answer(job))
     assert out["code"] == "blocked_url" and out["param"] == "image_url", out
     assert "image_url: " in out["error"] and "127.0.0.1" not in out["error"]
     assert image_server.requests == []
@@ -146,7 +179,11 @@ def test_test_input_runs_one_job_and_exits_0(tiny_model):
     job = {"input": {"task": "caption", "image_url": data_uri(striped()), "max_new_tokens": 2}}
     result = subprocess.run(
         [sys.executable, "handler.py", "--test_input", json.dumps(job)],
-        cwd=ROOT, env=worker_env(tiny_model("qwen2-vl")), capture_output=True, text=True, timeout=300,
+        cwd=ROOT,
+        env=worker_env(tiny_model("qwen2-vl")),
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "'task': 'caption'" in result.stdout and "'finish_reason': 'length'" in result.stdout

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import dataclasses
 import datetime
 import http.server
 import io
@@ -28,13 +29,31 @@ import zlib
 import pytest
 
 import handler
-from handler import MediaPolicy, RequestError, resolve_image
+import runpod_vlm.media as intake
+from runpod_vlm.families.base import FamilyAdapter
+from runpod_vlm.fetch import MAX_URL_CHARS
+from runpod_vlm.media import MAX_PARALLEL_FETCHES
+from runpod_vlm.settings import MediaPolicy, Settings, SettingsError
+from runpod_vlm.vocabulary import Generation, GenerationParams, GenerationRequest, ImageSpec, RequestError, Turn
 from sample_images import b64, data_uri, encode, png
 
 FAKE_PUBLIC = "93.184.215.14"  # "the internet": the guard routes it to 127.0.0.1, same port
 FAKE_PUBLIC_2 = "198.41.0.4"
 PARAM = "messages[0].content[1].image_url"
 SECRET = "tok3n-s3cret"
+
+
+def resolve_image(spec, param: str, policy: MediaPolicy | None = None):
+    """One image through the worker's own intake (media.read_images), under the settings the
+    environment gives at this moment, as a worker booted now would read them; `policy` replaces their media policy."""
+    settings = Settings.from_env()
+    if policy is not None:
+        settings = dataclasses.replace(settings, media=policy)
+    params = GenerationParams(max_new_tokens=1, temperature=0.0, top_p=1.0, do_sample=False)
+    item = GenerationRequest("chat", [Turn("user", [ImageSpec(spec, param), "what is it?"])], params)
+    intake.read_images(item, settings)
+    return item.images[0]
+
 
 _real_connect = socket.socket.connect
 _real_getaddrinfo = socket.getaddrinfo
@@ -221,27 +240,35 @@ def pki(tmp_path_factory):
 
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca = (
-        x509.CertificateBuilder().subject_name(name("test CA")).issuer_name(name("test CA"))
-        .public_key(ca_key.public_key()).serial_number(1)
-        .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=2))
+        x509.CertificateBuilder()
+        .subject_name(name("test CA"))
+        .issuer_name(name("test CA"))
+        .public_key(ca_key.public_key())
+        .serial_number(1)
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=2))
         .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
         .sign(ca_key, hashes.SHA256())
     )
     key = ec.generate_private_key(ec.SECP256R1())
     leaf = (
-        x509.CertificateBuilder().subject_name(name("images.example.com")).issuer_name(ca.subject)
-        .public_key(key.public_key()).serial_number(2)
-        .not_valid_before(now - datetime.timedelta(days=1)).not_valid_after(now + datetime.timedelta(days=2))
-        .add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("*.example.com"), x509.DNSName("example.com")]), critical=False)
+        x509.CertificateBuilder()
+        .subject_name(name("images.example.com"))
+        .issuer_name(ca.subject)
+        .public_key(key.public_key())
+        .serial_number(2)
+        .not_valid_before(now - datetime.timedelta(days=1))
+        .not_valid_after(now + datetime.timedelta(days=2))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.DNSName("*.example.com"), x509.DNSName("example.com")]), critical=False
+        )
         .sign(ca_key, hashes.SHA256())
     )
     folder = tmp_path_factory.mktemp("pki")
     (folder / "ca.pem").write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     (folder / "leaf.pem").write_bytes(
         leaf.public_bytes(serialization.Encoding.PEM)
-        + key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                            serialization.NoEncryption())
+        + key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
     )
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(folder / "leaf.pem")
@@ -306,18 +333,37 @@ def test_plain_http_is_refused_by_default(internal, net):
     assert_untouched(internal, net)
 
 
-@pytest.mark.parametrize("spec", ["ftp://images.example.com/a.png", "gopher://127.0.0.1:70/_x",
-                                  "javascript:alert(1)", "C:\\images\\a.png"])
+@pytest.mark.parametrize(
+    "spec", ["ftp://images.example.com/a.png", "gopher://127.0.0.1:70/_x", "javascript:alert(1)", "C:\\images\\a.png"]
+)
 def test_other_schemes_are_refused(spec, net):
     refuse(spec, "invalid_image_url")
     assert net.connects == [] and net.dns_calls == []
 
 
-@pytest.mark.parametrize("spelling", [
-    "127.0.0.1", "2130706433", "0x7f.1", "127.1", "0177.0.0.1", "0x7f000001", "017700000001",
-    "127.0.0.1.", "127.000.000.001", "0x7F.0.0.1", "[::ffff:127.0.0.1]", "[::ffff:7f00:1]", "[::1]",
-    "[0:0:0:0:0:0:0:1]", "１２７．０．０．１", "localhost", "LOCALHOST.", "api.localhost",
-])
+@pytest.mark.parametrize(
+    "spelling",
+    [
+        "127.0.0.1",
+        "2130706433",
+        "0x7f.1",
+        "127.1",
+        "0177.0.0.1",
+        "0x7f000001",
+        "017700000001",
+        "127.0.0.1.",
+        "127.000.000.001",
+        "0x7F.0.0.1",
+        "[::ffff:127.0.0.1]",
+        "[::ffff:7f00:1]",
+        "[::1]",
+        "[0:0:0:0:0:0:0:1]",
+        "１２７．０．０．１",
+        "localhost",
+        "LOCALHOST.",
+        "api.localhost",
+    ],
+)
 def test_every_spelling_of_loopback_is_blocked_before_connect(spelling, internal, net):
     url = f"https://{spelling}:{internal.port}/secret.png?key={SECRET}"
     error = refuse(url, "blocked_url")
@@ -326,43 +372,80 @@ def test_every_spelling_of_loopback_is_blocked_before_connect(spelling, internal
     assert net.connects == []
 
 
-@pytest.mark.parametrize("host", [
-    "169.254.169.254", "[fd00:ec2::254]", "metadata.google.internal", "100.100.100.200", "[fe80::1]",
-    "0.0.0.0", "0", "10.0.0.1", "172.16.0.1", "192.168.1.1", "100.64.0.1", "224.0.0.1", "240.0.0.1",
-    "255.255.255.255", "[fc00::1]", "[::]", "[2002:7f00:1::]", "[64:ff9b::a9fe:a9fe]", "[fec0::1]",
-    "printer.local", "db.corp.internal", "metadata", "instance-data",
-])
+@pytest.mark.parametrize(
+    "host",
+    [
+        "169.254.169.254",
+        "[fd00:ec2::254]",
+        "metadata.google.internal",
+        "100.100.100.200",
+        "[fe80::1]",
+        "0.0.0.0",
+        "0",
+        "10.0.0.1",
+        "172.16.0.1",
+        "192.168.1.1",
+        "100.64.0.1",
+        "224.0.0.1",
+        "240.0.0.1",
+        "255.255.255.255",
+        "[fc00::1]",
+        "[::]",
+        "[2002:7f00:1::]",
+        "[64:ff9b::a9fe:a9fe]",
+        "[fec0::1]",
+        "printer.local",
+        "db.corp.internal",
+        "metadata",
+        "instance-data",
+    ],
+)
 def test_metadata_private_and_reserved_hosts_are_blocked(host, net):
     refuse(f"https://{host}/latest/meta-data/", "blocked_url")
     assert net.connects == [] and net.dns_calls == []
 
 
-@pytest.mark.parametrize("url", [
-    "https://images.example.com@169.254.169.254/",
-    "https://user:pass@images.example.com/cat.png",
-    "https://images.example.com%40169.254.169.254/",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://images.example.com@169.254.169.254/",
+        "https://user:pass@images.example.com/cat.png",
+        "https://images.example.com%40169.254.169.254/",
+    ],
+)
 def test_credentials_in_urls_are_refused(url, net):
     error = refuse(url, "blocked_url" if "@" in url else "invalid_image_url")
     assert net.connects == []
     assert "169.254" not in error.message and "pass" not in error.message
 
 
-@pytest.mark.parametrize("url", [
-    "https://images.example.com\\@127.0.0.1/", "https://127.0.0.1\\.images.example.com/",
-    "https://images.example.com/a b.png", "https://images.example.com/\x00.png",
-    "https://images.\nexample.com/", "https://images.example.com/a\tb.png", "https://images.example.com\u200b/",
-    "https://[::1/", "https://images.example.com:99999/", "https://images.example.com:0/",
-    "https:///cat.png", "https://[fe80::1%25eth0]/", "https://1.2.3.4.5/", "https://example.123/",
-    "https://" + "a" * 17000 + ".com/",
-])
+@pytest.mark.parametrize(
+    "url",
+    [
+        "https://images.example.com\\@127.0.0.1/",
+        "https://127.0.0.1\\.images.example.com/",
+        "https://images.example.com/a b.png",
+        "https://images.example.com/\x00.png",
+        "https://images.\nexample.com/",
+        "https://images.example.com/a\tb.png",
+        "https://images.example.com\u200b/",
+        "https://[::1/",
+        "https://images.example.com:99999/",
+        "https://images.example.com:0/",
+        "https:///cat.png",
+        "https://[fe80::1%25eth0]/",
+        "https://1.2.3.4.5/",
+        "https://example.123/",
+        "https://" + "a" * 17000 + ".com/",
+    ],
+)
 def test_malformed_urls_are_refused(url, net):
     refuse(url, "invalid_image_url")
     assert net.connects == []
 
 
 def test_url_length_cap_is_16_kib(public, net):
-    long_path = "/cat.png?pad=" + "x" * (handler.MAX_URL_CHARS)
+    long_path = "/cat.png?pad=" + "x" * (MAX_URL_CHARS)
     refuse(public.https(long_path), "invalid_image_url")
     assert public.hits == [] and net.connects == []
 
@@ -439,11 +522,17 @@ def test_redirect_chain_into_loopback_is_refused_before_connect(public, internal
     assert_good(resolve_image(public.https("/cat.png"), PARAM))
 
 
-@pytest.mark.parametrize("location", [
-    "http://169.254.169.254/latest/meta-data/", "https://169.254.169.254/latest/meta-data/",
-    "https://[::ffff:169.254.169.254]/", "https://2852039166/", "https://metadata.google.internal/",
-    "https://meta.example.com/latest/meta-data/",
-])
+@pytest.mark.parametrize(
+    "location",
+    [
+        "http://169.254.169.254/latest/meta-data/",
+        "https://169.254.169.254/latest/meta-data/",
+        "https://[::ffff:169.254.169.254]/",
+        "https://2852039166/",
+        "https://metadata.google.internal/",
+        "https://meta.example.com/latest/meta-data/",
+    ],
+)
 def test_redirect_to_cloud_metadata_never_connects(location, public, net):
     net.dns["meta.example.com"] = ["169.254.169.254"]
     public.routes["/go"] = redirect(location, 307)
@@ -640,10 +729,19 @@ def test_ipv6_loopback_server_is_blocked_then_allowed(servers, net, monkeypatch)
 # ---- base64 and data URIs -----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", [
-    "not base64 at all!", "%%%", "iVBORw0KGgo=====", "iVBORw0K+GgoAAAA_AAA", "A",
-    "data:image/png;base64,***", "data:image/png;base64,", "====",
-])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "not base64 at all!",
+        "%%%",
+        "iVBORw0KGgo=====",
+        "iVBORw0K+GgoAAAA_AAA",
+        "A",
+        "data:image/png;base64,***",
+        "data:image/png;base64,",
+        "====",
+    ],
+)
 def test_invalid_base64_is_refused(spec):
     error = refuse(spec, "invalid_base64")
     assert "base64" in error.message
@@ -651,10 +749,16 @@ def test_invalid_base64_is_refused(spec):
 
 def test_base64_variants_that_are_accepted():
     raw = b64(GOOD_PNG)
-    wrapped = "\n".join(raw[i:i + 76] for i in range(0, len(raw), 76))
+    wrapped = "\n".join(raw[i : i + 76] for i in range(0, len(raw), 76))
     urlsafe = base64.urlsafe_b64encode(GOOD_PNG).decode().rstrip("=")
-    for spec in (raw, wrapped, urlsafe, data_uri(GOOD_PNG), "DATA:image/png;BASE64," + raw,
-                 {"url": data_uri(GOOD_PNG)}):
+    for spec in (
+        raw,
+        wrapped,
+        urlsafe,
+        data_uri(GOOD_PNG),
+        "DATA:image/png;BASE64," + raw,
+        {"url": data_uri(GOOD_PNG)},
+    ):
         assert_good(resolve_image(spec, PARAM))
 
 
@@ -669,7 +773,7 @@ def test_huge_data_uri_is_refused_before_decoding(monkeypatch):
     def no_decode(*args, **kwargs):
         raise AssertionError("decoded an oversized payload")
 
-    monkeypatch.setattr(handler.base64, "b64decode", no_decode)
+    monkeypatch.setattr(intake.base64, "b64decode", no_decode)
     error = refuse("data:image/png;base64," + "A" * ((1 << 20) + 4), "image_too_large")
     assert "1 MiB" in error.message
     refuse("A" * ((1 << 20) + 4), "image_too_large")
@@ -712,10 +816,13 @@ def test_garbage_bytes_never_leak_pillow_text():
     assert "JPEG, PNG, WEBP, GIF, BMP or TIFF" in error.message
 
 
-@pytest.mark.parametrize("svg", [
-    b"<svg xmlns='http://www.w3.org/2000/svg' width='10' height='10'/>",
-    b"\xef\xbb\xbf<?xml version='1.0'?>\n<svg xmlns='http://www.w3.org/2000/svg'/>",
-])
+@pytest.mark.parametrize(
+    "svg",
+    [
+        b"<svg xmlns='http://www.w3.org/2000/svg' width='10' height='10'/>",
+        b"\xef\xbb\xbf<?xml version='1.0'?>\n<svg xmlns='http://www.w3.org/2000/svg'/>",
+    ],
+)
 def test_svg_is_detected_and_refused(svg):
     for spec in (data_uri(svg, "image/png"), b64(svg), data_uri(svg, "image/svg+xml")):
         error = refuse(spec, "unsupported_image_format")
@@ -837,8 +944,9 @@ def test_every_allowed_format_decodes(fmt):
 # ---- local files --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("spec", ["/etc/passwd", "file:///etc/passwd", "cat.png", "./cat.png",
-                                  "file://localhost/srv/cat.png"])
+@pytest.mark.parametrize(
+    "spec", ["/etc/passwd", "file:///etc/passwd", "cat.png", "./cat.png", "file://localhost/srv/cat.png"]
+)
 def test_local_files_are_off_by_default(spec):
     error = refuse(spec, "blocked_url")
     assert "local files are disabled" in error.message
@@ -858,13 +966,21 @@ def media(tmp_path, monkeypatch):
 
 
 def test_media_dir_serves_files_inside_it(media):
-    for spec in ("cat.png", "sub/dog.png", str(media / "cat.png"), f"file://{media}/sub/dog.png",
-                 "inside-link.png"):
+    for spec in ("cat.png", "sub/dog.png", str(media / "cat.png"), f"file://{media}/sub/dog.png", "inside-link.png"):
         assert_good(resolve_image(spec, PARAM))
 
 
-@pytest.mark.parametrize("spec", ["../outside.png", "sub/../../outside.png", "escape.png",
-                                  "/etc/passwd", "file:///etc/passwd", "file://otherhost/cat.png"])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        "../outside.png",
+        "sub/../../outside.png",
+        "escape.png",
+        "/etc/passwd",
+        "file:///etc/passwd",
+        "file://otherhost/cat.png",
+    ],
+)
 def test_media_dir_escapes_are_refused(spec, media):
     error = refuse(spec, "invalid_image_url" if "otherhost" in spec else "blocked_url")
     assert str(media) not in error.message
@@ -886,24 +1002,31 @@ def worker(monkeypatch):
     """The real handler with no model: a stand-in engine whose answer counts the images."""
 
     class FakeEngine:
-        settings = handler.Settings()
+        """Its settings are a worker's booted with the test's environment as it is at each job (fixtures set it)."""
+
+        pinned = None  # settings a test fixes instead
         model_id = "test/fake-vlm"
         quantize = "none"
-        adapter = handler.FamilyAdapter()
+        adapter = FamilyAdapter()
+
+        @property
+        def settings(self):
+            return self.pinned or Settings.from_env()
 
     def generate_all(engine, items):
         return [
-            handler.Generation(text=" ".join(f"{i.width}x{i.height}" for i in item.images), finish_reason="stop")
+            Generation(text=" ".join(f"{i.width}x{i.height}" for i in item.images), finish_reason="stop")
             for item in items
         ]
 
     monkeypatch.setattr(handler, "_engine", FakeEngine())
+
     async def generate_one(engine, item):
         return generate_all(engine, [item])[0]
 
     monkeypatch.setattr(handler, "generate_all", generate_all)
     monkeypatch.setattr(handler, "generate_one", generate_one)
-    return lambda job: asyncio.run(handler.answer(job))
+    return lambda job: asyncio.run(handler.local_test_answer(job))
 
 
 def chat(*blocks) -> dict:
@@ -944,10 +1067,17 @@ def test_too_many_images_are_refused_before_any_fetch(worker, trusted):
 
 
 def test_batch_keeps_good_items_beside_blocked_ones(worker, internal, net):
-    answer = worker({"id": "job-1", "input": {"requests": [
-        {"task": "caption", "image_url": f"https://169.254.169.254:{internal.port}/latest/meta-data/"},
-        {"task": "caption", "image_url": data_uri(GOOD_PNG)},
-    ]}})
+    answer = worker(
+        {
+            "id": "job-1",
+            "input": {
+                "requests": [
+                    {"task": "caption", "image_url": f"https://169.254.169.254:{internal.port}/latest/meta-data/"},
+                    {"task": "caption", "image_url": data_uri(GOOD_PNG)},
+                ]
+            },
+        }
+    )
     first, second = answer["results"]
     assert first["code"] == "blocked_url" and first["param"] == "requests[0].image_url"
     assert second["response"] == "32x24"
@@ -955,11 +1085,13 @@ def test_batch_keeps_good_items_beside_blocked_ones(worker, internal, net):
 
 
 def test_worker_reports_a_misconfigured_media_setting(worker, monkeypatch):
+    monkeypatch.setattr(handler, "_engine", None)  # a worker loading on its first job reads its settings then
+    monkeypatch.setattr(handler, "get_engine", lambda quantize=None: pytest.fail("loaded with broken settings"))
     monkeypatch.setenv("VLM_FETCH_TIMEOUT", "soon")
     answer = worker({"input": {"task": "caption", "image_b64": b64(GOOD_PNG)}})
     assert answer["code"] == "worker_misconfigured" and "VLM_FETCH_TIMEOUT" in answer["error"]
-    monkeypatch.delenv("VLM_FETCH_TIMEOUT")
-    assert worker({"input": {"task": "caption", "image_b64": b64(GOOD_PNG)}})["response"] == "32x24"
+    with pytest.raises(SettingsError, match="VLM_FETCH_TIMEOUT"):  # main() at boot
+        Settings.from_env()
 
 
 def test_lab_tiff_is_colour_managed_to_rgb():
@@ -981,16 +1113,16 @@ def test_image_count_spans_loose_images_and_message_blocks_before_any_fetch(work
 
 
 def test_request_pixel_budget_refuses_from_the_header_before_decoding(worker, monkeypatch):
-    monkeypatch.setattr(handler._engine, "settings", handler.Settings(max_total_pixels=32 * 24 * 2 + 10))
+    monkeypatch.setattr(handler._engine, "pinned", Settings(max_total_pixels=32 * 24 * 2 + 10))
     decoded = []
-    real_load = handler._decode_image
+    real_load = intake.decode_image
 
     def counting_decode(*args, **kwargs):
         image = real_load(*args, **kwargs)
         decoded.append(image.size)
         return image
 
-    monkeypatch.setattr(handler, "_decode_image", counting_decode)
+    monkeypatch.setattr(intake, "decode_image", counting_decode)
     answer = worker({"input": {"task": "caption", "images": [b64(GOOD_PNG)] * 3}})
     assert answer["code"] == "image_too_large" and answer["param"] == "images[2]"
     assert "together" in answer["error"] and str(32 * 24 * 2 + 10) in answer["error"]
@@ -1035,7 +1167,7 @@ def test_images_of_one_request_download_side_by_side_in_order(worker, trusted):
         trusted.routes[f"/{n}.png"] = counting(slow, state)
     answer = worker({"input": {"task": "caption", "images": [trusted.url(f"/{n}.png") for n in range(16)]}})
     assert answer["response"] == " ".join(f"{16 + n}x16" for n in range(16))  # every image, in order
-    assert 1 < state["most"] <= handler.MAX_PARALLEL_FETCHES
+    assert 1 < state["most"] <= MAX_PARALLEL_FETCHES
 
 
 def test_sixteen_stalled_images_take_one_deadline_not_sixteen(worker, trusted, monkeypatch):
@@ -1068,8 +1200,12 @@ def test_the_first_failing_image_in_order_is_named(worker, trusted):
 def test_a_stalled_image_in_a_message_names_its_block(worker, trusted, monkeypatch):
     monkeypatch.setenv("VLM_FETCH_DEADLINE", "1")
     trusted.routes["/stalled.png"] = lambda request: time.sleep(3)
-    answer = worker(chat({"type": "image_url", "image_url": {"url": trusted.url("/cat.png")}},
-                         {"type": "image_url", "image_url": {"url": trusted.url("/stalled.png")}}))
+    answer = worker(
+        chat(
+            {"type": "image_url", "image_url": {"url": trusted.url("/cat.png")}},
+            {"type": "image_url", "image_url": {"url": trusted.url("/stalled.png")}},
+        )
+    )
     assert answer["code"] == "fetch_timeout" and answer["param"] == "messages[0].content[2].image_url.url"
 
 
@@ -1089,14 +1225,16 @@ def test_names_whose_dns_stalls_do_not_hold_up_other_lookups(public, net, monkey
 
     for n in range(8):
         net.dns[f"stall{n}.example.com"] = stall
+
     def fetch(url):
         try:
             resolve_image(url, PARAM)
         except RequestError:
             pass  # these may time out or succeed once released: only the other lookup matters
 
-    stalled = [threading.Thread(target=fetch, args=(public.https("/cat.png", f"stall{n}.example.com"),))
-               for n in range(8)]
+    stalled = [
+        threading.Thread(target=fetch, args=(public.https("/cat.png", f"stall{n}.example.com"),)) for n in range(8)
+    ]
     for thread in stalled:
         thread.start()
     try:

@@ -22,6 +22,10 @@ from openai.types.chat.completion_create_params import CompletionCreateParamsBas
 
 import handler
 from conftest import free_port, running_server
+from runpod_vlm.families.native import QwenVLAdapter
+from runpod_vlm.openai_route import OPENAI_IGNORED, OPENAI_UNSUPPORTED, ChatCompletionBody, openai_answers
+from runpod_vlm.settings import Settings
+from runpod_vlm.vocabulary import Generation, StreamDelta
 from sample_images import data_uri, striped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,7 +40,7 @@ def answers(job_input: dict, engine_getter=handler.get_engine) -> list:
     """Everything the route yields for one job."""
 
     async def collect():
-        return [answer async for answer in handler.openai_answers(engine_getter, job_input)]
+        return [answer async for answer in openai_answers(engine_getter, handler.served_model, job_input)]
 
     return asyncio.run(collect())
 
@@ -54,7 +58,7 @@ def stream_events(body: dict, engine_getter=handler.get_engine) -> list[dict]:
     assert text.endswith("data: [DONE]\n\n")
     blocks = text.split("\n\n")[:-1]
     assert all(block.startswith("data: ") for block in blocks)
-    return [json.loads(block[len("data: "):]) for block in blocks[:-1]]
+    return [json.loads(block[len("data: ") :]) for block in blocks[:-1]]
 
 
 def streamed_text(chunks: list[dict]) -> str:
@@ -62,10 +66,15 @@ def streamed_text(chunks: list[dict]) -> str:
 
 
 def image_message(url: str, text: str = "What is in the picture?") -> list[dict]:
-    return [{"role": "user", "content": [
-        {"type": "image_url", "image_url": {"url": url, "detail": "high"}},
-        {"type": "text", "text": text},
-    ]}]
+    return [
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": url, "detail": "high"}},
+                {"type": "text", "text": text},
+            ],
+        }
+    ]
 
 
 GREEDY = {"temperature": 0, "max_tokens": 6}
@@ -75,8 +84,16 @@ GREEDY = {"temperature": 0, "max_tokens": 6}
 
 
 def test_a_completion_parses_strictly_as_openai_chat_completion(engine):
-    out = completion({"model": engine.model_id, "messages": image_message(data_uri(striped())), **GREEDY,
-                      "user": "someone", "seed": 7, "metadata": {"k": "v"}})
+    out = completion(
+        {
+            "model": engine.model_id,
+            "messages": image_message(data_uri(striped())),
+            **GREEDY,
+            "user": "someone",
+            "seed": 7,
+            "metadata": {"k": "v"},
+        }
+    )
     parsed = ChatCompletion.model_validate(out, strict=True)
     assert parsed.object == "chat.completion" and parsed.model == engine.model_id
     [choice] = parsed.choices
@@ -92,7 +109,7 @@ def test_the_same_body_gives_the_native_route_s_text_and_tokens(engine):
     openai_messages = [{"role": "developer", "content": "Answer briefly."}, *image_message(image)]
     native_messages = [{"role": "system", "content": "Answer briefly."}, *image_message(image)]
     out = completion({"messages": openai_messages, "temperature": 0, "max_completion_tokens": 7})
-    native = asyncio.run(handler.answer({"input": {"messages": native_messages, "max_new_tokens": 7}}))
+    native = asyncio.run(handler.local_test_answer({"input": {"messages": native_messages, "max_new_tokens": 7}}))
     assert out["choices"][0]["message"]["content"] == native["response"]
     assert out["usage"]["prompt_tokens"] == native["usage"]["prompt_tokens"]
     assert out["usage"]["completion_tokens"] == native["usage"]["completion_tokens"] == 7
@@ -110,7 +127,8 @@ def test_a_streamed_answer_is_chat_completion_chunks_with_role_finish_and_usage(
     assert with_choices[-1].choices[0].delta.content is not None  # the finish rides on a content chunk
     usage_chunk = parsed[-1]
     assert usage_chunk.choices == [] and usage_chunk.usage.model_dump() == dict(
-        whole["usage"], completion_tokens_details=None, prompt_tokens_details=None)
+        whole["usage"], completion_tokens_details=None, prompt_tokens_details=None
+    )
     assert all(p.usage is None for p in parsed[:-1])
     assert streamed_text(chunks) == whole["choices"][0]["message"]["content"]
 
@@ -121,7 +139,7 @@ def test_a_stream_brings_the_text_as_the_engine_produces_it(engine, monkeypatch)
     body = {"messages": image_message(data_uri(striped())), "temperature": 0, "max_tokens": 3 * steps, "stream": True}
     yielded = answers({"openai_route": "/v1/chat/completions", "openai_input": body})
     assert len(yielded) >= 3, yielded  # pieces as they come, not the whole answer at the end
-    chunks = [json.loads(event[len("data: "):]) for event in "".join(yielded).split("\n\n")[:-2]]
+    chunks = [json.loads(event[len("data: ") :]) for event in "".join(yielded).split("\n\n")[:-2]]
     assert sum(bool(c["choices"] and c["choices"][0]["delta"].get("content")) for c in chunks) >= 2
     whole = completion(dict(body, stream=False))
     assert streamed_text(chunks) == whole["choices"][0]["message"]["content"]
@@ -142,8 +160,10 @@ def test_models_is_a_list_of_one_openai_model(engine):
 def test_the_entry_point_sends_openai_jobs_to_the_route(engine):
     job = {"id": "job-1", "input": {"openai_route": "/v1/models"}}
     if inspect.isasyncgenfunction(handler.handler):  # the streaming entry point
+
         async def collect():
             return [answer async for answer in handler.handler(job)]
+
         result = asyncio.run(collect())
     else:
         result = [handler.handler(job)]
@@ -157,8 +177,8 @@ def test_stop_ends_the_answer_before_the_stop_text(engine):
     body = {"messages": image_message(data_uri(striped())), "temperature": 0, "max_tokens": 12}
     text = completion(body)["choices"][0]["message"]["content"]
     assert len(text) >= 4, text
-    stop = text[len(text) // 2:len(text) // 2 + 2]
-    expected = text[:text.find(stop)]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    expected = text[: text.find(stop)]
     out = completion(dict(body, stop=[stop, "never in this answer"]))
     assert out["choices"][0]["message"]["content"] == expected
     assert out["choices"][0]["finish_reason"] == "stop"
@@ -178,18 +198,19 @@ class ScriptedEngine:
     It records each item, whether it was asked to stream, and its ticket."""
 
     model_id = "scripted-model"
-    settings = handler.Settings(stream_interval_ms=0)  # a chunk for every piece
+    settings = Settings(stream_interval_ms=0)  # a chunk for every piece
 
-    def __init__(self, pieces: list[str], final: handler.Generation | None = None):
+    def __init__(self, pieces: list[str], final: Generation | None = None):
         self.pieces, self.submitted = pieces, []
-        self.final = final or handler.Generation("".join(pieces).strip(), "length", prompt_tokens=11,
-                                                 completion_tokens=len(pieces))
+        self.final = final or Generation(
+            "".join(pieces).strip(), "length", prompt_tokens=11, completion_tokens=len(pieces)
+        )
 
     def submit(self, item, listener, stream=False):
         ticket = FakeTicket()
         self.submitted.append((item, stream, ticket))
         for count, piece in enumerate(self.pieces if stream else [], 1):
-            listener(handler.StreamDelta(piece, count, self.final.prompt_tokens))
+            listener(StreamDelta(piece, count, self.final.prompt_tokens))
         listener(self.final)
         return ticket
 
@@ -229,19 +250,30 @@ def test_a_whole_answer_without_stop_does_not_ask_for_deltas():
 
 def test_grounding_returns_the_box_in_the_message_and_in_the_vlm_field():
     """A scripted Qwen answer (a box in Qwen's 0-1000 frame) shows how the box is returned."""
-    box_answer = handler.Generation("a stripe(100,200),(500,1000)", "stop", prompt_tokens=20, completion_tokens=9,
-                                    raw_text="<|object_ref_start|>a stripe<|object_ref_end|>"
-                                             "<|box_start|>(100,200),(500,1000)<|box_end|>")
+    box_answer = Generation(
+        "a stripe(100,200),(500,1000)",
+        "stop",
+        prompt_tokens=20,
+        completion_tokens=9,
+        raw_text="<|object_ref_start|>a stripe<|object_ref_end|><|box_start|>(100,200),(500,1000)<|box_end|>",
+    )
     engine = ScriptedEngine(["a stripe"], box_answer)
-    engine.adapter = handler.QwenVLAdapter()
-    body = {"messages": image_message(data_uri(striped((200, 100))), ""),
-            "vlm": {"task": "grounding", "target": "a stripe"}}
+    engine.adapter = QwenVLAdapter()
+    body = {
+        "messages": image_message(data_uri(striped((200, 100))), ""),
+        "vlm": {"task": "grounding", "target": "a stripe"},
+    }
     out = completion(body, lambda: engine)
     [(item, _, _)] = engine.submitted
     assert item.task == "grounding" and item.grounding_target == "a stripe"
     assert ChatCompletion.model_validate(out, strict=True).model_extra["vlm"] == out["vlm"]  # as clients see it
-    box = {"bbox": [20, 20, 100, 100], "supports_grounding": True, "box_format": "qwen-1000",
-           "image_size": [200, 100], "boxes": [{"bbox": [20, 20, 100, 100], "label": "a stripe"}]}
+    box = {
+        "bbox": [20, 20, 100, 100],
+        "supports_grounding": True,
+        "box_format": "qwen-1000",
+        "image_size": [200, 100],
+        "boxes": [{"bbox": [20, 20, 100, 100], "label": "a stripe"}],
+    }
     assert out["vlm"] == {"task": "grounding", **box}
     message = json.loads(out["choices"][0]["message"]["content"])
     assert message == {**box, "response": box_answer.text}
@@ -254,32 +286,46 @@ def test_grounding_returns_the_box_in_the_message_and_in_the_vlm_field():
 TEXT = [{"role": "user", "content": "Hi"}]
 
 
-@pytest.mark.parametrize("body, code, param", [
-    ({"messages": TEXT, "n": 2}, "invalid_request", "n"),
-    ({"messages": TEXT, "tools": [{"type": "function", "function": {"name": "f"}}]}, "unsupported_parameter", "tools"),
-    ({"messages": TEXT, "response_format": {"type": "json_object"}}, "unsupported_parameter", "response_format"),
-    ({"messages": TEXT, "logprobs": True}, "unsupported_parameter", "logprobs"),
-    ({"messages": TEXT, "presence_penalty": 0.5}, "unsupported_parameter", "presence_penalty"),
-    ({"messages": TEXT, "top_k": 5}, "invalid_request", "top_k"),
-    ({"messages": TEXT, "temperature": "hot"}, "invalid_request", "temperature"),
-    ({"messages": TEXT, "temperature": 3}, "invalid_request", "temperature"),
-    ({"messages": TEXT, "max_tokens": 10**6}, "invalid_request", "max_tokens"),
-    ({"messages": TEXT, "max_completion_tokens": 0}, "invalid_request", "max_completion_tokens"),
-    ({"messages": TEXT, "stop": ["a", "b", "c", "d", "e"]}, "invalid_request", "stop"),
-    ({"messages": TEXT, "stream_options": {"include_usage": True}}, "invalid_request", "stream_options"),
-    ({"messages": TEXT, "model": "gpt-4o"}, "model_mismatch", "model"),
-    ({"messages": [{"role": "tool", "content": "42"}]}, "invalid_request", "messages[0].role"),
-    ({"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
-     "invalid_request", "messages[0].content[0].type"),
-    ({"messages": image_message("http://127.0.0.1:9/x.png")}, "blocked_url", "messages[0].content[0].image_url.url"),
-    ({"messages": [{"role": "user", "content": "x" * 40_000}]}, "text_too_long", "messages"),
-    ({"messages": TEXT, "vlm": {"task": "grounding", "target": "a cat"}}, "missing_image", "messages"),
-    ({"messages": TEXT, "vlm": {"task": "grounding"}}, "invalid_request", "vlm.target"),
-    ({"messages": TEXT, "vlm": {"task": "grounding", "target": "x"}, "stop": "y"}, "invalid_request", "stop"),
-    ({"messages": TEXT, "vlm": {"task": "detect"}}, "invalid_request", "vlm.task"),
-    ({"model": "x"}, "invalid_request", "messages"),
-    ("not an object", "invalid_request", None),
-])
+@pytest.mark.parametrize(
+    "body, code, param",
+    [
+        ({"messages": TEXT, "n": 2}, "invalid_request", "n"),
+        (
+            {"messages": TEXT, "tools": [{"type": "function", "function": {"name": "f"}}]},
+            "unsupported_parameter",
+            "tools",
+        ),
+        ({"messages": TEXT, "response_format": {"type": "json_object"}}, "unsupported_parameter", "response_format"),
+        ({"messages": TEXT, "logprobs": True}, "unsupported_parameter", "logprobs"),
+        ({"messages": TEXT, "presence_penalty": 0.5}, "unsupported_parameter", "presence_penalty"),
+        ({"messages": TEXT, "top_k": 5}, "invalid_request", "top_k"),
+        ({"messages": TEXT, "temperature": "hot"}, "invalid_request", "temperature"),
+        ({"messages": TEXT, "temperature": 3}, "invalid_request", "temperature"),
+        ({"messages": TEXT, "max_tokens": 10**6}, "invalid_request", "max_tokens"),
+        ({"messages": TEXT, "max_completion_tokens": 0}, "invalid_request", "max_completion_tokens"),
+        ({"messages": TEXT, "stop": ["a", "b", "c", "d", "e"]}, "invalid_request", "stop"),
+        ({"messages": TEXT, "stream_options": {"include_usage": True}}, "invalid_request", "stream_options"),
+        ({"messages": TEXT, "model": "gpt-4o"}, "model_mismatch", "model"),
+        ({"messages": [{"role": "tool", "content": "42"}]}, "invalid_request", "messages[0].role"),
+        (
+            {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
+            "invalid_request",
+            "messages[0].content[0].type",
+        ),
+        (
+            {"messages": image_message("http://127.0.0.1:9/x.png")},
+            "blocked_url",
+            "messages[0].content[0].image_url.url",
+        ),
+        ({"messages": [{"role": "user", "content": "x" * 40_000}]}, "text_too_long", "messages"),
+        ({"messages": TEXT, "vlm": {"task": "grounding", "target": "a cat"}}, "missing_image", "messages"),
+        ({"messages": TEXT, "vlm": {"task": "grounding"}}, "invalid_request", "vlm.target"),
+        ({"messages": TEXT, "vlm": {"task": "grounding", "target": "x"}, "stop": "y"}, "invalid_request", "stop"),
+        ({"messages": TEXT, "vlm": {"task": "detect"}}, "invalid_request", "vlm.task"),
+        ({"model": "x"}, "invalid_request", "messages"),
+        ("not an object", "invalid_request", None),
+    ],
+)
 def test_a_refused_body_gets_an_openai_error_naming_the_field(body, code, param, monkeypatch):
     for name in ("VLM_ALLOW_INTERNAL_URLS", "VLM_MAX_TEXT_CHARS", "VLM_MAX_NEW_TOKENS"):
         monkeypatch.delenv(name, raising=False)
@@ -300,15 +346,19 @@ def test_a_context_overflow_found_by_the_engine_names_the_openai_field(engine, m
     limit = 30
     out = completion({"messages": TEXT, "max_tokens": limit})
     assert (out["error"]["code"], out["error"]["param"]) == ("context_too_long", "max_tokens")
-    chunks = answers({"openai_route": "/v1/chat/completions",
-                      "openai_input": {"messages": TEXT, "max_tokens": limit, "stream": True}})
+    chunks = answers(
+        {
+            "openai_route": "/v1/chat/completions",
+            "openai_input": {"messages": TEXT, "max_tokens": limit, "stream": True},
+        }
+    )
     assert chunks == [out]  # refused before any event: a plain error, not a stream
 
 
 def test_every_openai_field_is_known_to_the_route():
     """No field of OpenAI's chat-completions body is refused as unknown: each is honoured, ignored
     or refused with its reason (this fails when a new openai release adds a field)."""
-    known = set(handler.ChatCompletionBody.model_fields) | set(handler.OPENAI_UNSUPPORTED) | set(handler.OPENAI_IGNORED)
+    known = set(ChatCompletionBody.model_fields) | set(OPENAI_UNSUPPORTED) | set(OPENAI_IGNORED)
     assert set(CompletionCreateParamsBase.__annotations__) | {"stream"} <= known
 
 
@@ -321,8 +371,14 @@ def server(tiny_model, tmp_path_factory):
     from loopback (VLM_ALLOW_INTERNAL_URLS=true) for the http image test."""
     port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("VLM_", "RUNPOD_"))}
-    env.update(VLM_MODEL=str(tiny_model("qwen2-vl")), VLM_ALLOW_ANY="true", VLM_DEVICE_MAP="cpu",
-               VLM_ALLOW_INTERNAL_URLS="true", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    env.update(
+        VLM_MODEL=str(tiny_model("qwen2-vl")),
+        VLM_ALLOW_ANY="true",
+        VLM_DEVICE_MAP="cpu",
+        VLM_ALLOW_INTERNAL_URLS="true",
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+    )
     command = [sys.executable, "scripts/openai_server.py", "--port", str(port)]
     log_path = tmp_path_factory.mktemp("openai-server") / "server.log"
     with running_server(command, env, port, "/v1/models", log_path) as base:
@@ -363,9 +419,9 @@ def test_client_chat_with_an_http_image_url_streamed_and_not(client, image_serve
 def test_client_stop_cuts_the_text(client, engine):
     body = {"model": engine.model_id, "messages": TEXT, "temperature": 0, "max_tokens": 12}
     text = client.chat.completions.create(**body).choices[0].message.content
-    stop = text[len(text) // 2:len(text) // 2 + 2]
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
     cut = client.chat.completions.create(**body, stop=stop).choices[0]
-    assert cut.message.content == text[:text.find(stop)] and cut.finish_reason == "stop"
+    assert cut.message.content == text[: text.find(stop)] and cut.finish_reason == "stop"
 
 
 def test_client_raises_bad_request_with_our_message(client):
@@ -374,8 +430,9 @@ def test_client_raises_bad_request_with_our_message(client):
     assert raised.value.code == "model_mismatch" and raised.value.param == "model"
     assert "cannot switch to 'gpt-4o'" in raised.value.message
     with pytest.raises(openai.BadRequestError) as raised:
-        client.chat.completions.create(model=client.models.list().data[0].id,
-                                       messages=image_message("ftp://example.com/x.png"), stream=True)
+        client.chat.completions.create(
+            model=client.models.list().data[0].id, messages=image_message("ftp://example.com/x.png"), stream=True
+        )
     assert raised.value.code == "invalid_image_url"
     assert raised.value.param == "messages[0].content[0].image_url.url"
 

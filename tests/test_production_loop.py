@@ -18,8 +18,12 @@ IMAGE = data_uri(striped())
 
 
 def caption(n: int, max_new_tokens: int = 8) -> dict:
-    return {"task": "vqa", "image_url": IMAGE, "question": f"marker-{n}-zebra: what is it?",
-            "max_new_tokens": max_new_tokens}
+    return {
+        "task": "vqa",
+        "image_url": IMAGE,
+        "question": f"marker-{n}-zebra: what is it?",
+        "max_new_tokens": max_new_tokens,
+    }
 
 
 def assert_answered_exactly_once(queue: JobQueue, job_ids):
@@ -98,8 +102,14 @@ def test_the_stand_in_speaks_the_sdks_batch_take_and_stream_protocol(tmp_path):
 def test_fault_run_answers_every_job_exactly_once(model, tmp_path):
     lost, retried_once, retried_twice = "job-lost", ["job-r1a", "job-r1b"], "job-r2"
     cancelled = ["job-cancel-a", "job-cancel-b"]
-    faults = Faults(result_500s={lost: 3, retried_twice: 2, **{j: 1 for j in retried_once}},
-                    take_500_fraction=0.15, slow_take_fraction=0.2, slow_take_s=0.3, cancel=set(cancelled), seed=7)
+    faults = Faults(
+        result_500s={lost: 3, retried_twice: 2, **{j: 1 for j in retried_once}},
+        take_500_fraction=0.15,
+        slow_take_fraction=0.2,
+        slow_take_s=0.3,
+        cancel=set(cancelled),
+        seed=7,
+    )
     with JobQueue(faults) as queue:
         good, invalid, batches = [], [], []
         for n in range(20):
@@ -112,8 +122,9 @@ def test_fault_run_answers_every_job_exactly_once(model, tmp_path):
             queue.put(caption(200), job_id=job_id)
         last = queue.put(caption(300))
         with worker(queue, model, tmp_path / "worker.log") as running:
-            assert queue.wait_answered([*good, *invalid, *batches, *retried_once, retried_twice, last], RUN_LIMIT_S), \
+            assert queue.wait_answered([*good, *invalid, *batches, *retried_once, retried_twice, last], RUN_LIMIT_S), (
                 running.log()[-3000:]
+            )
             queue.wait_for(lambda q: len([p for p in q.posts if p.job_id == lost]) >= 3, 30)
             assert running.alive()
         assert running.process.returncode == 0  # SIGTERM: the SDK's graceful shutdown
@@ -179,8 +190,11 @@ def test_hostile_run_gets_bounded_clear_answers_and_the_worker_keeps_serving(mod
         "huge-task": ({**caption(0), "task": "t" * 1_000_000}, "invalid_request", "task"),
         "surrogate-text": ({**caption(0), "question": f"what{lone}"}, "invalid_request", "question"),
         "surrogate-key": ({**caption(0), f"k{lone}": 1}, "invalid_request", "k\\ud800"),
-        "surrogate-block": ({"messages": [{"role": "user", "content": [{"type": "text", "text": lone}]}]},
-                            "invalid_request", "messages[0].content[0].text"),
+        "surrogate-block": (
+            {"messages": [{"role": "user", "content": [{"type": "text", "text": lone}]}]},
+            "invalid_request",
+            "messages[0].content[0].text",
+        ),
         "nul": ({**caption(0), "question": "a\x00b"}, "invalid_request", "question"),
         "deep": ({**caption(0), "images": deep}, "invalid_request", None),
         "string-input": ("caption this", "invalid_request", "input"),
@@ -195,8 +209,11 @@ def test_hostile_run_gets_bounded_clear_answers_and_the_worker_keeps_serving(mod
             serving.append(queue.put(caption(len(serving), 2)))  # a good job after each hostile one
         # what the SDK itself cannot read (its JSON parser recurses; a body without "input"): it
         # drops the job; the worker must still serve the next one
-        queue.put(None, job_id="too-deep-for-json", raw=b'{"id": "too-deep-for-json", "input": ' + b"[" * 100_000
-                  + b"]" * 100_000 + b"}")
+        queue.put(
+            None,
+            job_id="too-deep-for-json",
+            raw=b'{"id": "too-deep-for-json", "input": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
+        )
         queue.put(None, job_id="no-input", raw=b'{"id": "no-input"}')
         queue.put(None, job_id="not-json", raw=b"{not json")
         serving.append(queue.put(caption(99, 2)))

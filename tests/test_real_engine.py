@@ -13,6 +13,10 @@ import pytest
 import torch
 
 import handler
+from runpod_vlm.answers import generate_all, stream_generation
+from runpod_vlm.engine.decoder import SlotDecoder
+from runpod_vlm.engine.loading import quantization_config
+from runpod_vlm.vocabulary import StreamDelta
 from sample_images import b64, data_uri, plain, striped
 
 FAMILIES = ["qwen2-vl", "qwen2.5-vl", "llava", "llava-next"]
@@ -30,7 +34,7 @@ def engine(family, tiny_model, serve):
 
 
 def ask(payload: dict, job_id: str = "job-1") -> dict:
-    return asyncio.run(handler.answer({"id": job_id, "input": payload}))
+    return asyncio.run(handler.local_test_answer({"id": job_id, "input": payload}))
 
 
 @pytest.fixture
@@ -42,8 +46,13 @@ def forward_calls(engine, monkeypatch):
 
     def recording_forward(*args, **kwargs):
         output = real_forward(*args, **kwargs)
-        calls.append({"input_ids": kwargs.get("input_ids"), "attention_mask": kwargs.get("attention_mask"),
-                      "choice": output.logits[:, -1].argmax(-1)})
+        calls.append(
+            {
+                "input_ids": kwargs.get("input_ids"),
+                "attention_mask": kwargs.get("attention_mask"),
+                "choice": output.logits[:, -1].argmax(-1),
+            }
+        )
         return output
 
     monkeypatch.setattr(engine.model, "forward", recording_forward)
@@ -67,7 +76,7 @@ def reference_generate(folder, messages: list[dict], max_new_tokens: int):
     with torch.inference_mode():
         output = model.generate(**inputs, do_sample=False, max_new_tokens=max_new_tokens)
     prompt_ids = inputs["input_ids"][0]
-    return prompt_ids, output[0, len(prompt_ids):]
+    return prompt_ids, output[0, len(prompt_ids) :]
 
 
 def worker_tokens(calls: list[dict], row: int = 0, max_new_tokens: int | None = None):
@@ -120,8 +129,14 @@ def test_text_only_chat_answers(engine):
 
 def test_every_image_of_a_request_reaches_the_prompt(engine):
     one = ask({"task": "vqa", "images": [data_uri(striped())], "question": "Same?", "max_new_tokens": 1})
-    two = ask({"task": "vqa", "images": [data_uri(striped()), data_uri(plain("blue"))],
-               "question": "Same?", "max_new_tokens": 1})
+    two = ask(
+        {
+            "task": "vqa",
+            "images": [data_uri(striped()), data_uri(plain("blue"))],
+            "question": "Same?",
+            "max_new_tokens": 1,
+        }
+    )
     assert two["image_count"] == 2
     assert two["usage"]["prompt_tokens"] > one["usage"]["prompt_tokens"]
 
@@ -131,8 +146,7 @@ def test_every_image_of_a_request_reaches_the_prompt(engine):
 
 def test_vqa_matches_the_reference_recipe(engine, tiny_model, family, forward_calls):
     picture = striped((56, 84))
-    out = ask({"task": "vqa", "image_url": data_uri(picture), "question": "What is shown?",
-               "max_new_tokens": 6})
+    out = ask({"task": "vqa", "image_url": data_uri(picture), "question": "What is shown?", "max_new_tokens": 6})
     assert "error" not in out, out
     prompt, generated = worker_tokens(forward_calls, max_new_tokens=6)
     reference_prompt, reference_generated = reference_generate(
@@ -149,11 +163,14 @@ def test_multi_image_multi_turn_chat_matches_the_reference_recipe(engine, tiny_m
     first, second = striped(), plain("green", (84, 56))
     messages = [
         {"role": "system", "content": "You answer in one word."},
-        {"role": "user", "content": [
-            {"type": "image_url", "image_url": {"url": data_uri(first)}},
-            {"type": "image_url", "image_url": data_uri(second)},
-            text_block("Which image is green?"),
-        ]},
+        {
+            "role": "user",
+            "content": [
+                {"type": "image_url", "image_url": {"url": data_uri(first)}},
+                {"type": "image_url", "image_url": data_uri(second)},
+                text_block("Which image is green?"),
+            ],
+        },
         {"role": "assistant", "content": "The second."},
         {"role": "user", "content": [text_block("And the first?")]},
     ]
@@ -161,24 +178,37 @@ def test_multi_image_multi_turn_chat_matches_the_reference_recipe(engine, tiny_m
     assert "error" not in out, out
     assert out["image_count"] == 2
     prompt, generated = worker_tokens(forward_calls, max_new_tokens=5)
-    reference_prompt, reference_generated = reference_generate(tiny_model(family), [
-        {"role": "system", "content": [text_block("You answer in one word.")]},
-        {"role": "user", "content": [{"type": "image", "image": first}, {"type": "image", "image": second},
-                                     text_block("Which image is green?")]},
-        {"role": "assistant", "content": [text_block("The second.")]},
-        {"role": "user", "content": [text_block("And the first?")]},
-    ], max_new_tokens=5)
+    reference_prompt, reference_generated = reference_generate(
+        tiny_model(family),
+        [
+            {"role": "system", "content": [text_block("You answer in one word.")]},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image", "image": first},
+                    {"type": "image", "image": second},
+                    text_block("Which image is green?"),
+                ],
+            },
+            {"role": "assistant", "content": [text_block("The second.")]},
+            {"role": "user", "content": [text_block("And the first?")]},
+        ],
+        max_new_tokens=5,
+    )
     assert prompt.tolist() == reference_prompt.tolist()
     assert generated == reference_generated.tolist()
     assert out["response"] == engine.tokenizer.decode(reference_generated, skip_special_tokens=True).strip()
 
 
 def test_system_prompt_reaches_the_model(engine):
-    user = {"role": "user", "content": [{"type": "image_url", "image_url": data_uri(striped())},
-                                        text_block("Describe.")]}
+    user = {
+        "role": "user",
+        "content": [{"type": "image_url", "image_url": data_uri(striped())}, text_block("Describe.")],
+    }
     plain_chat = ask({"messages": [user], "max_new_tokens": 1})
-    with_system = ask({"messages": [{"role": "system", "content": "A long system prompt " * 5}, user],
-                       "max_new_tokens": 1})
+    with_system = ask(
+        {"messages": [{"role": "system", "content": "A long system prompt " * 5}, user], "max_new_tokens": 1}
+    )
     assert with_system["usage"]["prompt_tokens"] > plain_chat["usage"]["prompt_tokens"]
 
 
@@ -189,14 +219,22 @@ def batch_items():
     return [
         {"task": "vqa", "image_url": data_uri(striped()), "question": "What is it?", "max_new_tokens": 4},
         {"task": "caption", "image_b64": "this is not base64!"},
-        {"messages": [
-            {"role": "system", "content": "Be brief."},
-            {"role": "user", "content": [{"type": "image_url", "image_url": data_uri(plain("red", (84, 56)))},
-                                         {"type": "image_url", "image_url": data_uri(striped((56, 84)))},
-                                         text_block("Compare them.")]},
-            {"role": "assistant", "content": "They differ."},
-            {"role": "user", "content": "How?"},
-        ], "max_new_tokens": 6},
+        {
+            "messages": [
+                {"role": "system", "content": "Be brief."},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": data_uri(plain("red", (84, 56)))},
+                        {"type": "image_url", "image_url": data_uri(striped((56, 84)))},
+                        text_block("Compare them."),
+                    ],
+                },
+                {"role": "assistant", "content": "They differ."},
+                {"role": "user", "content": "How?"},
+            ],
+            "max_new_tokens": 6,
+        },
         {"task": "caption_long", "image_url": data_uri(plain("blue", (70, 56))), "max_new_tokens": 5},
         {"task": "grounding", "image_url": data_uri(striped()), "target": "a stripe", "max_new_tokens": 3},
     ]
@@ -272,8 +310,9 @@ def test_finish_reason_is_stop_when_the_model_ends(family, tiny_model, serve):
     at_once = ask({"task": "vqa", "image_url": data_uri(striped()), "question": "Hi?", "max_new_tokens": 8})
     assert at_once["finish_reason"] == "stop"
     assert at_once["response"] == "" and at_once["usage"]["completion_tokens"] == 0
-    held = ask({"task": "vqa", "image_url": data_uri(striped()), "question": "Hi?",
-                "max_new_tokens": 8, "min_new_tokens": 2})
+    held = ask(
+        {"task": "vqa", "image_url": data_uri(striped()), "question": "Hi?", "max_new_tokens": 8, "min_new_tokens": 2}
+    )
     assert held["finish_reason"] == "stop" and held["usage"]["completion_tokens"] == 2
 
 
@@ -282,8 +321,7 @@ def test_batch_items_keep_their_own_min_new_tokens(family, tiny_model, serve, sa
     serve(tiny_model(family, eos_bias=True))
     items = [
         {"task": "caption", "image_url": data_uri(striped()), "max_new_tokens": 8, **sampling},
-        {"task": "caption", "image_url": data_uri(plain("red")), "max_new_tokens": 8, "min_new_tokens": 3,
-         **sampling},
+        {"task": "caption", "image_url": data_uri(plain("red")), "max_new_tokens": 8, "min_new_tokens": 3, **sampling},
     ]
     batched = ask({"requests": items})["results"]
     assert [r["usage"]["completion_tokens"] for r in batched] == [0, 3]
@@ -324,8 +362,7 @@ def test_grounding_box_is_scaled_to_original_pixels(engine, family, scripted_ans
         pytest.skip(f"{family} has no grounding output")
     picture = striped((100, 50))
     if family == "qwen2-vl":  # boxes relative to 1000
-        scripted_answer("<|object_ref_start|>a stripe<|object_ref_end|>"
-                        "<|box_start|>(100,200),(500,800)<|box_end|>")
+        scripted_answer("<|object_ref_start|>a stripe<|object_ref_end|><|box_start|>(100,200),(500,800)<|box_end|>")
         expected = [10, 10, 50, 40]
     else:  # absolute pixels of the resized input: 100x50 becomes 112x56 (multiples of 28)
         scripted_answer('```json\n[{"bbox_2d": [56, 28, 112, 56], "label": "a stripe"}]\n```')
@@ -347,9 +384,7 @@ def module_prefix_exists(names: set[str], prefix: str) -> bool:
 def test_quantization_skips_name_real_modules(engine, mode):
     from transformers import BitsAndBytesConfig
 
-    planned = handler.Engine.__new__(handler.Engine)
-    planned.adapter, planned.quantize = engine.adapter, mode
-    config = planned.quantization_config(torch.bfloat16)
+    config = quantization_config(mode, engine.adapter, torch.bfloat16)
     assert isinstance(config, BitsAndBytesConfig)
     names = {name for name, _ in engine.model.named_modules()}
     skips = config.llm_int8_skip_modules
@@ -378,17 +413,24 @@ def test_concurrent_jobs_each_get_their_solo_tokens(family, tiny_model, serve):
     answer is exactly its solo run's."""
     serve(tiny_model(family), VLM_MAX_BATCH_SIZE="3", VLM_CACHE_LEN="256", VLM_SYNC_INTERVAL="3")
     jobs = [
-        {"task": "vqa", "image_url": data_uri(striped((48 + 8 * n, 40))), "question": f"What is {n}?",
-         "max_new_tokens": 4 + 5 * n, "min_new_tokens": 4 + 3 * n}
+        {
+            "task": "vqa",
+            "image_url": data_uri(striped((48 + 8 * n, 40))),
+            "question": f"What is {n}?",
+            "max_new_tokens": 4 + 5 * n,
+            "min_new_tokens": 4 + 3 * n,
+        }
         for n in range(5)
     ] + [{"messages": [{"role": "user", "content": "No image, just text."}], "max_new_tokens": 20}]
     solo = [ask(job) for job in jobs]
 
     async def together():
-        return await asyncio.gather(*(handler.answer({"id": str(n), "input": job}) for n, job in enumerate(jobs)))
+        return await asyncio.gather(
+            *(handler.local_test_answer({"id": str(n), "input": job}) for n, job in enumerate(jobs))
+        )
 
     assert asyncio.run(together()) == solo
-    streamed = asyncio.run(handler.answer({"input": dict(jobs[4], stream=True)}))
+    streamed = asyncio.run(handler.local_test_answer({"input": dict(jobs[4], stream=True)}))
     assert "".join(chunk["text"] for chunk in streamed) == solo[4]["response"]
 
 
@@ -399,17 +441,17 @@ def test_a_cancelled_job_frees_its_row_for_the_next(tiny_model, serve, monkeypat
 
     async def cancel_one_then_ask_another():
         settings, model_id = handler.served_model()
-        _, item = handler.read_request(long_job, settings, model_id, None)
-        stream = handler.stream_generation(engine, item)
+        _, item = handler.read_job_item(long_job, settings, model_id, None)
+        stream = stream_generation(engine, item)
         first = await anext(stream)  # the long item holds the only row
         await stream.aclose()  # as when RunPod cancels the job's task
-        return first, await handler.generate_one(engine, handler.read_request(short_job, settings, model_id, None)[1])
+        return first, await handler.generate_one(engine, handler.read_job_item(short_job, settings, model_id, None)[1])
 
     steps = []
-    real_step = engine.decoder.step
-    monkeypatch.setattr(engine.decoder, "step", lambda n: steps.append(n) or real_step(n))
+    real_step = engine._current_decoder().step
+    monkeypatch.setattr(engine._current_decoder(), "step", lambda n: steps.append(n) or real_step(n))
     first, short = asyncio.run(cancel_one_then_ask_another())
-    assert isinstance(first, handler.StreamDelta)
+    assert isinstance(first, StreamDelta)
     assert short.completion_tokens == 3 and short.finish_reason == "length"
     assert sum(steps) < 20  # the short job did not wait for the long one's 200 tokens
 
@@ -419,23 +461,30 @@ def test_an_item_whose_caller_is_gone_is_dropped_and_its_neighbours_answered(tin
     # engine failed the step's items, it ended the engine thread: every later job waited for ever.
     engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_SIZE="4", VLM_SYNC_INTERVAL="2")
     settings, model_id = handler.served_model()
-    items = [handler.read_request({"messages": [{"role": "user", "content": f"Say {n}."}], "max_new_tokens": 6,
-                                   "min_new_tokens": 6}, settings, model_id, None)[1] for n in range(3)]
-    alone = handler.generate_all(engine, items)
+    items = [
+        handler.read_job_item(
+            {"messages": [{"role": "user", "content": f"Say {n}."}], "max_new_tokens": 6, "min_new_tokens": 6},
+            settings,
+            model_id,
+            None,
+        )[1]
+        for n in range(3)
+    ]
+    alone = generate_all(engine, items)
     answered, results = threading.Semaphore(0), {}
 
     def gone(event):
         raise RuntimeError("Event loop is closed")
 
     def keep(index, event):
-        if not isinstance(event, handler.StreamDelta):
+        if not isinstance(event, StreamDelta):
             results[index] = event
             answered.release()
 
     tickets = engine.submit_all(items, [gone, functools.partial(keep, 1), functools.partial(keep, 2)], stream=True)
     assert answered.acquire(timeout=60) and answered.acquire(timeout=60)
     assert [results[1], results[2]] == alone[1:] and tickets[0].cancelled
-    assert handler.generate_all(engine, items[:1]) == alone[:1]  # the engine serves on
+    assert generate_all(engine, items[:1]) == alone[:1]  # the engine serves on
 
 
 def test_a_decoder_that_cannot_be_built_fails_the_waiting_job_instead_of_looping(tiny_model, serve, monkeypatch):
@@ -455,8 +504,10 @@ def test_a_decoder_that_cannot_be_built_fails_the_waiting_job_instead_of_looping
     monkeypatch.setattr(engine, "_new_decoder", new_decoder)
     engine._decoder = None
     answered, results = threading.Event(), []
-    engine.submit(handler.read_request(job, *handler.served_model(), None)[1],
-                  lambda event: results.append(event) or answered.set())
+    engine.submit(
+        handler.read_job_item(job, *handler.served_model(), None)[1],
+        lambda event: results.append(event) or answered.set(),
+    )
     try:
         assert answered.wait(30) and results[0].code == "generation_failed" and len(attempts) == 1
     finally:
@@ -484,8 +535,10 @@ def failing_prefills(engine, monkeypatch, error, when):
 
 def test_a_prefill_out_of_memory_is_retried_in_halves(tiny_model, serve, monkeypatch):
     engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_SIZE="4")
-    items = [{"task": "vqa", "image_url": data_uri(striped()), "question": f"Item {n}?", "max_new_tokens": 3}
-             for n in range(4)]
+    items = [
+        {"task": "vqa", "image_url": data_uri(striped()), "question": f"Item {n}?", "max_new_tokens": 3}
+        for n in range(4)
+    ]
     solo = [ask(item) for item in items]
     oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
     prefill_rows = failing_prefills(engine, monkeypatch, oom, lambda rows: rows > 2)
@@ -504,17 +557,17 @@ def test_a_cache_grown_for_a_long_request_that_does_not_fit_leaves_the_usual_one
     engine = serve(tiny_model("qwen2-vl"), VLM_CACHE_LEN="256", VLM_MAX_NEW_TOKENS="400")
     short = {"messages": [{"role": "user", "content": "Short."}], "max_new_tokens": 3}
     before = ask(short)
-    allocate = handler.SlotDecoder._allocate
+    allocate = SlotDecoder._allocate
 
     def allocate_or_run_out(self, keys, values):
         if self.length > 256:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB")
         return allocate(self, keys, values)
 
-    monkeypatch.setattr(handler.SlotDecoder, "_allocate", allocate_or_run_out)
+    monkeypatch.setattr(SlotDecoder, "_allocate", allocate_or_run_out)
     long = {"messages": [{"role": "user", "content": "Long."}], "max_new_tokens": 300}
     assert ask(long)["code"] == "out_of_memory"
-    assert ask(short) == before and engine.decoder.length == 256
+    assert ask(short) == before and engine._current_decoder().length == 256
 
 
 def test_a_fatal_cuda_error_fails_requests_and_asks_for_a_new_worker(tiny_model, serve, monkeypatch):
@@ -532,9 +585,16 @@ def test_a_batch_too_long_for_the_cache_together_is_split_until_it_fits(tiny_mod
     # engine splits the group (and grows the cache for an item too long alone) rather than waiting
     # for a fit that never comes.
     serve(tiny_model("qwen2-vl"), VLM_CACHE_LEN="256", VLM_MAX_NEW_TOKENS="400")
-    items = [{"task": "vqa", "image_url": data_uri(striped((336, 336))), "question": "Long prompt?",
-              "max_new_tokens": 20, "min_new_tokens": 20},
-             {"messages": [{"role": "user", "content": "Short."}], "max_new_tokens": 200, "min_new_tokens": 200}]
+    items = [
+        {
+            "task": "vqa",
+            "image_url": data_uri(striped((336, 336))),
+            "question": "Long prompt?",
+            "max_new_tokens": 20,
+            "min_new_tokens": 20,
+        },
+        {"messages": [{"role": "user", "content": "Short."}], "max_new_tokens": 200, "min_new_tokens": 200},
+    ]
     solo = [ask(item) for item in items]
     assert solo[0]["usage"]["prompt_tokens"] + 200 > 256  # together they cannot fit
     assert ask({"requests": items})["results"] == solo
@@ -564,8 +624,13 @@ def test_a_decode_step_cut_off_midway_by_a_torch_fx_trace_runs_again_at_the_same
     # wrote one slot further on, and the job's next tokens attended to the wrong keys (the CPU background-compile
     # test failed about one run in five).
     engine = serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="4", VLM_COMPILE="false")
-    job = {"task": "vqa", "image_url": data_uri(striped((48, 40))), "question": "What is it?", "max_new_tokens": 12,
-           "min_new_tokens": 12}
+    job = {
+        "task": "vqa",
+        "image_url": data_uri(striped((48, 40))),
+        "question": "What is it?",
+        "max_new_tokens": 12,
+        "min_new_tokens": 12,
+    }
     alone = ask(job)
     second_layer = engine.model.get_decoder().layers[1]
     real_forward, steps = second_layer.forward, []

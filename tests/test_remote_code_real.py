@@ -48,8 +48,11 @@ def _legacy_transformers() -> str:
 
 
 pytestmark = [
-    pytest.mark.skipif(not CODE_DIR, reason="VLM_LEGACY_CODE_DIR is not set: it must point at a copy of the "
-                       "remote-code repositories' files (scripts/legacy_check.sh), which CI cannot download"),
+    pytest.mark.skipif(
+        not CODE_DIR,
+        reason="VLM_LEGACY_CODE_DIR is not set: it must point at a copy of the "
+        "remote-code repositories' files (scripts/legacy_check.sh), which CI cannot download",
+    ),
     pytest.mark.skipif(bool(CODE_DIR) and bool(_legacy_transformers()), reason=_legacy_transformers()),
 ]
 
@@ -58,7 +61,7 @@ FIRST, SECOND = striped((100, 50)), plain("green", (40, 60))
 
 
 def ask(payload: dict) -> dict:
-    return asyncio.run(handler.answer({"id": "job-1", "input": payload}))
+    return asyncio.run(handler.local_test_answer({"id": "job-1", "input": payload}))
 
 
 def text(value: str) -> dict:
@@ -106,11 +109,27 @@ def spy(monkeypatch, owner, calls: list) -> None:
 
 def effective_sampling(model, kwargs: dict) -> dict:
     """The decoding generate() really ran with: its generation config merged with the call's kwargs."""
-    config, _ = model._prepare_generation_config(kwargs.get("generation_config"), **{
-        k: v for k, v in kwargs.items() if k not in ("generation_config", "output", "inputs_embeds", "input_ids",
-                                                     "attention_mask", "pixel_values", "image_sizes")})
-    return {name: getattr(config, name) for name in ("do_sample", "temperature", "top_p", "top_k", "num_beams",
-                                                     "repetition_penalty")}
+    config, _ = model._prepare_generation_config(
+        kwargs.get("generation_config"),
+        **{
+            k: v
+            for k, v in kwargs.items()
+            if k
+            not in (
+                "generation_config",
+                "output",
+                "inputs_embeds",
+                "input_ids",
+                "attention_mask",
+                "pixel_values",
+                "image_sizes",
+            )
+        },
+    )
+    return {
+        name: getattr(config, name)
+        for name in ("do_sample", "temperature", "top_p", "top_k", "num_beams", "repetition_penalty")
+    }
 
 
 def kept(ids: list[int], eos: set) -> list[int]:
@@ -118,6 +137,7 @@ def kept(ids: list[int], eos: set) -> list[int]:
 
 
 # ---- InternVL2 ---------------------------------------------------------------------------------
+
 
 def internvl_card_pixels(image):
     """The card's `load_image(image, max_num=12)`: the aspect-ratio grid of 448px tiles closest to the
@@ -129,8 +149,10 @@ def internvl_card_pixels(image):
 
     size, most = 448, 12
     width, height = image.size
-    grids = sorted({(i, j) for n in range(1, most + 1) for i in range(1, n + 1) for j in range(1, n + 1)
-                    if 1 <= i * j <= most}, key=lambda grid: grid[0] * grid[1])
+    grids = sorted(
+        {(i, j) for n in range(1, most + 1) for i in range(1, n + 1) for j in range(1, n + 1) if 1 <= i * j <= most},
+        key=lambda grid: grid[0] * grid[1],
+    )
     best, best_diff = (1, 1), float("inf")
     for grid in grids:
         diff = abs(width / height - grid[0] / grid[1])
@@ -139,16 +161,20 @@ def internvl_card_pixels(image):
         elif diff == best_diff and width * height > 0.5 * size * size * grid[0] * grid[1]:
             best = grid
     resized = image.resize((size * best[0], size * best[1]))
-    tiles = [resized.crop((k % best[0] * size, k // best[0] * size, (k % best[0] + 1) * size,
-                           (k // best[0] + 1) * size)) for k in range(best[0] * best[1])]
+    tiles = [
+        resized.crop((k % best[0] * size, k // best[0] * size, (k % best[0] + 1) * size, (k // best[0] + 1) * size))
+        for k in range(best[0] * best[1])
+    ]
     if len(tiles) != 1:
         tiles.append(image.resize((size, size)))
-    transform = T.Compose([
-        T.Lambda(lambda tile: tile.convert("RGB")),
-        T.Resize((size, size), interpolation=InterpolationMode.BICUBIC),
-        T.ToTensor(),
-        T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
-    ])
+    transform = T.Compose(
+        [
+            T.Lambda(lambda tile: tile.convert("RGB")),
+            T.Resize((size, size), interpolation=InterpolationMode.BICUBIC),
+            T.ToTensor(),
+            T.Normalize((0.485, 0.456, 0.406), (0.229, 0.224, 0.225)),
+        ]
+    )
     return torch.stack([transform(tile) for tile in tiles])
 
 
@@ -166,8 +192,14 @@ def internvl_card(engine, monkeypatch, images, question, history=None, system=No
             patch.setattr(model, "system_message", system)
         tiles = [internvl_card_pixels(image) for image in images]
         pixel_values = torch.cat(tiles) if tiles else None
-        response = model.chat(tokenizer, pixel_values, question, dict(max_new_tokens=max_new_tokens, do_sample=False),
-                               history=history, num_patches_list=[len(t) for t in tiles] if tiles else None)
+        response = model.chat(
+            tokenizer,
+            pixel_values,
+            question,
+            dict(max_new_tokens=max_new_tokens, do_sample=False),
+            history=history,
+            num_patches_list=[len(t) for t in tiles] if tiles else None,
+        )
     return outer[0], inner[0]["output"][0].tolist(), response
 
 
@@ -186,15 +218,28 @@ INTERNVL_CASES = {
         dict(images=[FIRST], question="<image>\nWhat is shown?"),
     ),
     "system, two images, earlier turns": (
-        {"messages": [
-            {"role": "system", "content": "Answer in one word."},
-            {"role": "user", "content": [{"type": "image_url", "image_url": data_uri(FIRST)}, text("Compare"),
-                                         {"type": "image_url", "image_url": data_uri(SECOND)}]},
-            {"role": "assistant", "content": "Stripes."},
-            {"role": "user", "content": "Which is larger?"},
-        ], "max_new_tokens": NEW_TOKENS},
-        dict(images=[FIRST, SECOND], question="Which is larger?", history=[("<image>\nCompare\n<image>", "Stripes.")],
-             system="Answer in one word."),
+        {
+            "messages": [
+                {"role": "system", "content": "Answer in one word."},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": data_uri(FIRST)},
+                        text("Compare"),
+                        {"type": "image_url", "image_url": data_uri(SECOND)},
+                    ],
+                },
+                {"role": "assistant", "content": "Stripes."},
+                {"role": "user", "content": "Which is larger?"},
+            ],
+            "max_new_tokens": NEW_TOKENS,
+        },
+        dict(
+            images=[FIRST, SECOND],
+            question="Which is larger?",
+            history=[("<image>\nCompare\n<image>", "Stripes.")],
+            system="Answer in one word.",
+        ),
     ),
     "text only": (
         {"messages": [{"role": "user", "content": "Say something."}], "max_new_tokens": NEW_TOKENS},
@@ -231,12 +276,25 @@ def test_internvl2_answers_as_its_card(internvl, monkeypatch, case):
 
 
 def test_internvl2_sampling_is_exactly_temperature_and_top_p(internvl, monkeypatch):
-    payload = {"task": "vqa", "image_url": data_uri(FIRST), "question": "What?", "max_new_tokens": 3,
-               "do_sample": True, "temperature": 0.7, "top_p": 0.9}
+    payload = {
+        "task": "vqa",
+        "image_url": data_uri(FIRST),
+        "question": "What?",
+        "max_new_tokens": 3,
+        "do_sample": True,
+        "temperature": 0.7,
+        "top_p": 0.9,
+    }
     out, _, inner = worker_calls(internvl, monkeypatch, payload)
     assert "error" not in out, out
     assert effective_sampling(internvl.model.language_model, inner[0]) == {
-        "do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "num_beams": 1, "repetition_penalty": 1.0}
+        "do_sample": True,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 0,
+        "num_beams": 1,
+        "repetition_penalty": 1.0,
+    }
 
 
 def test_internvl2_stops_where_its_chat_stops(legacy_model, serve):
@@ -249,8 +307,11 @@ def test_internvl2_stops_where_its_chat_stops(legacy_model, serve):
 # What chat() cannot express: its conversation opens with a user turn, a system prompt comes first.
 UNSAYABLE = {
     "leading assistant turn": [{"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Hi?"}],
-    "system turn later": [{"role": "user", "content": "Hi?"}, {"role": "system", "content": "Be brief."},
-                          {"role": "user", "content": "Hm?"}],
+    "system turn later": [
+        {"role": "user", "content": "Hi?"},
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hm?"},
+    ],
 }
 
 
@@ -261,6 +322,7 @@ def test_internvl2_refuses_what_its_chat_cannot_express(internvl, messages):
 
 
 # ---- Phi-3-vision ------------------------------------------------------------------------------
+
 
 @pytest.fixture
 def phi3(legacy_model, serve):
@@ -276,9 +338,10 @@ def phi3_card(engine, messages: list[dict], images: list, max_new_tokens=NEW_TOK
     prompt = processor.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     inputs = processor(prompt, images or None, return_tensors="pt")
     with torch.inference_mode():
-        output = model.generate(**inputs, eos_token_id=processor.tokenizer.eos_token_id,
-                                max_new_tokens=max_new_tokens, do_sample=False)
-    generated = output[0, inputs["input_ids"].shape[1]:]
+        output = model.generate(
+            **inputs, eos_token_id=processor.tokenizer.eos_token_id, max_new_tokens=max_new_tokens, do_sample=False
+        )
+    generated = output[0, inputs["input_ids"].shape[1] :]
     answer = processor.batch_decode(generated[None], skip_special_tokens=True, clean_up_tokenization_spaces=False)[0]
     return inputs, generated.tolist(), answer
 
@@ -286,27 +349,40 @@ def phi3_card(engine, messages: list[dict], images: list, max_new_tokens=NEW_TOK
 PHI3_CASES = {
     "one image": (
         {"task": "vqa", "image_url": data_uri(FIRST), "question": "What is shown?", "max_new_tokens": NEW_TOKENS},
-        [{"role": "user", "content": "<|image_1|>\nWhat is shown?"}], [FIRST],
+        [{"role": "user", "content": "<|image_1|>\nWhat is shown?"}],
+        [FIRST],
     ),
     "system, leading assistant, two images, earlier turns": (
-        {"messages": [
+        {
+            "messages": [
+                {"role": "system", "content": "Answer in one word."},
+                {"role": "assistant", "content": "Ask me about images."},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": data_uri(FIRST)},
+                        text("Compare"),
+                        {"type": "image_url", "image_url": data_uri(SECOND)},
+                    ],
+                },
+                {"role": "assistant", "content": "Stripes."},
+                {"role": "user", "content": "Which is larger?"},
+            ],
+            "max_new_tokens": NEW_TOKENS,
+        },
+        [
             {"role": "system", "content": "Answer in one word."},
             {"role": "assistant", "content": "Ask me about images."},
-            {"role": "user", "content": [{"type": "image_url", "image_url": data_uri(FIRST)}, text("Compare"),
-                                         {"type": "image_url", "image_url": data_uri(SECOND)}]},
+            {"role": "user", "content": "<|image_1|>\nCompare\n<|image_2|>"},
             {"role": "assistant", "content": "Stripes."},
             {"role": "user", "content": "Which is larger?"},
-        ], "max_new_tokens": NEW_TOKENS},
-        [{"role": "system", "content": "Answer in one word."},
-         {"role": "assistant", "content": "Ask me about images."},
-         {"role": "user", "content": "<|image_1|>\nCompare\n<|image_2|>"},
-         {"role": "assistant", "content": "Stripes."},
-         {"role": "user", "content": "Which is larger?"}],
+        ],
         [FIRST, SECOND],
     ),
     "text only": (
         {"messages": [{"role": "user", "content": "Say something."}], "max_new_tokens": NEW_TOKENS},
-        [{"role": "user", "content": "Say something."}], [],
+        [{"role": "user", "content": "Say something."}],
+        [],
     ),
 }
 
@@ -348,11 +424,24 @@ def test_phi3_vision_sampling_is_exactly_temperature_and_top_p(phi3, monkeypatch
     calls: list = []
     with monkeypatch.context() as patch:
         spy(patch, phi3.model, calls)
-        out = ask({"messages": [{"role": "user", "content": "Hi?"}], "max_new_tokens": 3,
-                   "do_sample": True, "temperature": 0.7, "top_p": 0.9})
+        out = ask(
+            {
+                "messages": [{"role": "user", "content": "Hi?"}],
+                "max_new_tokens": 3,
+                "do_sample": True,
+                "temperature": 0.7,
+                "top_p": 0.9,
+            }
+        )
     assert "error" not in out, out
     assert effective_sampling(phi3.model, calls[0]) == {
-        "do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "num_beams": 1, "repetition_penalty": 1.0}
+        "do_sample": True,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 0,
+        "num_beams": 1,
+        "repetition_penalty": 1.0,
+    }
 
 
 def test_phi3_vision_stops_at_its_end_token(legacy_model, serve):
@@ -362,6 +451,7 @@ def test_phi3_vision_stops_at_its_end_token(legacy_model, serve):
 
 
 # ---- MiniCPM-V 2.6 -----------------------------------------------------------------------------
+
 
 @pytest.fixture
 def minicpm(legacy_model, serve):
@@ -383,16 +473,30 @@ MINICPM_CASES = {
         dict(msgs=[{"role": "user", "content": [FIRST, "What is shown?"]}]),
     ),
     "system, two images, earlier turns": (
-        {"messages": [
-            {"role": "system", "content": "Answer in one word."},
-            {"role": "user", "content": [{"type": "image_url", "image_url": data_uri(FIRST)}, text("Compare"),
-                                         {"type": "image_url", "image_url": data_uri(SECOND)}]},
-            {"role": "assistant", "content": "Stripes."},
-            {"role": "user", "content": "Which is larger?"},
-        ], "max_new_tokens": NEW_TOKENS},
-        dict(msgs=[{"role": "user", "content": [FIRST, "Compare", SECOND]},
-                   {"role": "assistant", "content": ["Stripes."]},
-                   {"role": "user", "content": ["Which is larger?"]}], system_prompt="Answer in one word."),
+        {
+            "messages": [
+                {"role": "system", "content": "Answer in one word."},
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": data_uri(FIRST)},
+                        text("Compare"),
+                        {"type": "image_url", "image_url": data_uri(SECOND)},
+                    ],
+                },
+                {"role": "assistant", "content": "Stripes."},
+                {"role": "user", "content": "Which is larger?"},
+            ],
+            "max_new_tokens": NEW_TOKENS,
+        },
+        dict(
+            msgs=[
+                {"role": "user", "content": [FIRST, "Compare", SECOND]},
+                {"role": "assistant", "content": ["Stripes."]},
+                {"role": "user", "content": ["Which is larger?"]},
+            ],
+            system_prompt="Answer in one word.",
+        ),
     ),
     "text only": (
         {"messages": [{"role": "user", "content": "Say something."}], "max_new_tokens": NEW_TOKENS},
@@ -416,9 +520,19 @@ def same_nested(a, b) -> bool:
 def test_minicpm_v_answers_as_its_card(minicpm, monkeypatch, case):
     payload, card = MINICPM_CASES[case]
     model, tokenizer = minicpm.model, minicpm.processor
-    card_text, card_outer, card_inner = minicpm_calls(minicpm, monkeypatch, lambda: model.chat(
-        image=None, tokenizer=tokenizer, max_new_tokens=NEW_TOKENS, sampling=False, num_beams=1,
-        repetition_penalty=1.0, **card))
+    card_text, card_outer, card_inner = minicpm_calls(
+        minicpm,
+        monkeypatch,
+        lambda: model.chat(
+            image=None,
+            tokenizer=tokenizer,
+            max_new_tokens=NEW_TOKENS,
+            sampling=False,
+            num_beams=1,
+            repetition_penalty=1.0,
+            **card,
+        ),
+    )
     out, outer, inner = minicpm_calls(minicpm, monkeypatch, lambda: ask(payload))
 
     assert "error" not in out, out
@@ -436,12 +550,25 @@ def test_minicpm_v_answers_as_its_card(minicpm, monkeypatch, case):
 
 
 def test_minicpm_v_sampling_is_exactly_temperature_and_top_p(minicpm, monkeypatch):
-    payload = {"task": "vqa", "image_url": data_uri(FIRST), "question": "What?", "max_new_tokens": 3,
-               "do_sample": True, "temperature": 0.7, "top_p": 0.9}
+    payload = {
+        "task": "vqa",
+        "image_url": data_uri(FIRST),
+        "question": "What?",
+        "max_new_tokens": 3,
+        "do_sample": True,
+        "temperature": 0.7,
+        "top_p": 0.9,
+    }
     out, _, inner = minicpm_calls(minicpm, monkeypatch, lambda: ask(payload))
     assert "error" not in out, out
     assert effective_sampling(minicpm.model.llm, inner[0]) == {
-        "do_sample": True, "temperature": 0.7, "top_p": 0.9, "top_k": 0, "num_beams": 1, "repetition_penalty": 1.0}
+        "do_sample": True,
+        "temperature": 0.7,
+        "top_p": 0.9,
+        "top_k": 0,
+        "num_beams": 1,
+        "repetition_penalty": 1.0,
+    }
 
 
 def test_minicpm_v_stops_at_its_end_token(legacy_model, serve):
@@ -458,8 +585,10 @@ def test_minicpm_v_refuses_what_its_chat_cannot_express(minicpm, messages):
 
 # ---- every family ------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("family, cases", [("internvl2", INTERNVL_CASES), ("minicpm-v", MINICPM_CASES),
-                                           ("phi3-vision", PHI3_CASES)])
+
+@pytest.mark.parametrize(
+    "family, cases", [("internvl2", INTERNVL_CASES), ("minicpm-v", MINICPM_CASES), ("phi3-vision", PHI3_CASES)]
+)
 def test_a_batch_answers_each_request_as_it_is_answered_alone(legacy_model, serve, family, cases):
     serve(legacy_model(family), VLM_TRUST_REMOTE_CODE="true")
     payloads = [cases["one image"][0], cases["text only"][0]]
@@ -467,4 +596,5 @@ def test_a_batch_answers_each_request_as_it_is_answered_alone(legacy_model, serv
     batched = ask({"requests": payloads})["results"]
     assert all("error" not in out for out in alone), alone
     assert [(r["response"], r["usage"], r["finish_reason"]) for r in batched] == [
-        (r["response"], r["usage"], r["finish_reason"]) for r in alone]
+        (r["response"], r["usage"], r["finish_reason"]) for r in alone
+    ]

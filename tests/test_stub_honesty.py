@@ -3,13 +3,13 @@
 fake_backend.py lists in STUBBED_API every torch/transformers attribute or call its fakes provide.
 Here, on the real libraries (CPU, tiny random models), each entry must
   (a) resolve: name the same thing on real torch / torchvision / transformers, and
-  (b) be exercised: the real handler.py, answering real requests, reaches it.
+  (b) be exercised: the real worker (handler.py and runpod_vlm/), answering real requests, reaches it.
 So an entry the engine no longer uses (the stub went stale) or one the fakes invented fails here,
 unless it is one of the documented exceptions below (remote code, CUDA only).
 
 STUBBED_API is imported from fake_backend, which installs nothing on import (its fixtures do, in
-test_handler.py's own process). "Exercised" means used by code in handler.py itself (the direct
-caller's frame is handler.py), not somewhere inside transformers: counting wrappers are put, with
+test_handler.py's own process). "Exercised" means used by the worker's own code (the direct
+caller's frame is in handler.py or runpod_vlm/), not somewhere inside transformers: counting wrappers are put, with
 monkeypatch, on
   - module attributes ("torch.zeros", "transformers.StaticCache"): the module's class is swapped
     for a recording subclass; functions are recorded when called, classes and constants when read;
@@ -36,20 +36,25 @@ import torch
 import transformers
 
 import handler
+import runpod_vlm
 from fake_backend import STUBBED_API
+from runpod_vlm.engine.loading import quantization_config
+from runpod_vlm.families.remote import InternVL2Adapter, MiniCPMVAdapter, Phi3VisionAdapter
+from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, Turn
 from sample_images import data_uri, plain, striped
 
-HANDLER_FILE = handler.handler.__code__.co_filename
+# The worker's own code: handler.py and the runpod_vlm package.
+WORKER_FILES = (handler.handler.__code__.co_filename, os.path.dirname(runpod_vlm.__file__) + os.sep)
 
 # Entries that cannot be exercised here. Each needs a one-line reason; a new STUBBED_API entry
 # that the engine does not exercise fails unless it is added here, by name, with its reason.
 REMOTE_CODE = {
     "remote.MiniCPMV.chat": "MiniCPM-V's chat() is code from its hub repository (trust_remote_code), "
-                            "run by tests/test_remote_code_real.py on the legacy line only",
+    "run by tests/test_remote_code_real.py on the legacy line only",
     "remote.InternVLChatModel.chat": "InternVL2's chat() is code from its hub repository (trust_remote_code), "
-                                     "run by tests/test_remote_code_real.py on the legacy line only",
+    "run by tests/test_remote_code_real.py on the legacy line only",
     "transformers.AutoModelForCausalLM.from_pretrained": "only Phi-3-vision loads through it, and only "
-                                                         "its remote code registers a vision model there",
+    "its remote code registers a vision model there",
 }
 # Reached only when torch.cuda.is_available(): they are exercised by the GPU benchmark
 # (bench/serving.py), never on this CPU machine; here they must at least exist on real torch.
@@ -121,8 +126,8 @@ def split_entry(name: str) -> Entry:
 
 
 def _from_handler(depth: int = 2) -> bool:
-    """Whether the code `depth` frames up (1: the caller of the function calling this) is handler.py."""
-    return sys._getframe(depth).f_code.co_filename == HANDLER_FILE
+    """Whether the code `depth` frames up (1: the caller of the function calling this) is the worker's."""
+    return sys._getframe(depth).f_code.co_filename.startswith(WORKER_FILES)
 
 
 def _subclasses(cls: type) -> list:
@@ -176,7 +181,7 @@ class Recorder:
                     frame = sys._getframe(1)
                     while frame is not None and frame.f_code.co_filename.startswith(TORCH_DIR):
                         frame = frame.f_back
-                    if frame is not None and frame.f_code.co_filename == HANDLER_FILE:
+                    if frame is not None and frame.f_code.co_filename.startswith(WORKER_FILES):
                         recorder.hits.add(label)
                 return func(*args, **(kwargs or {}))
 
@@ -197,6 +202,7 @@ class Recorder:
             if label is None or not _from_handler():
                 return value
             if isinstance(value, (types.FunctionType, types.BuiltinFunctionType)):
+
                 @functools.wraps(value)
                 def called(*args, **kwargs):
                     recorder.hits.add(label)
@@ -215,6 +221,7 @@ class Recorder:
             self.torch_function[original] = entry.name
             return
         if inspect.isdatadescriptor(original) and not callable(original):  # shape, dtype
+
             def get(tensor):
                 if _from_handler():
                     recorder.hits.add(entry.name)
@@ -244,6 +251,7 @@ class Recorder:
 
                 self.patch.setattr(cls, entry.member, kind(functools.wraps(function)(wrapper)))
             else:
+
                 def wrapper(obj, *args, _original=original, **kwargs):
                     if _from_handler():
                         recorder.hits.add(entry.name)
@@ -270,15 +278,18 @@ class Recorder:
             for cls in targets:
                 original = inspect.getattr_static(cls, special)
                 if special == "__getattribute__":
+
                     def hook(obj, attr, _original=original):
                         if attr in tracked and _from_handler():
                             record(obj, attr)
                         return _original(obj, attr)
                 else:
+
                     def hook(obj, attr, value, _original=original):
                         if attr in tracked and _from_handler():
                             record(obj, attr)
                         return _original(obj, attr, value)
+
                 self.patch.setattr(cls, special, hook)
 
 
@@ -286,7 +297,7 @@ class Recorder:
 
 
 def ask(payload: dict) -> dict:
-    out = asyncio.run(handler.answer({"id": "honesty", "input": payload}))
+    out = asyncio.run(handler.local_test_answer({"id": "honesty", "input": payload}))
     assert "error" not in out, out
     return out
 
@@ -311,15 +322,28 @@ def run_everything(folder: Path, patch: pytest.MonkeyPatch) -> dict:
     image = data_uri(striped((64, 48)))
     single = ask({"task": "caption", "image_url": image, "max_new_tokens": 3})
     assert single["usage"]["completion_tokens"] == 3
-    sampled = ask({"task": "vqa", "image_url": data_uri(plain("red")), "question": "Colour?",
-                   "do_sample": True, "temperature": 0.8, "top_p": 0.9, "max_new_tokens": 3,
-                   "min_new_tokens": 2})
+    sampled = ask(
+        {
+            "task": "vqa",
+            "image_url": data_uri(plain("red")),
+            "question": "Colour?",
+            "do_sample": True,
+            "temperature": 0.8,
+            "top_p": 0.9,
+            "max_new_tokens": 3,
+            "min_new_tokens": 2,
+        }
+    )
     assert sampled["usage"]["completion_tokens"] >= 2
-    batch = ask({"requests": [
-        {"task": "caption", "image_url": image, "max_new_tokens": 2},
-        {"task": "caption", "image_url": image, "max_new_tokens": 2, "do_sample": True, "temperature": 1.0},
-        {"messages": [{"role": "user", "content": "Hello?"}], "max_new_tokens": 2},
-    ]})
+    batch = ask(
+        {
+            "requests": [
+                {"task": "caption", "image_url": image, "max_new_tokens": 2},
+                {"task": "caption", "image_url": image, "max_new_tokens": 2, "do_sample": True, "temperature": 1.0},
+                {"messages": [{"role": "user", "content": "Hello?"}], "max_new_tokens": 2},
+            ]
+        }
+    )
     assert batch["count"] == 3 and all("error" not in r for r in batch["results"]), batch
     grounding = ask({"task": "grounding", "image_url": image, "target": "the stripe", "max_new_tokens": 4})
     assert grounding["supports_grounding"] is True
@@ -333,8 +357,7 @@ def run_everything(folder: Path, patch: pytest.MonkeyPatch) -> dict:
     assert long["usage"]["completion_tokens"] == 20 and long["finish_reason"] == "length"
     # The bitsandbytes settings a 4-bit (and 8-bit) load would use, built by the engine's code.
     for quantize in ("4bit", "8bit"):
-        config = handler.Engine.quantization_config(
-            types.SimpleNamespace(quantize=quantize, adapter=engine.adapter), torch.float32)
+        config = quantization_config(quantize, engine.adapter, torch.float32)
         assert isinstance(config, transformers.BitsAndBytesConfig)
         assert config.llm_int8_skip_modules == list(engine.adapter.quantization_skip_modules)
         assert (config.load_in_4bit, config.load_in_8bit) == (quantize == "4bit", quantize == "8bit")
@@ -351,29 +374,35 @@ def run_everything(folder: Path, patch: pytest.MonkeyPatch) -> dict:
 
     def chat(*args, **kwargs):  # stands for remote.*.chat, which STUBBED_API lists as exceptions; like
         chats.append((args, kwargs))  # theirs, it calls its inner language model's generate() with embeddings
-        ids = engine.model.generate(inputs_embeds=engine.model.get_input_embeddings()(prompt), max_new_tokens=4,
-                                    do_sample=False, eos_token_id=sorted(engine.eos_ids))[0].tolist()
+        ids = engine.model.generate(
+            inputs_embeds=engine.model.get_input_embeddings()(prompt),
+            max_new_tokens=4,
+            do_sample=False,
+            eos_token_id=sorted(engine.eos_ids),
+        )[0].tolist()
         answers.append(ids)
         return tokenizer.decode(ids, skip_special_tokens=True)
 
     patch.setattr(engine.model, "chat", chat, raising=False)
     for inner in ("llm", "language_model"):  # MiniCPM-V's and InternVL2's inner language model
         patch.setattr(engine.model, inner, engine.model, raising=False)
-    params = handler.GenerationParams(max_new_tokens=4, temperature=0.0, top_p=1.0, do_sample=False)
-    item = handler.GenerationRequest("caption", [handler.Turn("user", [striped((112, 56)), "Describe."])], params)
-    results["internvl"] = handler.InternVL2Adapter().run(engine.model, tokenizer, item, engine.sampling_kwargs(params))
+    params = GenerationParams(max_new_tokens=4, temperature=0.0, top_p=1.0, do_sample=False)
+    item = GenerationRequest("caption", [Turn("user", [striped((112, 56)), "Describe."])], params)
+    results["internvl"] = InternVL2Adapter().run(engine.model, tokenizer, item, engine.sampling_kwargs(params))
     results["internvl_chat"] = chats[-1]
-    results["minicpm"] = handler.MiniCPMVAdapter().run(engine.model, tokenizer, item, engine.sampling_kwargs(params))
+    results["minicpm"] = MiniCPMVAdapter().run(engine.model, tokenizer, item, engine.sampling_kwargs(params))
     results["remote_answers"], results["remote_prompt"], results["eos"] = answers, prompt, engine.eos_ids
-    results["remote_load"] = handler.MiniCPMVAdapter().load(
-        str(folder), {"dtype": torch.float32, "device_map": "cpu", "trust_remote_code": False})
+    results["remote_load"] = MiniCPMVAdapter().load(
+        str(folder), {"dtype": torch.float32, "device_map": "cpu", "trust_remote_code": False}
+    )
     # Phi-3-vision: its real path is apply_chat_template + processor + model.generate; a text-only
     # item (its <|image_N|> placeholders are Phi-3's own) through the tiny model's tokenizer.
     if getattr(tokenizer, "chat_template", None) is None:
         patch.setattr(tokenizer, "chat_template", engine.processor.chat_template, raising=False)
-    text_item = handler.GenerationRequest("chat", [handler.Turn("user", ["Hello there"])], params)
-    results["phi3"] = handler.Phi3VisionAdapter().run(
-        engine.model, Phi3StyleProcessor(engine.processor), text_item, engine.sampling_kwargs(params))
+    text_item = GenerationRequest("chat", [Turn("user", ["Hello there"])], params)
+    results["phi3"] = Phi3VisionAdapter().run(
+        engine.model, Phi3StyleProcessor(engine.processor), text_item, engine.sampling_kwargs(params)
+    )
     results["tokenizer"] = tokenizer
     return results
 

@@ -32,40 +32,105 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from tiny_models import _favour_eos, _make_sensitive  # noqa: E402
 
 FAMILIES = {"internvl2": "internvl_chat", "phi3-vision": "phi3_v", "minicpm-v": "minicpmv"}
-MODELING_FILES = {"internvl2": "modeling_internvl_chat.py", "phi3-vision": "modeling_phi3_v.py",
-                  "minicpm-v": "modeling_minicpmv.py"}
+MODELING_FILES = {
+    "internvl2": "modeling_internvl_chat.py",
+    "phi3-vision": "modeling_phi3_v.py",
+    "minicpm-v": "modeling_minicpmv.py",
+}
 
 # openbmb/MiniCPM-V-2_6's config.json and preprocessor_config.json values (Qwen2 7B + SigLIP 400M,
 # 64 query tokens per slice, up to 9 slices of 448px with image ids), written here from its model
 # page for a copy of its code that lacks those files; the layers are shrunk below, the token ids
 # taken from the tokenizer.
 MINICPM_V_2_6_CONFIG = {
-    "architectures": ["MiniCPMV"], "model_type": "minicpmv",
-    "auto_map": {"AutoConfig": "configuration_minicpm.MiniCPMVConfig", "AutoModel": "modeling_minicpmv.MiniCPMV",
-                 "AutoModelForCausalLM": "modeling_minicpmv.MiniCPMV"},
-    "attention_dropout": 0.0, "batch_vision_input": True, "drop_vision_last_layer": False, "hidden_act": "silu",
-    "hidden_size": 3584, "image_size": 448, "initializer_range": 0.02, "intermediate_size": 18944,
-    "max_position_embeddings": 32768, "max_window_layers": 28, "num_attention_heads": 28, "num_hidden_layers": 28,
-    "num_key_value_heads": 4, "patch_size": 14, "query_num": 64, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+    "architectures": ["MiniCPMV"],
+    "model_type": "minicpmv",
+    "auto_map": {
+        "AutoConfig": "configuration_minicpm.MiniCPMVConfig",
+        "AutoModel": "modeling_minicpmv.MiniCPMV",
+        "AutoModelForCausalLM": "modeling_minicpmv.MiniCPMV",
+    },
+    "attention_dropout": 0.0,
+    "batch_vision_input": True,
+    "drop_vision_last_layer": False,
+    "hidden_act": "silu",
+    "hidden_size": 3584,
+    "image_size": 448,
+    "initializer_range": 0.02,
+    "intermediate_size": 18944,
+    "max_position_embeddings": 32768,
+    "max_window_layers": 28,
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "patch_size": 14,
+    "query_num": 64,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
     "slice_config": {"max_slice_nums": 9, "model_type": "minicpmv", "patch_size": 14, "scale_resolution": 448},
-    "slice_mode": True, "sliding_window": 131072, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "use_cache": True, "use_image_id": True, "use_sliding_window": False, "vision_batch_size": 16,
-    "vision_config": {"hidden_size": 1152, "image_size": 980, "intermediate_size": 4304, "model_type": "siglip",
-                      "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14},
+    "slice_mode": True,
+    "sliding_window": 131072,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_image_id": True,
+    "use_sliding_window": False,
+    "vision_batch_size": 16,
+    "vision_config": {
+        "hidden_size": 1152,
+        "image_size": 980,
+        "intermediate_size": 4304,
+        "model_type": "siglip",
+        "num_attention_heads": 16,
+        "num_hidden_layers": 27,
+        "patch_size": 14,
+    },
     "vocab_size": 151666,
 }
 MINICPM_V_2_6_PREPROCESSOR = {
-    "image_processor_type": "MiniCPMVImageProcessor", "processor_class": "MiniCPMVProcessor",
-    "auto_map": {"AutoProcessor": "processing_minicpmv.MiniCPMVProcessor",
-                 "AutoImageProcessor": "image_processing_minicpmv.MiniCPMVImageProcessor"},
-    "max_slice_nums": 9, "scale_resolution": 448, "patch_size": 14, "use_image_id": True, "image_feature_size": 64,
-    "im_start": "<image>", "im_end": "</image>", "slice_start": "<slice>", "slice_end": "</slice>", "unk": "<unk>",
-    "im_id_start": "<image_id>", "im_id_end": "</image_id>", "slice_mode": True,
-    "norm_mean": [0.5, 0.5, 0.5], "norm_std": [0.5, 0.5, 0.5], "version": 2.6,
+    "image_processor_type": "MiniCPMVImageProcessor",
+    "processor_class": "MiniCPMVProcessor",
+    "auto_map": {
+        "AutoProcessor": "processing_minicpmv.MiniCPMVProcessor",
+        "AutoImageProcessor": "image_processing_minicpmv.MiniCPMVImageProcessor",
+    },
+    "max_slice_nums": 9,
+    "scale_resolution": 448,
+    "patch_size": 14,
+    "use_image_id": True,
+    "image_feature_size": 64,
+    "im_start": "<image>",
+    "im_end": "</image>",
+    "slice_start": "<slice>",
+    "slice_end": "</slice>",
+    "unk": "<unk>",
+    "im_id_start": "<image_id>",
+    "im_id_end": "</image_id>",
+    "slice_mode": True,
+    "norm_mean": [0.5, 0.5, 0.5],
+    "norm_std": [0.5, 0.5, 0.5],
+    "version": 2.6,
 }
-MINICPM_SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<unk>", "<image>", "</image>", "<ref>", "</ref>",
-                   "<box>", "</box>", "<quad>", "</quad>", "<point>", "</point>", "<slice>", "</slice>",
-                   "<image_id>", "</image_id>"]
+MINICPM_SPECIAL = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<unk>",
+    "<image>",
+    "</image>",
+    "<ref>",
+    "</ref>",
+    "<box>",
+    "</box>",
+    "<quad>",
+    "</quad>",
+    "<point>",
+    "</point>",
+    "<slice>",
+    "</slice>",
+    "<image_id>",
+    "</image_id>",
+]
 CHATML_TEMPLATE = (  # Qwen2's template, which MiniCPM-V 2.6's tokenizer carries
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
     "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}{% endif %}"
@@ -77,17 +142,22 @@ WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 
 def _shrink_internvl2(config: dict, out: Path) -> str:
     # The 448px tiles and 256 image tokens per tile stay as published; only the layers shrink.
-    config["llm_config"].update(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2)
-    config["vision_config"].update(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4)
+    config["llm_config"].update(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    config["vision_config"].update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
     return "AutoModel"
 
 
 def _shrink_phi3_vision(config: dict, out: Path) -> str:
     head_dim = 16
-    config.update(hidden_size=4 * head_dim, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=4)
+    config.update(
+        hidden_size=4 * head_dim,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+    )
     rope = config.get("rope_scaling") or {}
     for key in ("long_factor", "short_factor"):
         if key in rope:
@@ -109,18 +179,23 @@ def _shrink_minicpm_v(config: dict, out: Path) -> str:
         tokenizer.chat_template = CHATML_TEMPLATE
         tokenizer.save_pretrained(out)
         settings = json.loads((out / "tokenizer_config.json").read_text())
-        settings.update(tokenizer_class="MiniCPMVTokenizerFast",
-                        auto_map={"AutoTokenizer": [None, "tokenization_minicpmv_fast.MiniCPMVTokenizerFast"]})
+        settings.update(
+            tokenizer_class="MiniCPMVTokenizerFast",
+            auto_map={"AutoTokenizer": [None, "tokenization_minicpmv_fast.MiniCPMVTokenizerFast"]},
+        )
         (out / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
-        config.update(vocab_size=len(tokenizer), bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
-                      eos_token_id=tokenizer.eos_token_id)
+        config.update(
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.convert_tokens_to_ids("<|endoftext|>"),
+            eos_token_id=tokenizer.eos_token_id,
+        )
     if not (out / "preprocessor_config.json").is_file():
         (out / "preprocessor_config.json").write_text(json.dumps(MINICPM_V_2_6_PREPROCESSOR, indent=2))
     # The resampler has hidden_size // 128 heads.
-    config.update(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2)
-    config["vision_config"].update(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4)
+    config.update(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2
+    )
+    config["vision_config"].update(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
     return "AutoModel"
 
 
@@ -155,8 +230,9 @@ def build(family: str, code_dir, out_dir, *, eos_bias: bool = False, seed: int =
 
     torch.manual_seed(seed)
     model_config = transformers.AutoConfig.from_pretrained(out, trust_remote_code=True)
-    model = getattr(transformers, auto_class).from_config(model_config, trust_remote_code=True,
-                                                          torch_dtype=torch.float32, attn_implementation="eager")
+    model = getattr(transformers, auto_class).from_config(
+        model_config, trust_remote_code=True, torch_dtype=torch.float32, attn_implementation="eager"
+    )
     if eos_bias:
         tokenizer = transformers.AutoTokenizer.from_pretrained(out, trust_remote_code=True)
         _favour_eos(model, end_token_id(family, tokenizer))

@@ -1,0 +1,1 @@
+"""The engine: knows nothing of RunPod jobs or request JSON."""

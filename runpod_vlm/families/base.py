@@ -1,0 +1,115 @@
+"""The model cards' generic recipe for prompting a family, and what it needs of a loaded model."""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+from runpod_vlm.settings import Settings, SettingsError
+from runpod_vlm.vocabulary import GenerationRequest, Turn
+
+
+class FamilyAdapter:
+    """The model cards' generic recipe for prompting a family; a FAMILIES row or a subclass adjusts it."""
+
+    native = True  # loads with AutoProcessor and `model_class`, no remote code
+    name, model_class = "generic", "AutoModelForImageTextToText"  # names in transformers
+    grounding: Optional[str] = None  # coordinate system of its boxes (see "parsing boxes"), or None
+    grounding_template = "Locate {} in the image and give its bounding box as [x1, y1, x2, y2]."
+    skip_modules: Optional[tuple[str, ...]] = None  # kept out of quantization; None: found by model type
+
+    def __init__(self, model_type: Optional[str] = None, **family):
+        self.model_type = model_type
+        vars(self).update(family)  # a FAMILIES row's changes to the class's defaults
+
+    @property
+    def quantization_skip_modules(self) -> tuple[str, ...]:
+        """Modules bitsandbytes leaves in full precision: the vision tower and projector, and lm_head."""
+        if self.skip_modules is None and self.model_type is not None:
+            return unquantized_module_names(self.model_type, self.model_class)
+        return self.skip_modules or ()
+
+    def processor_kwargs(self, settings: Settings) -> dict:
+        return {}
+
+    def after_load(self, model, processor, source: str) -> None:
+        """What the card does to the loaded model and processor before they answer (Phi-4-multimodal)."""
+
+    def request_turns(self, item: GenerationRequest) -> list[Turn]:
+        """The item's turns; a grounding request's last turn ends with the family's grounding prompt."""
+        if item.task != "grounding":
+            return item.turns
+        *before, last = item.turns
+        return [*before, Turn(last.role, [*last.parts, self.grounding_template.format(item.grounding_target)])]
+
+    def chat_messages(self, turns: list[Turn]) -> list[dict]:
+        """Turns as processors' chat templates take them: images become {"type": "image"}."""
+        return [
+            {
+                "role": turn.role,
+                "content": [
+                    {"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in turn.parts
+                ],
+            }
+            for turn in turns
+        ]
+
+    def batch_inputs(self, processor, items: list[GenerationRequest], device, dtype):
+        """Left-padded prompts and pixels on `device`, and per item its first image's input size (or None)."""
+        prompts = [
+            processor.apply_chat_template(
+                self.chat_messages(self.request_turns(item)), tokenize=False, add_generation_prompt=True
+            )
+            for item in items
+        ]
+        kwargs: dict = {"text": prompts, "padding": True, "return_tensors": "pt"}
+        if any(item.images for item in items):
+            kwargs["images"] = [item.images for item in items]
+        bos = getattr(processor.tokenizer, "bos_token", None)  # a template that writes BOS gets no second one
+        if isinstance(bos, str) and prompts[0].startswith(bos):
+            kwargs["add_special_tokens"] = False
+        inputs = processor(**kwargs).to(device)
+        if "pixel_values" in inputs:
+            inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+        return inputs, self.input_sizes(processor, inputs, items)
+
+    def input_sizes(self, processor, inputs, items: list[GenerationRequest]) -> list:
+        return [None] * len(items)
+
+
+def text_of(turn: Turn) -> str:
+    return " ".join(p for p in turn.parts if isinstance(p, str))
+
+
+def token_ids(value) -> list[int]:
+    """A config's token id field (an int, a list of ints or None) as a list."""
+    return [value] if isinstance(value, int) else [v for v in value or () if isinstance(v, int)]
+
+
+def end_tokens(model, tokenizer) -> set:
+    config_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return set(token_ids(config_eos)) | set(token_ids(getattr(tokenizer, "eos_token_id", None)))
+
+
+@functools.cache
+def unquantized_module_names(model_type: str, model_class: str = "AutoModelForImageTextToText") -> tuple[str, ...]:
+    """The outermost vision or projector modules, then the output head, of the type's default model on meta."""
+    import torch
+    import transformers
+
+    try:
+        with torch.device("meta"):
+            model = getattr(transformers, model_class).from_config(transformers.AutoConfig.for_model(model_type))
+    except Exception as error:
+        raise SettingsError(
+            f"cannot find the vision modules of model type {model_type!r} to keep them out of "
+            f"quantization ({error}); set VLM_QUANTIZE=none"
+        ) from error
+    words, names = ("vision", "visual", "projector", "connector", "resampler"), []
+    for name, _ in model.named_modules():
+        if any(w in name.rsplit(".", 1)[-1] for w in words) and not any(name.startswith(f"{n}.") for n in names):
+            names.append(name)
+    if not names:
+        raise SettingsError(f"no vision module found in model type {model_type!r}; set VLM_QUANTIZE=none")
+    head = model.get_output_embeddings()
+    return (*names, *(name for name, module in model.named_modules() if module is head))

@@ -1,0 +1,97 @@
+"""Native families (no remote code) whose cards differ from the generic recipe."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from runpod_vlm.families.base import FamilyAdapter, text_of
+from runpod_vlm.settings import Settings
+from runpod_vlm.vocabulary import GenerationRequest, RequestError, Turn, join_param
+
+log = logging.getLogger("runpod-vlm")
+
+
+class QwenVLAdapter(FamilyAdapter):
+    """Qwen2-VL, and (FAMILIES) Qwen2.5-VL and Qwen3-VL with their own grounding."""
+
+    name, grounding, grounding_template = "qwen2-vl", "qwen-1000", "Find <|object_ref_start|>{}<|object_ref_end|>"
+    skip_modules = ("model.visual", "lm_head")
+
+    def processor_kwargs(self, settings: Settings) -> dict:
+        return {k: v for k, v in {"min_pixels": settings.min_pixels, "max_pixels": settings.max_pixels}.items() if v}
+
+    def input_sizes(self, processor, inputs, items: list[GenerationRequest]) -> list:
+        """Per item, (width, height) of its first image as resized: Qwen2.5-VL's boxes are in its pixels."""
+        if "image_grid_thw" not in inputs:
+            return [None] * len(items)
+        patch = processor.image_processor.patch_size
+        grids = iter(inputs["image_grid_thw"].tolist())  # (frames, rows, columns) per image, in order
+        firsts = [[next(grids) for _ in item.images][:1] for item in items]
+        return [(first[0][2] * patch, first[0][1] * patch) if first else None for first in firsts]
+
+
+class PaliGemmaAdapter(FamilyAdapter):
+    """PaliGemma (2, mix): no chat template; one image and a task prefix per prompt, detection in <loc> tokens."""
+
+    name, grounding, grounding_template = "paligemma", "paligemma-1024", "detect {}"
+    skip_modules = ("model.vision_tower", "model.multi_modal_projector", "lm_head")
+
+    def task_prefix(self, item: GenerationRequest) -> str:
+        """The card's prompt for the item; a chat is one user turn whose text is the prefix."""
+        if len(item.images) > 1:
+            raise RequestError(
+                "invalid_request",
+                "the paligemma family takes one image per request",
+                join_param(item.param, "messages" if item.task == "chat" else "images"),
+            )
+        text = text_of(item.turns[-1]).strip()
+        prefix = {
+            "caption": "caption en",
+            "caption_long": "describe en",
+            "vqa": f"answer en {text}",
+            "grounding": self.grounding_template.format(item.grounding_target),
+        }.get(item.task)
+        if prefix is None and (len(item.turns) != 1 or item.turns[0].role != "user"):
+            raise RequestError(
+                "invalid_request",
+                "the paligemma family takes one user message (a task prefix such "
+                "as 'caption en', 'answer en <question>' or 'detect <object>'), no system or "
+                "assistant turns",
+                join_param(item.param, "messages"),
+            )
+        return prefix or text
+
+    def batch_inputs(self, processor, items, device, dtype):
+        from PIL import Image
+
+        # The model always reads an image: a text-only row (a chat, the engine's padding row) gets a black one.
+        images = [item.images or [Image.new("RGB", (1, 1))] for item in items]
+        texts = [self.task_prefix(item) for item in items]
+        inputs = processor(text=texts, images=images, padding=True, return_tensors="pt").to(device)
+        inputs.pop("labels", None)  # the processor's training labels: not a generation input
+        inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+        return inputs, [None] * len(items)
+
+
+class Phi4MultimodalAdapter(FamilyAdapter):
+    """microsoft/Phi-4-multimodal-instruct (transformers format; images, not audio), prompted as transformers' tests."""
+
+    name, model_class = "phi4-multimodal", "AutoModelForCausalLM"
+    skip_modules = ("model.embed_tokens_extend.image_embed", "lm_head")
+
+    def chat_messages(self, turns: list[Turn]) -> list[dict]:
+        return [
+            {"role": turn.role, "content": "".join(p if isinstance(p, str) else "<|image|>" for p in turn.parts)}
+            for turn in turns
+        ]
+
+    def after_load(self, model, processor, source: str) -> None:
+        """As the card: the processor's chat template (5.17 puts it on the tokenizer only), the vision LoRA set."""
+        processor.chat_template = processor.chat_template or processor.tokenizer.chat_template
+        folder = os.path.join(source, "vision-lora")  # by path: 5.17's load_adapter skips `subfolder` in a folder
+        if not os.path.isfile(os.path.join(folder, "adapter_config.json")):
+            log.warning("%s has no vision-lora adapter: Phi-4-multimodal answers with its base weights", source)
+            return
+        model.load_adapter(folder, adapter_name="vision")
+        model.set_adapter("vision")

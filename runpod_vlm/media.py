@@ -1,0 +1,246 @@
+"""Images named by a request -> decoded RGB images: count, deadline, pixel budget, safe decoding."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import contextlib
+import dataclasses
+import io
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Optional
+
+from runpod_vlm.fetch import SVG_MESSAGE, URL_SCHEME, fetch_image_url, size_text
+from runpod_vlm.settings import MediaPolicy, Settings
+from runpod_vlm.vocabulary import GenerationRequest, ImageSpec, RequestError, join_param
+
+MAX_PARALLEL_FETCHES = 8  # threads fetching the images of one request
+IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
+
+
+def read_images(item: GenerationRequest, settings: Settings) -> None:
+    """Fetch (side by side, under one deadline) and decode an item's images in place, in order: the count
+    is checked before any fetch, the pixel budget before each decode; the first failure in order is raised."""
+    import concurrent.futures
+
+    pending = [(turn, k) for turn in item.turns for k, part in enumerate(turn.parts) if isinstance(part, ImageSpec)]
+    if len(pending) > settings.max_images:
+        turn, k = pending[settings.max_images]
+        raise RequestError("too_many_images", f"at most {settings.max_images} images per request", turn.parts[k].param)
+    policy, used = settings.media, 0
+    sources = [image_source(turn.parts[k].spec, turn.parts[k].param) for turn, k in pending]
+    deadline = time.monotonic() + policy.fetch_deadline
+    pool = ThreadPoolExecutor(MAX_PARALLEL_FETCHES, thread_name_prefix="vlm-fetch")  # threads start as needed
+    try:
+        futures = [pool.submit(image_bytes, text, policy, where, deadline) for text, where in sources]
+        for (turn, k), future, (_, where) in zip(pending, futures, sources):
+            try:  # each fetch stops itself at the deadline; the margin only guards against a stuck thread
+                data = future.result(timeout=max(deadline - time.monotonic(), 0) + 2)
+            except concurrent.futures.TimeoutError:
+                message = f"the request's images took over {policy.fetch_deadline:g}s to download"
+                raise RequestError("fetch_timeout", message, where) from None
+            remaining = settings.max_total_pixels - used  # decoded as soon as it and those before it arrived
+            narrowed = remaining < policy.max_image_pixels
+            budget = dataclasses.replace(policy, max_image_pixels=max(remaining, 1)) if narrowed else policy
+            try:
+                image = decode_image(data, budget, where)
+            except RequestError as error:
+                if narrowed and error.code == "image_too_large":
+                    message = f"the request's images hold over {settings.max_total_pixels} pixels together"
+                    raise RequestError("image_too_large", message, turn.parts[k].param) from None
+                raise
+            used += image.width * image.height
+            turn.parts[k] = image
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+
+
+def image_source(spec: Any, param: str) -> tuple[str, str]:
+    """An image spec's text and the field that holds it ({"url": text} -> param.url)."""
+    if isinstance(spec, dict):
+        if "url" not in spec:
+            raise RequestError("invalid_image", "an image object needs a 'url' field", param)
+        spec, param = spec["url"], join_param(param, "url")
+    if not isinstance(spec, str) or not spec.strip():
+        raise RequestError("invalid_image", "an image must be a URL, a data URI or base64 text", param)
+    return spec.strip(), param
+
+
+def image_bytes(spec: str, policy: MediaPolicy, param: str, deadline: Optional[float] = None) -> bytes:
+    """The bytes an image spec names; `deadline` (time.monotonic()) bounds a URL fetch further."""
+    scheme = URL_SCHEME.match(spec)
+    scheme = scheme.group(1).lower() if scheme else None
+    if scheme == "data":
+        return _data_uri_bytes(spec, policy, param)
+    if scheme in ("http", "https"):
+        return fetch_image_url(spec, policy, param, deadline)
+    if scheme == "file":
+        return _local_file_bytes(spec, True, policy, param)
+    if scheme:
+        message = "unsupported URL scheme; send an https URL, a data URI or base64"
+        raise RequestError("invalid_image_url", message, param)
+    # Base64 never holds '.' or '~'; it may start with '/' (JPEG: "/9j/"), but no JPEG encodes to
+    # under 128 characters, so a short "/..." is a path. Other paths need file:// or a '.'.
+    if "." in spec or spec.startswith("~") or (spec.startswith("/") and len(spec) < 128):
+        return _local_file_bytes(spec, False, policy, param)
+    return _base64_bytes(spec, policy, param)
+
+
+def _data_uri_bytes(spec: str, policy: MediaPolicy, param: str) -> bytes:
+    header, comma, _ = spec[5:1029].partition(",")
+    if not comma:
+        raise RequestError("invalid_image_url", "a data URI needs a ',' after its header", param)
+    fields = [f.strip().lower() for f in header.split(";")]
+    if fields[0] == "image/svg+xml":
+        raise RequestError("unsupported_image_format", SVG_MESSAGE, param)
+    if "base64" not in fields[1:]:
+        message = "only base64 data URIs are supported (data:image/png;base64,...)"
+        raise RequestError("invalid_image_url", message, param)
+    return _base64_bytes(spec[5 + len(header) + 1 :], policy, param)
+
+
+def _base64_bytes(text: str, policy: MediaPolicy, param: str) -> bytes:
+    """Strict base64; line breaks and the URL-safe alphabet (padded or not) pass, mixed alphabets do not."""
+    if len(text) > policy.max_base64_bytes:
+        message = f"the base64 image is over {size_text(policy.max_base64_bytes)} encoded"
+        raise RequestError("image_too_large", message, param)
+    compact = "".join(text.split())
+    if "-" in compact or "_" in compact:
+        if "+" in compact or "/" in compact:
+            raise RequestError("invalid_base64", "the image mixes standard and URL-safe base64 alphabets", param)
+        compact = compact.translate(str.maketrans("-_", "+/"))
+    if "=" not in compact:
+        if len(compact) % 4 == 1:
+            raise RequestError("invalid_base64", "the image is not valid base64 (wrong length)", param)
+        compact += "=" * (-len(compact) % 4)
+    try:
+        data = base64.b64decode(compact, validate=True)
+    except (binascii.Error, ValueError):
+        raise RequestError("invalid_base64", "the image is not valid base64", param) from None
+    if not data:
+        raise RequestError("invalid_base64", "the base64 image is empty", param)
+    return data
+
+
+def _local_file_bytes(spec: str, is_url: bool, policy: MediaPolicy, param: str) -> bytes:
+    import stat
+    import urllib.parse
+
+    if not policy.media_dir:
+        message = "local files are disabled on this worker; send an https URL or base64"
+        raise RequestError("blocked_url", message, param)
+    path = spec
+    if is_url:
+        parts = urllib.parse.urlsplit(spec)
+        if parts.netloc.lower() not in ("", "localhost") or parts.query or parts.fragment:
+            raise RequestError("invalid_image_url", "a file URL must look like file:///path/in/media/dir", param)
+        path = urllib.parse.unquote(parts.path)
+    if "\x00" in path or "\\" in path or ".." in path.split("/"):
+        raise RequestError("blocked_url", "the path may not contain '..', backslashes or NUL", param)
+    base = os.path.realpath(policy.media_dir)
+    real = os.path.realpath(path if path.startswith("/") else os.path.join(base, path))
+    if os.path.commonpath([base, real]) != base or real == base:
+        raise RequestError("blocked_url", "the path is outside the media directory", param)
+    try:  # O_NOFOLLOW|O_NONBLOCK: a symlink swapped in after realpath, or a FIFO, cannot hang or escape
+        fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as error:
+        missing = isinstance(error, FileNotFoundError)
+        message = "no such file in the media directory" if missing else "the local image could not be read"
+        raise RequestError("fetch_failed", message, param) from None
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise RequestError("fetch_failed", "the local path is not a regular file", param)
+        data = file.read(policy.max_image_bytes + 1)
+    if len(data) > policy.max_image_bytes:
+        raise RequestError("image_too_large", f"the image is over {size_text(policy.max_image_bytes)}", param)
+    return data
+
+
+_OTHER_FORMATS = (
+    (b"8BPS", "PSD"),
+    (b"%PDF", "PDF"),
+    (b"\x00\x00\x01\x00", "ICO"),
+    (b"\xff\x4f\xff\x51", "JPEG 2000"),
+    (b"\x00\x00\x00\x0cjP  ", "JPEG 2000"),
+    (b"qoif", "QOI"),
+    (b"SIMPLE  =", "FITS"),
+)
+
+
+def _sniff_other(data: bytes) -> Optional[str]:
+    head = data[:1024].lstrip(b"\xef\xbb\xbf \t\r\n").lower()
+    if head.startswith((b"<svg", b"<?xml", b"<!doctype svg", b"<!--")) and b"<svg" in data[:4096].lower():
+        return "SVG"
+    if data[4:8] == b"ftyp" and data[8:12] in (b"heic", b"heix", b"mif1", b"msf1", b"avif", b"avis"):
+        return "HEIC/AVIF"
+    return next((name for magic, name in _OTHER_FORMATS if data.startswith(magic)), None)
+
+
+def decode_image(data: bytes, policy: MediaPolicy, param: str):
+    """Bytes -> RGB image: allowed formats only, pixel cap from the header, frame 0, EXIF
+    orientation, every mode to RGB (alpha over white). Messages are fixed: PIL's text leaks."""
+    from PIL import Image, ImageOps
+
+    allowed = ", ".join(IMAGE_FORMATS[:-1]) + " or " + IMAGE_FORMATS[-1]
+    if other := _sniff_other(data):
+        message = SVG_MESSAGE if other == "SVG" else f"{other} images are not supported; send {allowed}"
+        raise RequestError("unsupported_image_format", message, param)
+    if not data:
+        raise RequestError("invalid_image_format", "the image is empty", param)
+    too_large = RequestError("image_too_large", f"the image is over {policy.max_image_pixels} pixels", param)
+    try:
+        image = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)
+    except Image.DecompressionBombError:
+        raise too_large from None
+    except Exception:  # UnidentifiedImageError and the plugins' own errors alike
+        raise RequestError("invalid_image_format", f"the data is not a {allowed} image", param) from None
+    with image:
+        width, height = image.size
+        if width * height > policy.max_image_pixels:
+            message = f"the image is {width}x{height}, over {policy.max_image_pixels} pixels"
+            raise RequestError("image_too_large", message, param)
+        if min(width, height) < policy.min_image_side:
+            message = f"the image is {width}x{height}; each side must be at least {policy.min_image_side} pixels"
+            raise RequestError("image_too_small", message, param)
+        try:
+            image.load()  # frame 0 of an animation
+            oriented = image
+            with contextlib.suppress(Exception):  # a broken EXIF block costs the orientation, not the request
+                oriented = ImageOps.exif_transpose(image)
+            return _to_rgb(oriented)
+        except Image.DecompressionBombError:
+            raise too_large from None
+        except MemoryError:
+            raise RequestError("image_too_large", "the image is too large to decode", param) from None
+        except Exception:
+            raise RequestError("invalid_image_format", "the image is truncated or corrupt", param) from None
+
+
+def _to_rgb(image):
+    """Any Pillow mode -> RGB. 16/32-bit and float greys are scaled, not clipped to white."""
+    from PIL import Image
+
+    mode = image.mode
+    if mode in ("I;16", "I;16L", "I;16B", "I;16N", "I", "F"):
+        low, high = image.getextrema()
+        if mode.startswith("I;16") or (mode == "I" and 255 < high <= 65535 and low >= 0):
+            scale, offset = 1 / 256, 0.0
+        elif mode == "F" and low >= 0 and high <= 1.0:
+            scale, offset = 255.0, 0.0
+        elif low >= 0 and high <= 255:
+            scale, offset = 1.0, 0.0
+        else:
+            scale = 255.0 / (high - low) if high > low else 1.0
+            offset = -low * scale
+        image = image.convert("F" if mode == "F" else "I").point(lambda v: v * scale + offset).convert("L")
+        mode = "L"
+    if mode == "LAB":  # Pillow's plain LAB->RGB convert copies channels; colour management is right
+        from PIL import ImageCms
+
+        transform = ImageCms.buildTransform(ImageCms.createProfile("LAB"), ImageCms.createProfile("sRGB"), "LAB", "RGB")
+        return ImageCms.applyTransform(image, transform)
+    if mode in ("RGBA", "LA", "PA", "RGBa") or "transparency" in image.info:
+        return Image.alpha_composite(Image.new("RGBA", image.size, "white"), image.convert("RGBA")).convert("RGB")
+    return image.convert("RGB")

@@ -1,0 +1,259 @@
+"""RunPod's /openai/v1 jobs: OpenAI bodies read as native requests, answers and errors in OpenAI's shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Optional
+
+from pydantic import BaseModel, Field, ValidationError
+
+from runpod_vlm.answers import answer_pieces, paced
+from runpod_vlm.grounding import grounding_fields
+from runpod_vlm.media import read_images
+from runpod_vlm.request import check_text_length, pydantic_error, read_request, required_text
+from runpod_vlm.settings import Settings
+from runpod_vlm.vocabulary import GenerationRequest, RequestError, as_request_error
+
+if TYPE_CHECKING:
+    from runpod_vlm.engine.engine import Engine
+
+
+# RunPod's gateway turns calls to .../openai/v1/... into jobs with input {"openai_route": "/v1/chat/completions",
+# "openai_input": <the body>} (GET /v1/models has none). The body becomes a native request read by `read_request`
+# (the same validation, media policy, limits and error codes); answers and errors take OpenAI's shapes.
+
+# Fields this worker cannot honour, accepted at neutral values only (ignoring others would answer another question).
+OPENAI_UNSUPPORTED = {
+    "frequency_penalty": (0,),
+    "presence_penalty": (0,),
+    "logit_bias": ({},),
+    "logprobs": (False,),
+    "top_logprobs": (0,),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "response_format": ({"type": "text"},),
+    "modalities": (["text"],),
+    "audio": (),
+    "prediction": (),
+    "web_search_options": (),
+    "moderation": (),
+    "reasoning_effort": (),
+    "verbosity": (),
+}
+# Accepted and ignored (`seed` too: sampled rows share the engine's random generator).
+OPENAI_IGNORED = (
+    "seed",
+    "user",
+    "metadata",
+    "store",
+    "service_tier",
+    "safety_identifier",
+    "prompt_cache_key",
+    "prompt_cache_options",
+    "prompt_cache_retention",
+    "parallel_tool_calls",
+)
+
+
+class OpenAIStreamOptions(BaseModel, extra="forbid", strict=True):
+    include_usage: bool = False
+    include_obfuscation: Optional[bool] = None  # accepted; chunks carry no obfuscation field
+
+
+class VlmOptions(BaseModel, extra="forbid", strict=True):
+    """The worker's own extras, reachable from an OpenAI body as `"vlm": {...}`."""
+
+    task: str = Field("chat", pattern="^(chat|grounding)$")
+    target: Optional[str] = None
+
+
+class ChatCompletionBody(BaseModel, extra="forbid", strict=True):
+    """An OpenAI chat-completions body. Unknown fields are refused, as OpenAI refuses them."""
+
+    messages: Any = None  # read by parse_messages, with the native route's paths and limits
+    model: Optional[str] = None
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stop: Optional[str | list[str]] = None
+    n: Optional[int] = None
+    stream: Optional[bool] = None
+    stream_options: Optional[OpenAIStreamOptions] = None
+    vlm: Optional[VlmOptions] = None
+
+    @property
+    def stop_sequences(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+
+def read_openai_body(raw: Any) -> ChatCompletionBody:
+    """Check an OpenAI chat-completions body's fields (its messages are read with the item)."""
+    if not isinstance(raw, dict):
+        raise RequestError("invalid_request", "the request body must be a JSON object")
+    for name, neutral in OPENAI_UNSUPPORTED.items():
+        if raw.get(name) is not None and raw[name] not in neutral:
+            accepted = f" (only {json.dumps(neutral[0])} is accepted)" if neutral else ""
+            raise RequestError("unsupported_parameter", f"not supported by this worker{accepted}", name)
+    try:
+        body = ChatCompletionBody.model_validate(
+            {k: v for k, v in raw.items() if k not in OPENAI_UNSUPPORTED and k not in OPENAI_IGNORED}
+        )
+    except ValidationError as error:
+        raise pydantic_error(error, None) from None
+    stops, grounding = body.stop_sequences, body.vlm is not None and body.vlm.task == "grounding"
+    for refused, message, param in (
+        (body.n not in (None, 1), "must be 1: this worker returns one choice per request", "n"),
+        (body.stream_options is not None and not body.stream, "only allowed when stream is true", "stream_options"),
+        (len(stops) > 4, "at most 4 stop sequences", "stop"),  # as OpenAI's API
+        ("" in stops, "a stop sequence must not be empty", "stop"),
+        (stops and grounding, "not supported with vlm.task grounding", "stop"),
+    ):
+        if refused:
+            raise RequestError("invalid_request", message, param)
+    return body
+
+
+def openai_item(body: ChatCompletionBody, settings: Settings, model_id: str) -> GenerationRequest:
+    """The item a checked body asks for, read as the native request it translates to."""
+    messages = body.messages
+    if isinstance(messages, list):  # OpenAI's newer name for the system role
+        messages = [
+            dict(m, role="system") if isinstance(m, dict) and m.get("role") == "developer" else m for m in messages
+        ]
+    temperature = 1.0 if body.temperature is None else body.temperature  # OpenAI's default: sampled
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    native = {
+        "task": "chat",
+        "messages": messages,
+        "temperature": temperature,
+        "do_sample": temperature > 0,
+        "top_p": body.top_p,
+        "max_new_tokens": max_tokens,
+        "model": body.model,
+    }
+    _, item = read_request({k: v for k, v in native.items() if v is not None}, settings, model_id, None)
+    if body.vlm is not None and body.vlm.task == "grounding":
+        target = required_text(body.vlm.target, "vlm.target", "the grounding task")
+        item = dataclasses.replace(item, task="grounding", grounding_target=target)
+        check_text_length(item, settings, "messages")
+        if not item.images:
+            raise RequestError("missing_image", "the grounding task needs an image in the messages", "messages")
+    read_images(item, settings)
+    return item
+
+
+def openai_error(error: RequestError, body: Optional[ChatCompletionBody] = None) -> dict:
+    """An error in OpenAI's shape, its `param` as the body spells it (max_tokens or max_completion_tokens, messages)."""
+    if body is not None:
+        by_max_tokens = body.max_completion_tokens is None and body.max_tokens is not None
+        renames = {"max_new_tokens": "max_tokens" if by_max_tokens else "max_completion_tokens", "input": "messages"}
+        error.param = renames.get(error.param, error.param)
+    server_side = error.code in ("internal_error", "generation_failed", "worker_misconfigured")
+    text = f"{error.param}: {error.message}" if error.param else error.message
+    return {
+        "error": {
+            "message": text,
+            "type": "server_error" if server_side else "invalid_request_error",
+            "param": error.param,
+            "code": error.code,
+        }
+    }
+
+
+def sse(data: Any) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n"
+
+
+async def chat_completion(engine: Engine, item: GenerationRequest, body: ChatCompletionBody):
+    """One `chat.completion`, or when `body.stream` chunks at most once per VLM_STREAM_INTERVAL_MS, the role held
+    until the first piece (an early error is refused whole), then usage when asked and `data: [DONE]`."""
+    include_usage = body.stream_options is not None and body.stream_options.include_usage
+    head = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion" + (".chunk" if body.stream else ""),
+        "created": int(time.time()),
+        "model": engine.model_id,
+        **({"usage": None} if include_usage else {}),
+    }
+
+    def chunk(delta: dict, finish_reason: Optional[str] = None, **extra) -> str:
+        return sse(
+            {
+                **head,
+                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
+                **extra,
+            }
+        )
+
+    interval_s = engine.settings.stream_interval_ms / 1000
+    opening = chunk({"role": "assistant", "content": ""})
+    stream = body.stream and item.task != "grounding"  # a grounding answer is written whole at the end, with its box
+    async with contextlib.aclosing(paced(answer_pieces(engine, item, body.stop_sequences, stream), interval_s)) as sent:
+        async for text, piece in sent:  # the last pair holds the Generation
+            if piece is None:
+                yield opening + chunk({"content": text})
+                opening = ""
+    content, extra = text if stream else piece.text, {}
+    if item.task == "grounding":
+        fields = grounding_fields(item, piece, engine.adapter)
+        content, extra["vlm"] = json.dumps({**fields, "response": piece.text}), {"task": "grounding", **fields}
+    usage = {
+        "prompt_tokens": piece.prompt_tokens,
+        "completion_tokens": piece.completion_tokens,
+        "total_tokens": piece.prompt_tokens + piece.completion_tokens,
+    }
+    if not body.stream:
+        yield {
+            **head,
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": content},
+                    "logprobs": None,
+                    "finish_reason": piece.finish_reason,
+                }
+            ],
+            "usage": usage,
+            **extra,
+        }
+        return
+    usage_chunk = sse({**head, "choices": [], "usage": usage}) if include_usage else ""
+    yield opening + chunk({"content": content}, piece.finish_reason, **extra) + usage_chunk + sse("[DONE]")
+
+
+async def openai_answers(engine_getter, served_model, job_input: dict):
+    """An `openai_route` job's answer: a model list, a `chat.completion`, streamed events (strings) or
+    an OpenAI error. Never raises: a failure after a stream's first event ends it with an error event.
+    `served_model()` gives the settings and model id in force, `engine_getter()` the (loading) engine."""
+    body, started = None, False
+    try:
+        route = job_input.get("openai_route")
+        settings, model_id = served_model()
+        if route == "/v1/models":
+            model = {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "runpod-vlm"}
+            yield {"object": "list", "data": [model]}
+            return
+        if route != "/v1/chat/completions":
+            raise RequestError(
+                "invalid_request", "this worker serves /v1/chat/completions and /v1/models", "openai_route"
+            )
+        body = read_openai_body(job_input.get("openai_input"))
+        # Reading fetches and decodes images, and the engine may still be loading: both block.
+        item = await asyncio.to_thread(openai_item, body, settings, model_id)
+        engine = await asyncio.to_thread(engine_getter)
+        # Closing this generator (client gone, job cancelled) closes the answer, which cancels the item.
+        async with contextlib.aclosing(chat_completion(engine, item, body)) as answers:
+            async for answer in answers:
+                yield answer
+                started = True
+    except Exception as failure:
+        answer = openai_error(as_request_error(failure), body)
+        yield sse(answer) + sse("[DONE]") if started else answer
