@@ -14,6 +14,7 @@ import asyncio
 import fnmatch
 import json
 import pathlib
+import re
 import sys
 import threading
 
@@ -1992,3 +1993,46 @@ def test_the_image_holds_every_module_the_handler_reaches():
         assert any(relative == s or relative.startswith(s + "/") for s in copied), f"{relative} is not copied"
         assert in_build_context(relative, ignore), f"{relative} is left out of the build context"
     assert not in_build_context("runpod_vlm/engine/__pycache__/engine.cpython-311.pyc", ignore)
+
+
+def package_imports() -> dict[str, set[str]]:
+    """runpod_vlm's modules -> the first-party modules each imports when it runs (not under TYPE_CHECKING)."""
+    graph = {}
+    for path in (ROOT / "runpod_vlm").rglob("*.py"):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(inner)
+            for node in ast.walk(tree)
+            if isinstance(node, ast.If) and getattr(node.test, "id", None) == "TYPE_CHECKING"
+            for inner in ast.walk(node)
+        }
+        graph[name] = {
+            module
+            for node in ast.walk(tree)
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in typing_only
+            for module in ([a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""])
+            if module.startswith("runpod_vlm")
+        }
+    return graph
+
+
+def test_the_package_has_no_import_cycle_and_the_engine_knows_no_jobs():
+    graph = package_imports()
+    assert {"runpod_vlm.engine.engine", "runpod_vlm.media", "runpod_vlm.fetch"} <= set(graph)
+
+    def reaches(start: str, seen: set) -> set:
+        for module in graph.get(start, ()):
+            if module not in seen:
+                seen.add(module)
+                reaches(module, seen)
+        return seen
+
+    cycles = [module for module in graph if module in reaches(module, set())]
+    assert not cycles, f"import cycles through {cycles}"
+    job_modules = {"runpod_vlm.request", "runpod_vlm.answers", "runpod_vlm.openai_route", "runpod_vlm.media"}
+    for module in (m for m in graph if m.startswith("runpod_vlm.engine")):
+        assert not reaches(module, set()) & job_modules, f"{module} reaches request or job code"
+    for path in (ROOT / "runpod_vlm" / "engine").glob("*.py"):  # nor the runpod SDK
+        assert not re.search(r"^\s*(import|from) runpod\b(?!_vlm)", path.read_text(), re.M), path
