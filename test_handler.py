@@ -21,6 +21,9 @@ import threading
 import pytest
 from PIL import Image
 
+# The fakes and sample images live in tests/ (pytest adds it through pyproject.toml; `python test_handler.py` here).
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "tests"))
+
 import fake_backend
 import handler
 import runpod_vlm.engine.engine as engine_module
@@ -2036,3 +2039,7 @@ def test_the_package_has_no_import_cycle_and_the_engine_knows_no_jobs():
         assert not reaches(module, set()) & job_modules, f"{module} reaches request or job code"
     for path in (ROOT / "runpod_vlm" / "engine").glob("*.py"):  # nor the runpod SDK
         assert not re.search(r"^\s*(import|from) runpod\b(?!_vlm)", path.read_text(), re.M), path
+
+
+if __name__ == "__main__":  # `python test_handler.py`: this suite alone, through pytest, in its own process
+    sys.exit(pytest.main([__file__, *sys.argv[1:]]))
