@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from typing import Any, Optional
 
@@ -35,8 +36,11 @@ class RequestError(Exception):
         self.param = cut_text(param, MAX_PARAM_CHARS) if param else param
 
     def to_dict(self) -> dict:
+        """The error as a job's output. On RunPod's queue a job's `error` is a string (the SDK keeps only that of
+        a yielded error), so it is JSON in the shape the SDK writes for a handler's exception, with the field."""
         text = f"{self.param}: {self.message}" if self.param else self.message
-        return {"error": text, "code": self.code, "param": self.param}
+        error = json.dumps({"error_type": self.code, "error_message": text, "param": self.param}, ensure_ascii=False)
+        return {"error": error, "code": self.code, "param": self.param}
 
 
 def as_request_error(failure: Exception) -> RequestError:

@@ -45,7 +45,7 @@ def posted_size(output: dict) -> int:
 def assert_refused(output: dict, param: str, code: str = "invalid_request") -> dict:
     assert output.get("code") == code, output if posted_size(output) < SMALL else output.get("code")
     assert output["param"] == param
-    assert output["error"].startswith(f"{param}: ")
+    assert json.loads(output["error"])["error_message"].startswith(f"{param}: ")
     assert posted_size(output) < SMALL
     return output
 

@@ -172,7 +172,8 @@ def test_a_refused_request_answers_its_reason(api):
     # a streaming handler's outputs as they are.
     answer = runsync(api, {"task": "vqa", "question": "No image?"})
     assert answer["code"] == "missing_image" and answer["param"] == "image_url"
-    assert answer["error"].startswith("image_url: ") and "needs an image" in answer["error"]
+    message = json.loads(answer["error"])["error_message"]
+    assert message.startswith("image_url: ") and "needs an image" in message
 
 
 def test_test_input_runs_one_job_and_exits_0(tiny_model):

@@ -18,6 +18,7 @@ import datetime
 import http.server
 import io
 import ipaddress
+import json
 import os
 import socket
 import ssl
@@ -1036,7 +1037,7 @@ def chat(*blocks) -> dict:
 def test_worker_answers_a_blocked_url_and_keeps_serving(worker, internal, net):
     answer = worker(chat({"type": "image_url", "image_url": {"url": f"https://127.0.0.1:{internal.port}/secret.png"}}))
     assert answer["code"] == "blocked_url" and answer["param"] == "messages[0].content[1].image_url.url"
-    assert answer["error"].startswith("messages[0].content[1].image_url.url: ")
+    assert json.loads(answer["error"])["error_message"].startswith("messages[0].content[1].image_url.url: ")
     assert_untouched(internal, net)
     good = worker(chat({"type": "image_url", "image_url": {"url": data_uri(GOOD_PNG)}}))
     assert good["response"] == "32x24" and good["image_count"] == 1

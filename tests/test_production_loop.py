@@ -44,15 +44,14 @@ def output_of(body: dict):
 
 
 def assert_error(body: dict, code: str, param=None):
-    """A clean error as the SDK posts it: {"error": "<param>: message"}, with {code, param} as the
-    output when the handler returns (a generator handler's error carries the text alone)."""
+    """A clean error as the SDK posts it: the job's `error` is a JSON string with the stable code, the
+    message and the field (the SDK keeps only a yielded error's `error`), small, with no traceback."""
     assert body_size(body) < SMALL, body_size(body)
     assert isinstance(body.get("error"), str) and "Traceback" not in body["error"], body
+    error = json.loads(body["error"])
+    assert error["error_type"] == code, error
     if param is not None:
-        assert body["error"].startswith(f"{param}: "), body
-    output = output_of(body)
-    if isinstance(output, dict) and "code" in output:
-        assert output["code"] == code and (param is None or output["param"] == param), body
+        assert error["param"] == param and error["error_message"].startswith(f"{param}: "), error
 
 
 def text_forms(text: str) -> set[str]:
@@ -231,7 +230,7 @@ def test_hostile_run_gets_bounded_clear_answers_and_the_worker_keeps_serving(mod
             assert good["task"] == "vqa" and bad["code"] == "invalid_request" and bad["param"] == "requests[1].question"
             continue
         assert_error(body, code, param)
-    assert "nested deeper" in answers["deep"][0]["error"]
+    assert "nested deeper" in json.loads(answers["deep"][0]["error"])["error_message"]
     for job_id in serving:
         assert output_of(answers[job_id][0])["usage"]["completion_tokens"] == 2
     for job_id in ("too-deep-for-json", "no-input", "not-json"):  # dropped by the SDK, or answered cleanly
