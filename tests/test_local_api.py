@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.error
@@ -14,7 +15,7 @@ import pytest
 
 import handler
 from conftest import free_port, running_server
-from sample_images import b64, data_uri, plain, striped
+from sample_images import b64, data_uri, encode, plain, striped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -188,3 +189,86 @@ def test_test_input_runs_one_job_and_exits_0(tiny_model):
     )
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "'task': 'caption'" in result.stdout and "'finish_reason': 'length'" in result.stdout
+
+
+# ---- every request body of the README, as its examples show it ----------------------------------
+
+README = os.path.join(ROOT, "README.md")
+
+
+def top_level_keys(shape: str) -> set[str]:
+    """The keys written at the outer level of an output shape as the README shows it (`{"a": ..., "b": [...]}`)."""
+    keys, depth, outer = set(), 0, 1 if shape.lstrip().startswith("{") else 0
+    for match in re.finditer(r'[\[\]{}]|"(\w+)":', shape):
+        token = match.group(0)
+        if token in "[{":
+            depth += 1
+        elif token in "]}":
+            depth -= 1
+        elif depth == outer:
+            keys.add(match.group(1))
+    return keys
+
+
+def readme_requests(image_url: str) -> list[tuple[str, dict, set[str]]]:
+    """(where, job body, the output keys shown) for every job body in the README: its JSON examples, each with
+    the keys of the shape after its arrow ("same shape" is the first example's), and the bodies of its curl lines."""
+    text = open(README, encoding="utf-8").read()
+    images = {
+        "data:image/png;base64,iVBORw0KGgo...": data_uri(striped()),
+        "data:image/jpeg;base64,/9j/4AAQ...": data_uri(encode(plain("blue"), "JPEG"), "image/jpeg"),
+        "iVBORw0KGgo...": b64(plain("red", (64, 48))),
+        "https://example.com/street.jpg": image_url,
+    }
+
+    def runnable(body: str) -> dict:
+        for placeholder, real in images.items():
+            body = body.replace(placeholder, real)
+        return json.loads(body)
+
+    found, shape_keys = [], set()
+    for match in re.finditer(r"```json\n(.*?)```\n(?:→ (.*?)(?:\n\n|$))?", text, re.S):
+        body = match.group(1)
+        if not body.lstrip().startswith('{"input"'):
+            continue
+        shown = next((m for m in re.finditer(r"`([^`]*)`", match.group(2) or "") if '":' in m.group(1)), None)
+        keys = top_level_keys(shown.group(1)) if shown else set()
+        if (match.group(2) or "").startswith("same shape"):
+            keys |= shape_keys
+        elif keys >= {"response", "task"}:
+            shape_keys = keys
+        found.append((body.splitlines()[0][:60], runnable(body), keys))
+    for match in re.finditer(r"-d '(\{.*?\})'", text, re.S):
+        found.append((match.group(1)[:60], runnable(match.group(1)), set()))
+    found.append(("test_input.json", runnable(open(os.path.join(ROOT, "test_input.json")).read()), set()))
+    return found
+
+
+def test_every_request_body_of_the_readme_is_answered_in_the_shape_it_shows(api, image_server):
+    requests = readme_requests(image_server.url)
+    assert len(requests) >= 10  # the eight examples, the curl lines' bodies, test_input.json
+    for where, job, keys in requests:
+        answer = post(api + "/runsync", job)
+        assert answer.get("status") == "COMPLETED", (where, answer)
+        outputs = answer["output"]
+        if job["input"].get("stream"):
+            assert all("text" in chunk for chunk in outputs) and "finish_reason" in outputs[-1], where
+            continue
+        assert len(outputs) == 1, where
+        [output] = outputs
+        assert "error" not in output, (where, output)
+        assert keys <= set(output), (where, sorted(keys - set(output)))
+        if "results" in output:
+            assert [r.get("code") for r in output["results"]] == [None, None, "invalid_request"], where
+
+
+def test_a_job_runs_through_the_local_apis_own_verbs(api):
+    # POST /run records the job; POST /status/{id} runs it and answers all of it (the SDK's stand-in).
+    body = {"input": {"task": "caption", "image_url": data_uri(striped()), "max_new_tokens": 3}}
+    queued = post(api + "/run", body)
+    assert queued["status"] == "IN_PROGRESS"
+    done = post(api + f"/status/{queued['id']}", {})
+    assert done["status"] == "COMPLETED" and done["output"][0]["usage"]["completion_tokens"] == 3
+    streamed = post(api + "/run", {"input": dict(body["input"], stream=True)})
+    chunks = post(api + f"/stream/{streamed['id']}", {})
+    assert chunks["status"] == "COMPLETED" and "finish_reason" in chunks["stream"][-1]["output"]
