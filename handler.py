@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import json
 import logging
 import os
 import signal
@@ -47,8 +48,21 @@ def get_engine(quantize: Optional[str] = None) -> Engine:
     if _engine is None:
         with _engine_lock:
             if _engine is None:
-                _engine = Engine(Settings.from_env(), quantize=quantize, on_fatal=_ask_for_a_new_worker)
+                engine = Engine(Settings.from_env(), quantize=quantize, on_fatal=_ask_for_a_new_worker)
+                log.info("ready: %s", json.dumps({**engine.describe(), **_limits(engine.settings)}))
+                _engine = engine
     return _engine
+
+
+def _limits(settings: Settings) -> dict:
+    """The settings a caller meets, for the boot log."""
+    names = ("max_concurrency", "max_new_tokens", "max_images", "max_total_pixels", "max_text_chars")
+    media = settings.media
+    return {
+        **{name: getattr(settings, name) for name in names},
+        "endpoint_type": settings.endpoint_type,
+        "image_urls": "internal too" if media.allow_internal else ", ".join(media.allowed_domains) or "public https",
+    }
 
 
 def reset_engine() -> None:
@@ -174,10 +188,13 @@ def _bound_the_shutdown() -> None:
 
 def main() -> None:
     os.environ.setdefault("RUNPOD_LOG_LEVEL", "INFO")  # the SDK's DEBUG default logs every answer
-    import runpod
-
     logging.basicConfig(level=os.environ.get("VLM_LOG_LEVEL", "INFO"))
     settings = Settings.from_env()
+    if settings.endpoint_type == "lb":
+        serve_http("0.0.0.0", int(os.environ.get("PORT") or 80), int(os.environ.get("PORT_HEALTH") or 0) or None)
+        return
+    import runpod
+
     if settings.load_at_boot:
         get_engine().warm_up()  # load before taking jobs; the compiled step follows in the background
     local_test = any(arg.startswith("--test_input") for arg in sys.argv)
@@ -189,6 +206,29 @@ def main() -> None:
         }
     )
     runpod.serverless.start(_RUNPOD_CONFIG)
+
+
+def serve_http(host: str, port: int, health_port: Optional[int] = None) -> None:
+    """The worker as an HTTP server (RunPod's load-balancing endpoints, local use): it answers /ping
+    at once (204 until the model is loaded, which happens meanwhile) and serves requests through `handler`."""
+    from runpod_vlm.http_server import make_app, serve
+
+    failed = threading.Event()
+
+    def load() -> None:
+        try:
+            get_engine().warm_up()
+        except Exception:
+            log.exception("the model could not be loaded: /ping answers 503")
+            failed.set()
+
+    def readiness() -> str:
+        if failed.is_set() or (_engine is not None and _engine.broken):
+            return "unhealthy"
+        return "ready" if _engine is not None else "initializing"
+
+    threading.Thread(target=load, name="vlm-load", daemon=True).start()
+    serve(make_app(handler, readiness), host, port, health_port or port, readiness)
 
 
 if __name__ == "__main__":

@@ -131,6 +131,7 @@ class Settings:
     compile: bool = True  # torch.compile + CUDA graphs for decoding (CUDA only, never bitsandbytes)
     cache_len: Annotated[int, Field(ge=256)] = 2048  # KV-cache length compiled at warm-up; a longer request doubles it
     compile_cache_dir: str = ""  # compiled kernels kept here are reused by a restarted worker
+    endpoint_type: Annotated[Literal["queue", "lb"], _Lower] = "queue"  # lb: an HTTP server (RunPod load balancing)
     media: MediaPolicy = MediaPolicy()  # its own variables: see MediaPolicy.from_env
 
     @classmethod

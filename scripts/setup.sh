@@ -62,10 +62,16 @@ pip_install() {
     return "$rc"
 }
 
-echo "setup: installing ${TORCH_PINS[*]}"
-pip_install "${TORCH_PINS[@]}"
-echo "setup: installing requirements-dev.txt"
-pip_install -r requirements-dev.txt
+# pip is quiet (its many lines bury real messages): one line a step, with its time, says where it is.
+step() {
+    local started=$SECONDS
+    echo "setup: installing $1 (a few minutes on a fresh machine)"
+    shift
+    pip_install "$@"
+    echo "setup: ... done in $((SECONDS - started))s"
+}
+step "${TORCH_PINS[*]}" "${TORCH_PINS[@]}"
+step "requirements-dev.txt" -r requirements-dev.txt
 
 # Fail here, not in the first test, if the environment cannot import what the worker needs.
 "$VENV/bin/python" -c 'import torch, torchvision, transformers, accelerate, PIL, pydantic, runpod, pytest'

@@ -116,6 +116,21 @@ class Engine:
     def tokenizer(self):
         return getattr(self.processor, "tokenizer", self.processor)
 
+    def describe(self) -> dict:
+        """What this engine runs, as an operator reads it in the boot log."""
+        return {
+            "model": self.model_id,
+            "family": self.adapter.name,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(getattr(self.model, "device", "?")),
+            "quantize": self.quantize,
+            "batching": "continuous" if self.continuous else "one request at a time",
+            "rows": self.settings.max_batch_size,
+            "kv_cache_slots": self.settings.cache_len,
+            "compiled_decode": self.compile,
+            "cuda_graphs": self.use_graphs,
+        }
+
     def _cuda_graphs_possible(self) -> bool:
         import torch
 
