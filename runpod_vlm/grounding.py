@@ -114,6 +114,9 @@ def grounding_fields(item: GenerationRequest, generation: Generation, adapter: F
         "box_format": adapter.grounding,
         "image_size": list(image.size),
         "boxes": boxes,
+        # supervision's names: the original size, and the resized input Qwen2.5-VL's pixels are in (else null)
+        "resolution_wh": list(image.size),
+        "input_wh": list(input_size) if input_size else None,
     }
     if not boxes:
         fields["bbox_warning"] = "no bounding box found in the model's answer"

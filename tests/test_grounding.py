@@ -14,6 +14,7 @@ from runpod_vlm.grounding import box_to_pixels, grounding_fields, parse_bbox, pa
 from runpod_vlm.request import parse_request
 from runpod_vlm.settings import Settings
 from runpod_vlm.vocabulary import Generation, GenerationParams, GenerationRequest, RequestError, Turn
+from sample_images import data_uri
 
 QWEN2_VL_TWO_DOGS = (
     "<|object_ref_start|>the dog<|object_ref_end|><|box_start|>(100,250),(500,750)<|box_end|> and "
@@ -154,3 +155,77 @@ def test_glm_boxes_are_relative_to_1000_of_the_original_image():
     assert fields["box_format"] == "glm-1000" and fields["image_size"] == [640, 480]
     prompt = ADAPTERS["glm-4.1v"].request_turns(grounding_item())[-1].parts[-1]
     assert prompt == "Help me to locate the dog in the image and give me its bounding boxes."
+
+
+# ---- into supervision: the worker's real answers, its model's tokens scripted -------------------
+
+
+@pytest.fixture
+def scripted(monkeypatch):
+    """`scripted(engine, text)`: the engine's model answers `text` (then its end token) whatever it is shown:
+    each forward's logits pick the script's next token, so the engine, tokenizer and grounding run for real."""
+
+    def script(engine, text: str):
+        ids = engine.tokenizer(text, add_special_tokens=False)["input_ids"] + [min(engine.eos_ids)]
+        real_forward, calls = engine.model.forward, iter(range(1 << 30))
+
+        def forward(*args, **kwargs):
+            output = real_forward(*args, **kwargs)
+            token = ids[min(next(calls), len(ids) - 1)]
+            output.logits[:, -1, :] = -1e9
+            output.logits[:, -1, token] = 0.0
+            return output
+
+        monkeypatch.setattr(engine.model, "forward", forward)
+
+    return script
+
+
+def grounding_answer(image) -> dict:
+    import asyncio
+
+    import handler
+
+    job = {"input": {"task": "grounding", "image_url": data_uri(image), "target": "the cat", "max_new_tokens": 200}}
+    return asyncio.run(handler.local_test_answer(job))
+
+
+def test_qwen25_vl_boxes_drop_into_supervision(tiny_model, serve, scripted):
+    sv = pytest.importorskip("supervision")
+    engine = serve(tiny_model("qwen2.5-vl"))
+    scripted(
+        engine,
+        '```json\n[{"bbox_2d": [20, 10, 60, 40], "label": "cat"}, {"bbox_2d": [0, 0, 30, 30], "label": "mat"}]\n```',
+    )
+    out = grounding_answer(Image.new("RGB", (200, 150), "white"))
+    assert out["box_format"] == "qwen-abs-pixels" and out["resolution_wh"] == [200, 150]
+    assert out["input_wh"] and out["input_wh"] != out["resolution_wh"]  # the processor resized the image
+    detections = sv.Detections.from_vlm(
+        sv.VLM.QWEN_2_5_VL, out["response"], input_wh=tuple(out["input_wh"]), resolution_wh=tuple(out["resolution_wh"])
+    )
+    assert list(detections.data["class_name"]) == [box["label"] for box in out["boxes"]] == ["cat", "mat"]
+    assert abs(detections.xyxy - [box["bbox"] for box in out["boxes"]]).max() <= 1  # the worker rounds to pixels
+
+
+def test_qwen3_vl_boxes_drop_into_supervision(tiny_model, serve, scripted):
+    sv = pytest.importorskip("supervision")
+    engine = serve(tiny_model("qwen3-vl"))
+    scripted(engine, '[{"bbox_2d": [100, 200, 500, 900], "label": "cat"}]')
+    out = grounding_answer(Image.new("RGB", (320, 240), "white"))
+    detections = sv.Detections.from_vlm(sv.VLM.QWEN_3_VL, out["response"], resolution_wh=tuple(out["resolution_wh"]))
+    assert abs(detections.xyxy - [box["bbox"] for box in out["boxes"]]).max() <= 1
+    assert out["boxes"][0]["bbox"] == [32, 48, 160, 216]
+
+
+def test_qwen2_vl_boxes_make_detections_with_the_readmes_glue(tiny_model, serve, scripted):
+    sv = pytest.importorskip("supervision")
+    import numpy as np
+
+    engine = serve(tiny_model("qwen2-vl"))
+    scripted(engine, "<|object_ref_start|>the cat<|object_ref_end|><|box_start|>(100,200),(500,900)<|box_end|>")
+    out = grounding_answer(Image.new("RGB", (320, 240), "white"))
+    detections = sv.Detections(  # README "Grounding into supervision"
+        xyxy=np.array([box["bbox"] for box in out["boxes"]], dtype=float).reshape(-1, 4),
+        data={"class_name": np.array([box["label"] or "" for box in out["boxes"]])},
+    )
+    assert detections.xyxy.tolist() == [[32.0, 48.0, 160.0, 216.0]] and list(detections["class_name"]) == ["the cat"]
