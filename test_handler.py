@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import dataclasses
 import fnmatch
 import json
 import pathlib
@@ -59,7 +60,7 @@ from fake_backend import (
 )
 from runpod_vlm.grounding import box_to_pixels, parse_bbox
 from runpod_vlm.request import TASK_PROMPTS
-from runpod_vlm.settings import CURATED_MODELS, DEFAULT_MODEL, Settings, SettingsError
+from runpod_vlm.settings import CURATED_MODELS, DEFAULT_MODEL, MediaPolicy, Settings, SettingsError
 from sample_images import b64, data_uri, encode, plain, png
 
 # The fakes' fixtures, for every test here: the stubs installed in sys.modules for this module, the
@@ -2043,3 +2044,22 @@ def test_the_package_has_no_import_cycle_and_the_engine_knows_no_jobs():
 
 if __name__ == "__main__":  # `python test_handler.py`: this suite alone, through pytest, in its own process
     sys.exit(pytest.main([__file__, *sys.argv[1:]]))
+
+
+def test_the_hub_listing_offers_every_setting_and_curated_presets():
+    hub_json = json.loads((ROOT / ".runpod" / "hub.json").read_text())
+    offered = {entry["key"] for entry in hub_json["config"]["env"]}
+    settings_fields = [f.name for f in dataclasses.fields(Settings) if f.name != "media"]
+    media_fields = {f.name: f"VLM_{f.name.upper()}" for f in dataclasses.fields(MediaPolicy) if f.name != "allow_http"}
+    media_fields.update(allow_internal="VLM_ALLOW_INTERNAL_URLS", allowed_domains="VLM_URL_ALLOWED_DOMAINS")
+    variables = {f"VLM_{name.upper()}" for name in settings_fields} | set(media_fields.values()) | {"VLM_LOG_LEVEL"}
+    assert variables - offered == set(), "settings the Hub does not offer"
+    assert offered - variables == set(), "Hub inputs the worker does not read"
+    presets = [preset["defaults"]["VLM_MODEL"] for preset in hub_json["config"]["presets"]]
+    assert set(presets) <= set(CURATED_MODELS)
+    families = {CURATED_MODELS[model].family for model in presets}
+    assert {"qwen2.5-vl", "qwen3-vl", "gemma3", "internvl-hf", "qwen2-vl", "llava"} <= families
+    tests_env = {
+        e["key"]: e["value"] for e in json.loads((ROOT / ".runpod" / "tests.json").read_text())["config"]["env"]
+    }
+    assert tests_env["VLM_MODEL"] in presets
