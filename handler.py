@@ -9,6 +9,7 @@ The path of a request (the parts live in runpod_vlm/, whose __init__ maps them):
     generate_one / stream_chunks / format_output
                                runpod_vlm.answers: the engine's events back to the job, output fields
   openai_answers               runpod_vlm.openai_route: RunPod's /openai/v1 jobs, the same path
+  responses_answers            runpod_vlm.responses_route: /v1/responses, the same path
 
 Importing this module is cheap: torch, transformers and runpod are imported where they are used,
 and the model loads at boot under `python handler.py` (or on the first job).
@@ -32,6 +33,7 @@ from runpod_vlm.engine.engine import Engine
 from runpod_vlm.media import read_images
 from runpod_vlm.openai_route import openai_answers
 from runpod_vlm.request import read_request
+from runpod_vlm.responses_route import responses_answers
 from runpod_vlm.settings import Settings, SettingsError
 from runpod_vlm.vocabulary import RequestError, as_request_error, join_param
 
@@ -100,7 +102,8 @@ async def handler(job: dict):
         if not isinstance(payload, dict):
             raise RequestError("invalid_request", "the job needs an 'input' object", "input")
         if "openai_route" in payload:  # RunPod's /openai/v1/... gateway
-            async for answer in openai_answers(get_engine, served_model, payload):
+            responses = payload["openai_route"] == "/v1/responses"
+            async for answer in (responses_answers if responses else openai_answers)(get_engine, served_model, payload):
                 yield answer
             return
         if "requests" in payload:

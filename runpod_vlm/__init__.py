@@ -2,6 +2,8 @@
 
 Imports point one way, down this list; no module imports one above it.
 
+  http_server    the worker over HTTP (load-balancing endpoints, local): routes to handler.handler, /ping
+  responses_route  OpenAI's /v1/responses: input items read as a chat-completions body; Responses shapes
   openai_route   RunPod's /openai/v1 jobs: OpenAI bodies read as native requests; OpenAI's shapes
   answers        engine events back to a job: whole answers, paced streams, the output fields
   grounding      boxes in each family's words and coordinates -> boxes in the original pixels

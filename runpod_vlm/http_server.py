@@ -6,6 +6,7 @@ path as the queue (`run_job`, handler.handler), so requests in flight share the 
 
   POST /generate                     a queue job's body ({"input": {...}}) -> its output; `stream` as SSE
   POST /v1/chat/completions          OpenAI's chat completions (also under /openai/v1, RunPod's path)
+  POST /v1/responses                 OpenAI's Responses API (also under /openai/v1)
   GET  /v1/models                    the served model
   GET  /ping, /health                readiness: 204 while the model loads, 200 when ready, 503 if broken
 """
@@ -95,6 +96,11 @@ def make_app(run_job: Callable[[dict], Any], readiness: Callable[[], str]):
     @app.post("/openai/v1/chat/completions")
     async def chat_completions(request: Request):
         return await openai("/v1/chat/completions", await body_of(request))
+
+    @app.post("/v1/responses")
+    @app.post("/openai/v1/responses")
+    async def responses(request: Request):
+        return await openai("/v1/responses", await body_of(request))
 
     @app.get("/v1/models")
     @app.get("/openai/v1/models")

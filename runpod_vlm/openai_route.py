@@ -243,7 +243,9 @@ async def openai_answers(engine_getter, served_model, job_input: dict):
             return
         if route != "/v1/chat/completions":
             raise RequestError(
-                "invalid_request", "this worker serves /v1/chat/completions and /v1/models", "openai_route"
+                "invalid_request",
+                "this worker serves /v1/chat/completions, /v1/responses and /v1/models",
+                "openai_route",
             )
         body = read_openai_body(job_input.get("openai_input"))
         # Reading fetches and decodes images, and the engine may still be loading: both block.

@@ -115,6 +115,14 @@ def test_the_same_body_gives_the_native_route_s_text_and_tokens(engine):
     assert out["usage"]["completion_tokens"] == native["usage"]["completion_tokens"] == 7
 
 
+def test_max_completion_tokens_wins_over_max_tokens(engine):
+    # OpenAI deprecates max_tokens; a body with both is read as vLLM reads it.
+    body = {"messages": TEXT, "temperature": 0, "max_tokens": 9, "max_completion_tokens": 4}
+    assert completion(body)["usage"]["completion_tokens"] == 4
+    refused = completion({**body, "max_tokens": 2, "max_completion_tokens": 0})
+    assert refused["error"]["param"] == "max_completion_tokens"
+
+
 def test_a_streamed_answer_is_chat_completion_chunks_with_role_finish_and_usage(engine):
     body = {"messages": image_message(data_uri(striped())), **GREEDY}
     whole = completion(body)

@@ -1,0 +1,264 @@
+"""OpenAI's Responses API (`/v1/responses`): its input items are read as the chat-completions body they
+mean (the same checks, limits and error codes), answered by the same pieces, in the Responses shapes.
+
+The worker keeps no state between requests: `previous_response_id`, `conversation` and `store: true`
+are refused, and every response says `"store": false`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import re
+import time
+import uuid
+from typing import TYPE_CHECKING, Any, Optional
+
+from pydantic import BaseModel, ValidationError
+
+from runpod_vlm.answers import answer_pieces, paced
+from runpod_vlm.openai_route import openai_error, openai_item, read_openai_body
+from runpod_vlm.request import pydantic_error
+from runpod_vlm.vocabulary import Generation, GenerationRequest, RequestError, as_request_error
+
+if TYPE_CHECKING:
+    from runpod_vlm.engine.engine import Engine
+
+# Fields accepted only at neutral values; a stateful or tool field gets an error that says why.
+RESPONSES_UNSUPPORTED = {
+    "tools": ([],),
+    "tool_choice": ("none", "auto"),
+    "max_tool_calls": (),
+    "reasoning": (),
+    "include": ([],),
+    "top_logprobs": (0,),
+    "background": (False,),
+    "background_options": (),
+    "access_programs": (),
+    "image": (),
+    "prompt": (),
+    "truncation": ("disabled",),
+    "context_management": (),
+    "moderation": (),
+}
+STATELESS = "this worker keeps no responses: send the whole conversation in input"
+RESPONSES_IGNORED = (
+    "metadata",
+    "user",
+    "safety_identifier",
+    "service_tier",
+    "prompt_cache_key",
+    "prompt_cache_options",
+    "prompt_cache_retention",
+    "parallel_tool_calls",
+    "stream_options",
+)
+
+
+class ResponsesBody(BaseModel, extra="forbid", strict=True):
+    input: Any = None
+    instructions: Optional[str] = None
+    model: Optional[str] = None
+    max_output_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    stream: Optional[bool] = None
+    store: Optional[bool] = None
+    text: Optional[dict] = None
+
+
+def read_responses_body(raw: Any) -> ResponsesBody:
+    if not isinstance(raw, dict):
+        raise RequestError("invalid_request", "the request body must be a JSON object")
+    for name in ("previous_response_id", "conversation"):
+        if raw.get(name) is not None:
+            raise RequestError("unsupported_parameter", STATELESS, name)
+    for name, neutral in RESPONSES_UNSUPPORTED.items():
+        if raw.get(name) is not None and raw[name] not in neutral:
+            accepted = f" (only {json.dumps(neutral[0])} is accepted)" if neutral else ""
+            raise RequestError("unsupported_parameter", f"not supported by this worker{accepted}", name)
+    try:
+        body = ResponsesBody.model_validate(
+            {k: v for k, v in raw.items() if k not in RESPONSES_UNSUPPORTED and k not in RESPONSES_IGNORED}
+        )
+    except ValidationError as error:
+        raise pydantic_error(error, None) from None
+    if body.store:
+        raise RequestError("unsupported_parameter", f"{STATELESS} (send store false, or leave it out)", "store")
+    if body.text not in (None, {}, {"format": {"type": "text"}}):
+        raise RequestError("unsupported_parameter", 'only {"format": {"type": "text"}} is accepted', "text")
+    return body
+
+
+def chat_messages(body: ResponsesBody) -> list:
+    """The input items (a string, or messages whose content is a string or input_text / input_image /
+    output_text parts) as chat-completions messages, after the instructions as a system message."""
+    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    if not isinstance(items, list) or not items:
+        raise RequestError("invalid_request", "must be a string or a non-empty list of input items", "input")
+    messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict) or item.get("type", "message") != "message":
+            raise RequestError("invalid_request", "only message items are supported (no tool outputs)", f"input[{i}]")
+        content = item.get("content")
+        if isinstance(content, list):
+            content = [chat_part(part, f"input[{i}].content[{j}]") for j, part in enumerate(content)]
+        messages.append({"role": item.get("role"), "content": content})
+    return messages
+
+
+def chat_part(part: Any, where: str) -> dict:
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in ("input_text", "output_text"):
+        return {"type": "text", "text": part.get("text")}
+    if kind == "input_image":
+        if part.get("image_url") is None:
+            raise RequestError("invalid_request", "an input_image needs image_url (file_id is not supported)", where)
+        return {"type": "image_url", "image_url": {"url": part["image_url"]}}
+    raise RequestError("invalid_request", "type must be input_text, input_image or output_text", f"{where}.type")
+
+
+def responses_param(param: Optional[str], offset: int) -> Optional[str]:
+    """A chat-completions field path as the Responses body spells it (messages[k] is input[k - offset])."""
+    if not param:
+        return param
+    renamed = {"max_completion_tokens": "max_output_tokens", "max_new_tokens": "max_output_tokens"}.get(param)
+    if renamed:
+        return renamed
+    return re.sub(r"^messages\[(\d+)\]", lambda m: f"input[{int(m.group(1)) - offset}]", param).replace(
+        "messages", "input"
+    )
+
+
+def responses_item(body: ResponsesBody, settings, model_id: str) -> GenerationRequest:
+    chat = {
+        "messages": chat_messages(body),
+        "model": body.model,
+        "max_completion_tokens": body.max_output_tokens,
+        "temperature": body.temperature,
+        "top_p": body.top_p,
+    }
+    try:
+        return openai_item(read_openai_body({k: v for k, v in chat.items() if v is not None}), settings, model_id)
+    except RequestError as error:
+        offset = 1 if body.instructions else 0
+        raise RequestError(error.code, error.message, responses_param(error.param, offset)) from None
+
+
+class ResponseWriter:
+    """The Response object and its stream events, for one answer."""
+
+    def __init__(self, body: ResponsesBody, model_id: str):
+        self.body, self.model_id = body, model_id
+        self.id, self.message_id = f"resp_{uuid.uuid4().hex}", f"msg_{uuid.uuid4().hex}"
+        self.created, self.sequence = int(time.time()), 0
+
+    def message(self, text: str, status: str) -> dict:
+        content = [{"type": "output_text", "text": text, "annotations": []}] if status != "in_progress" else []
+        return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
+
+    def response(self, generation: Optional[Generation] = None, text: str = "") -> dict:
+        done = generation is not None
+        cut = done and generation.finish_reason == "length"
+        usage = (
+            {
+                "input_tokens": generation.prompt_tokens,
+                "output_tokens": generation.completion_tokens,
+                "total_tokens": generation.prompt_tokens + generation.completion_tokens,
+                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0},
+            }
+            if done
+            else None
+        )
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "model": self.model_id,
+            "status": ("incomplete" if cut else "completed") if done else "in_progress",
+            "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
+            "output": [self.message(text, "incomplete" if cut else "completed")] if done else [],
+            "usage": usage,
+            "error": None,
+            "instructions": self.body.instructions,
+            "max_output_tokens": self.body.max_output_tokens,
+            "temperature": self.body.temperature,
+            "top_p": self.body.top_p,
+            "parallel_tool_calls": False,
+            "tool_choice": "none",
+            "tools": [],
+            "text": {"format": {"type": "text"}},
+            "truncation": "disabled",
+            "store": False,
+            "metadata": {},
+        }
+
+    def event(self, kind: str, **fields) -> str:
+        data = {"type": kind, "sequence_number": self.sequence, **fields}
+        self.sequence += 1
+        return f"event: {kind}\ndata: {json.dumps(data)}\n\n"
+
+    def opening(self) -> str:
+        part = {"type": "output_text", "text": "", "annotations": []}
+        place = {"output_index": 0, "content_index": 0, "item_id": self.message_id}
+        return (
+            self.event("response.created", response=self.response())
+            + self.event("response.in_progress", response=self.response())
+            + self.event("response.output_item.added", output_index=0, item=self.message("", "in_progress"))
+            + self.event("response.content_part.added", part=part, **place)
+        )
+
+    def delta(self, text: str) -> str:
+        return self.event("response.output_text.delta", delta=text, logprobs=[], **self.place())
+
+    def closing(self, generation: Generation, text: str) -> str:
+        final = self.response(generation, text)
+        part = final["output"][0]["content"][0]
+        return (
+            self.event("response.output_text.done", text=text, logprobs=[], **self.place())
+            + self.event("response.content_part.done", part=part, **self.place())
+            + self.event("response.output_item.done", output_index=0, item=final["output"][0])
+            + self.event(f"response.{final['status']}", response=final)
+        )
+
+    def place(self) -> dict:
+        return {"output_index": 0, "content_index": 0, "item_id": self.message_id}
+
+
+async def responses(engine: Engine, item: GenerationRequest, body: ResponsesBody, writer: ResponseWriter):
+    """One Response object, or when `body.stream` its events, text at most once per VLM_STREAM_INTERVAL_MS."""
+    interval_s = engine.settings.stream_interval_ms / 1000
+    opening = writer.opening() if body.stream else ""
+    async with contextlib.aclosing(paced(answer_pieces(engine, item, [], bool(body.stream)), interval_s)) as sent:
+        async for piece, generation in sent:  # the last pair holds the Generation
+            if generation is None:
+                yield opening + writer.delta(piece)
+                opening = ""
+    if not body.stream:
+        yield writer.response(generation, generation.text)
+        return
+    yield opening + (writer.delta(piece) if piece else "") + writer.closing(generation, generation.text)
+
+
+async def responses_answers(engine_getter, served_model, job_input: dict):
+    """A `/v1/responses` job's answer: a Response, its stream events, or an OpenAI error. Never raises:
+    a failure after the first event ends the stream with an `error` event."""
+    writer, started = None, False
+    try:
+        settings, model_id = served_model()
+        body = read_responses_body(job_input.get("openai_input"))
+        item = await asyncio.to_thread(responses_item, body, settings, model_id)
+        engine = await asyncio.to_thread(engine_getter)
+        writer = ResponseWriter(body, model_id)
+        async with contextlib.aclosing(responses(engine, item, body, writer)) as answers:
+            async for answer in answers:
+                yield answer
+                started = True
+    except Exception as failure:
+        error = as_request_error(failure)
+        if not started:
+            yield openai_error(error)
+            return
+        yield writer.event("error", code=error.code, message=error.message, param=error.param)
