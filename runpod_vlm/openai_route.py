@@ -47,9 +47,8 @@ OPENAI_UNSUPPORTED = {
     "reasoning_effort": (),
     "verbosity": (),
 }
-# Accepted and ignored (`seed` too: sampled rows share the engine's random generator).
+# Accepted and ignored.
 OPENAI_IGNORED = (
-    "seed",
     "user",
     "metadata",
     "store",
@@ -84,6 +83,7 @@ class ChatCompletionBody(BaseModel, extra="forbid", strict=True):
     temperature: Optional[float] = None
     top_p: Optional[float] = None
     stop: Optional[str | list[str]] = None
+    seed: Optional[int] = None
     n: Optional[int] = None
     stream: Optional[bool] = None
     stream_options: Optional[OpenAIStreamOptions] = None
@@ -138,6 +138,7 @@ def openai_item(body: ChatCompletionBody, settings: Settings, model_id: str) -> 
         "top_p": body.top_p,
         "max_new_tokens": max_tokens,
         "model": body.model,
+        "seed": body.seed,
     }
     _, item = read_request({k: v for k, v in native.items() if v is not None}, settings, model_id, None)
     if body.vlm is not None and body.vlm.task == "grounding":

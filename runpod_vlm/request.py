@@ -44,6 +44,7 @@ class RequestModel(BaseModel):
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     do_sample: bool = False
+    seed: Optional[int] = None
     stream: bool = False
     batch_images: Optional[bool] = None
     annotate: bool = False  # grounding: also return the image with the boxes drawn
@@ -93,6 +94,7 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
         top_p=request.top_p,
         do_sample=request.do_sample,
         min_new_tokens=min(request.min_new_tokens, max_new_tokens),
+        seed=request.seed,
     )
     loose_images, target = _loose_images(request, param), None
     if task == "chat":

@@ -73,6 +73,7 @@ class GenerationParams:
     top_p: float
     do_sample: bool
     min_new_tokens: int = 0
+    seed: Optional[int] = None  # sampled tokens are a function of it (and the prompt) alone
 
 
 @dataclasses.dataclass

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import random
 import time
 import types
 from typing import Any, Optional
@@ -104,6 +105,7 @@ class SlotDecoder:
             sample=zeros(rows, dtype=torch.bool),
             temperature=zeros(rows, dtype=torch.float),
             top_p=zeros(rows, dtype=torch.float),
+            seed=zeros(rows),
             ring=zeros(rows, interval),
             seen=zeros(rows, vocab, dtype=torch.bool) if self.penalty else None,
         )
@@ -234,12 +236,13 @@ class SlotDecoder:
             sample=column([p.do_sample for p in params], torch.bool),
             temperature=column([p.temperature for p in params], torch.float),
             top_p=column([p.top_p for p in params], torch.float),
+            seed=column([row_seed(p.seed) for p in params], torch.long),
         )
         if self.penalty:
             new.seen = torch.zeros((count, state.seen.shape[1]), dtype=torch.bool, device=index.device)
             new.seen.scatter_(1, input_ids, True)
         token = self._choose(output.logits[:, -1, :], new, any_sample=any(p.do_sample for p in params))
-        for name in ("min_new", "sample", "temperature", "top_p", "seen"):
+        for name in ("min_new", "sample", "temperature", "top_p", "seed", "seen"):
             if getattr(new, name) is not None:
                 getattr(state, name)[index] = getattr(new, name)
         state.token[index] = token[:, None]
@@ -273,21 +276,24 @@ class SlotDecoder:
             logits[:, self.eos_index] = logits[:, self.eos_index].masked_fill(early, float("-inf"))
         token = logits.argmax(dim=-1)
         if any_sample:
-            token = torch.where(rows.sample, self._sampled(logits, rows.temperature, rows.top_p), token)
+            token = torch.where(rows.sample, self._sampled(logits, rows), token)
         if rows.seen is not None:
             rows.seen.scatter_(1, token[:, None], True)
         return token
 
     @staticmethod
-    def _sampled(logits, temperature, top_p):
-        """Temperature and top-p sampling, drawn as argmax(p / Exp(1)) so a CUDA graph can hold it."""
+    def _sampled(logits, rows: types.SimpleNamespace):
+        """Temperature and top-p sampling, drawn as argmax(p / Exp(1)) so a CUDA graph can hold it. The
+        Exp(1) noise is a function of the row's seed, its token's index and the vocabulary index alone, so
+        a seeded row draws the same tokens alone, batched or beside any other rows."""
         import torch
 
-        probs = torch.softmax(logits / temperature.clamp(min=1e-5)[:, None], dim=-1)
+        probs = torch.softmax(logits / rows.temperature.clamp(min=1e-5)[:, None], dim=-1)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_probs.cumsum(dim=-1) - sorted_probs > top_p[:, None]
+        outside = sorted_probs.cumsum(dim=-1) - sorted_probs > rows.top_p[:, None]
         probs = probs.scatter(1, order, sorted_probs.masked_fill(outside, 0.0))
-        return (probs / torch.empty_like(probs).exponential_(1)).argmax(dim=-1)
+        vocab = torch.arange(probs.shape[-1], device=probs.device)
+        return (probs / -torch.log(counter_uniform(rows.seed, rows.count, vocab))).argmax(dim=-1)
 
     def _rows_of(self, bucket: int) -> types.SimpleNamespace:
         """The per-row tensors of the first `bucket` rows, as views."""
@@ -374,3 +380,22 @@ class SlotDecoder:
         for tensor, value in kept:
             tensor.copy_(value)
         self.graphs[(bucket, self.any_sample)] = graph
+
+
+def row_seed(seed: Optional[int]) -> int:
+    """A row's sampling seed: the request's (any int, folded into 31 bits), else a fresh random one."""
+    return (seed if seed is not None else random.getrandbits(31)) & 0x7FFFFFFF
+
+
+def counter_uniform(seed, step, index):
+    """Uniform draws in (0, 1) for every (row, index): a hash of (the row's seed, its step, index), made of
+    integer tensor ops a CUDA graph can hold; products stay under 2**63 (31-bit odd constants, 32-bit values).
+    Hand-written: torch's generators hold one state for a whole tensor, not a counter per row."""
+    import torch
+
+    mask = 0xFFFFFFFF
+    x = (seed[:, None] * 0x27D4EB2F + step[:, None] * 0x165667B1 + index[None, :] * 0x61C88647) & mask
+    for multiplier in (0x7FEB352D, 0x6A09E667, 0x5BD1E995):
+        x = ((x ^ (x >> 15)) * multiplier) & mask
+    x = x ^ (x >> 16)
+    return ((x >> 9).to(torch.float32) + 0.5) / float(1 << 23)  # 23 bits: exact in float32, never 0 or 1

@@ -214,6 +214,10 @@ class Engine:
         """Families outside continuous batching (remote code, sliding-window caches): one at a time."""
         item = ticket.item
         try:
+            if item.params.do_sample and item.params.seed is not None:  # one item at a time: the global generator
+                import torch
+
+                torch.manual_seed(item.params.seed)
             if self.adapter.native:
                 ticket.finish(self._generate_with_generate(item))
             else:

@@ -1,0 +1,88 @@
+"""A seed that holds: a sampled request's tokens are a function of its prompt, parameters and seed
+alone, whether it runs alone, in a batch call, or beside other concurrent jobs (tiny Qwen2-VL, CPU)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import handler
+from runpod_vlm.engine.decoder import counter_uniform
+
+
+@pytest.fixture
+def engine(tiny_model, serve):
+    return serve(tiny_model("qwen2-vl"))
+
+
+def chat(text: str, **sampling) -> dict:
+    return {
+        "messages": [{"role": "user", "content": text}],
+        "max_new_tokens": 12,
+        "min_new_tokens": 12,
+        "do_sample": True,
+        "temperature": 1.5,
+        **sampling,
+    }
+
+
+def ask(payload: dict) -> dict:
+    return asyncio.run(handler.local_test_answer({"id": "sampled", "input": payload}))
+
+
+def test_the_same_seed_gives_the_same_tokens_alone_and_in_a_batch(engine):
+    seeded = chat("Tell me a story.", seed=1234)
+    alone = ask(seeded)["response"]
+    assert ask(seeded)["response"] == alone
+    neighbours = [chat("Something else.", temperature=0.7, top_p=0.9), chat("More.", seed=99), chat("Greedy.")]
+    neighbours[-1].update(do_sample=False, temperature=0.0)
+    for place in range(len(neighbours) + 1):
+        batch = [*neighbours[:place], seeded, *neighbours[place:]]
+        assert ask({"requests": batch})["results"][place]["response"] == alone, place
+
+
+def test_the_same_seed_gives_the_same_tokens_beside_concurrent_jobs(engine):
+    seeded = chat("Tell me a story.", seed=7)
+    alone = ask(seeded)["response"]
+
+    async def together():
+        jobs = [chat(f"Job {n}.", temperature=1.0 + n / 10) for n in range(5)]
+        jobs.insert(2, seeded)
+        return await asyncio.gather(
+            *(handler.local_test_answer({"id": str(n), "input": job}) for n, job in enumerate(jobs))
+        )
+
+    assert asyncio.run(together())[2]["response"] == alone
+
+
+def test_different_seeds_draw_different_tokens(engine):
+    answers = {ask(chat("Tell me a story.", seed=seed))["response"] for seed in (1, 2, 3)}
+    assert len(answers) == 3
+    unseeded = {ask(chat("Tell me a story."))["response"] for _ in range(2)}
+    assert len(unseeded) == 2  # no seed: a fresh one each time
+
+
+def test_the_openai_route_seed_is_the_native_seed(engine):
+    from runpod_vlm.openai_route import openai_answers
+
+    body = {"messages": [{"role": "user", "content": "Hi"}], "seed": 5, "max_tokens": 8, "temperature": 1.2}
+
+    async def completion():
+        job = {"openai_route": "/v1/chat/completions", "openai_input": body}
+        return [answer async for answer in openai_answers(handler.get_engine, handler.served_model, job)][0]
+
+    native = ask({"messages": body["messages"], "seed": 5, "max_new_tokens": 8, "temperature": 1.2, "do_sample": True})
+    assert asyncio.run(completion())["choices"][0]["message"]["content"] == native["response"]
+
+
+def test_counter_noise_is_uniform_and_depends_on_the_row_alone():
+    seeds, steps = torch.tensor([3, 3, 4, 9]), torch.tensor([0, 1, 0, 0])
+    draws = counter_uniform(seeds, steps, torch.arange(50_000))
+    assert 0 < draws.min() and draws.max() < 1
+    assert abs(draws.mean().item() - 0.5) < 0.01 and abs(draws.var().item() - 1 / 12) < 0.002
+    assert not torch.equal(draws[0], draws[1]) and not torch.equal(draws[0], draws[2])
+    reordered = counter_uniform(seeds.flip(0), steps.flip(0), torch.arange(50_000))
+    assert torch.equal(reordered.flip(0), draws)  # a row's draws do not depend on its neighbours
+    assert torch.corrcoef(torch.stack([draws[0], draws[2]]))[0, 1].abs() < 0.05
