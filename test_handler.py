@@ -1855,6 +1855,14 @@ def test_after_sigterm_items_queued_for_one_at_a_time_families_fail_too(monkeypa
 
 
 @pytest.mark.parametrize("model_id", [MINICPM, INTERNVL, PHI3])
+def test_remote_code_families_refuse_logprobs_naming_the_field(monkeypatch, hub, model_id):
+    serve(monkeypatch, model_id)
+    out = call(caption(logprobs=True))
+    assert_error(out, "logprobs", "unsupported_parameter")
+    assert call(caption())["response"] == "ok"
+
+
+@pytest.mark.parametrize("model_id", [MINICPM, INTERNVL, PHI3])
 def test_an_exception_inside_remote_code_is_a_clean_error(monkeypatch, hub, model_id):
     def reply(prompt):
         raise ValueError("remote code blew up: secret-detail-789")

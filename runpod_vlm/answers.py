@@ -63,6 +63,8 @@ def format_output(engine: Engine, item: GenerationRequest, generation: Generatio
         "finish_reason": generation.finish_reason,
         "usage": {"prompt_tokens": generation.prompt_tokens, "completion_tokens": generation.completion_tokens},
     }
+    if generation.logprobs is not None:
+        output["logprobs"] = generation.logprobs
     if item.task == "grounding":
         output.update(grounding_fields(item, generation, engine.adapter))
     if request.batch_images is not None:

@@ -32,8 +32,6 @@ OPENAI_UNSUPPORTED = {
     "frequency_penalty": (0,),
     "presence_penalty": (0,),
     "logit_bias": ({},),
-    "logprobs": (False,),
-    "top_logprobs": (0,),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),
@@ -84,6 +82,8 @@ class ChatCompletionBody(BaseModel, extra="forbid", strict=True):
     top_p: Optional[float] = None
     stop: Optional[str | list[str]] = None
     seed: Optional[int] = None
+    logprobs: Optional[bool] = None
+    top_logprobs: Optional[int] = None
     n: Optional[int] = None
     stream: Optional[bool] = None
     stream_options: Optional[OpenAIStreamOptions] = None
@@ -115,6 +115,7 @@ def read_openai_body(raw: Any) -> ChatCompletionBody:
         (len(stops) > 4, "at most 4 stop sequences", "stop"),  # as OpenAI's API
         ("" in stops, "a stop sequence must not be empty", "stop"),
         (stops and grounding, "not supported with vlm.task grounding", "stop"),
+        (stops and body.logprobs, "not supported with logprobs", "stop"),
     ):
         if refused:
             raise RequestError("invalid_request", message, param)
@@ -139,6 +140,8 @@ def openai_item(body: ChatCompletionBody, settings: Settings, model_id: str) -> 
         "max_new_tokens": max_tokens,
         "model": body.model,
         "seed": body.seed,
+        "logprobs": body.logprobs,
+        "top_logprobs": body.top_logprobs,
     }
     _, item = read_request({k: v for k, v in native.items() if v is not None}, settings, model_id, None)
     if body.vlm is not None and body.vlm.task == "grounding":
@@ -185,14 +188,9 @@ async def chat_completion(engine: Engine, item: GenerationRequest, body: ChatCom
         **({"usage": None} if include_usage else {}),
     }
 
-    def chunk(delta: dict, finish_reason: Optional[str] = None, **extra) -> str:
-        return sse(
-            {
-                **head,
-                "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}],
-                **extra,
-            }
-        )
+    def chunk(delta: dict, finish_reason: Optional[str] = None, logprobs: Optional[dict] = None, **extra) -> str:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return sse({**head, "choices": [choice], **extra})
 
     interval_s = engine.settings.stream_interval_ms / 1000
     opening = chunk({"role": "assistant", "content": ""})
@@ -206,6 +204,8 @@ async def chat_completion(engine: Engine, item: GenerationRequest, body: ChatCom
     if item.task == "grounding":
         fields = grounding_fields(item, piece, engine.adapter)
         content, extra["vlm"] = json.dumps({**fields, "response": piece.text}), {"task": "grounding", **fields}
+    # A stream's logprobs all come in its last chunk: its text pieces are cut at characters, not tokens.
+    logprobs = {"content": piece.logprobs, "refusal": None} if piece.logprobs is not None else None
     usage = {
         "prompt_tokens": piece.prompt_tokens,
         "completion_tokens": piece.completion_tokens,
@@ -218,7 +218,7 @@ async def chat_completion(engine: Engine, item: GenerationRequest, body: ChatCom
                 {
                     "index": 0,
                     "message": {"role": "assistant", "content": content},
-                    "logprobs": None,
+                    "logprobs": logprobs,
                     "finish_reason": piece.finish_reason,
                 }
             ],
@@ -227,7 +227,8 @@ async def chat_completion(engine: Engine, item: GenerationRequest, body: ChatCom
         }
         return
     usage_chunk = sse({**head, "choices": [], "usage": usage}) if include_usage else ""
-    yield opening + chunk({"content": content}, piece.finish_reason, **extra) + usage_chunk + sse("[DONE]")
+    last = chunk({"content": content}, piece.finish_reason, logprobs, **extra)
+    yield opening + last + usage_chunk + sse("[DONE]")
 
 
 async def openai_answers(engine_getter, served_model, job_input: dict):

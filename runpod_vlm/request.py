@@ -45,6 +45,8 @@ class RequestModel(BaseModel):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     do_sample: bool = False
     seed: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: int = Field(default=0, ge=0, le=20)
     stream: bool = False
     batch_images: Optional[bool] = None
     annotate: bool = False  # grounding: also return the image with the boxes drawn
@@ -86,6 +88,8 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
         refuse("max_new_tokens", f"must be at most {settings.max_new_tokens} on this worker")
     if request.do_sample and request.temperature == 0:
         refuse("temperature", "must be above 0 when do_sample is true")
+    if request.top_logprobs and not request.logprobs:
+        refuse("top_logprobs", "needs logprobs true")
     if request.annotate and task != "grounding":
         refuse("annotate", "only used by the grounding task")
     params = GenerationParams(
@@ -95,6 +99,8 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
         do_sample=request.do_sample,
         min_new_tokens=min(request.min_new_tokens, max_new_tokens),
         seed=request.seed,
+        logprobs=request.logprobs,
+        top_logprobs=request.top_logprobs,
     )
     loose_images, target = _loose_images(request, param), None
     if task == "chat":

@@ -74,6 +74,8 @@ class GenerationParams:
     do_sample: bool
     min_new_tokens: int = 0
     seed: Optional[int] = None  # sampled tokens are a function of it (and the prompt) alone
+    logprobs: bool = False  # each answer token's log-probability, and its `top_logprobs` alternatives
+    top_logprobs: int = 0
 
 
 @dataclasses.dataclass
@@ -98,6 +100,7 @@ class Generation:
     completion_tokens: int = 0
     raw_text: Optional[str] = None  # with special tokens, for box parsing
     image_input_size: Optional[tuple[int, int]] = None  # first image as the model saw it (boxes)
+    logprobs: Optional[list] = None  # OpenAI's entries {token, logprob, bytes, top_logprobs}, when asked
 
     @classmethod
     def from_ids(cls, text: str, ids: list[int], eos: set, max_new_tokens: int, **fields) -> Generation:

@@ -281,6 +281,8 @@ def test_grounding_returns_the_box_in_the_message_and_in_the_vlm_field():
         "box_format": "qwen-1000",
         "image_size": [200, 100],
         "boxes": [{"bbox": [20, 20, 100, 100], "label": "a stripe"}],
+        "resolution_wh": [200, 100],
+        "input_wh": None,  # the stand-in engine's answer has no resized input
     }
     assert out["vlm"] == {"task": "grounding", **box}
     message = json.loads(out["choices"][0]["message"]["content"])
@@ -304,7 +306,8 @@ TEXT = [{"role": "user", "content": "Hi"}]
             "tools",
         ),
         ({"messages": TEXT, "response_format": {"type": "json_object"}}, "unsupported_parameter", "response_format"),
-        ({"messages": TEXT, "logprobs": True}, "unsupported_parameter", "logprobs"),
+        ({"messages": TEXT, "logprobs": True, "top_logprobs": 21}, "invalid_request", "top_logprobs"),
+        ({"messages": TEXT, "top_logprobs": 2}, "invalid_request", "top_logprobs"),
         ({"messages": TEXT, "presence_penalty": 0.5}, "unsupported_parameter", "presence_penalty"),
         ({"messages": TEXT, "top_k": 5}, "invalid_request", "top_k"),
         ({"messages": TEXT, "temperature": "hot"}, "invalid_request", "temperature"),
@@ -448,3 +451,13 @@ def test_client_raises_bad_request_with_our_message(client):
 def test_the_openai_prefixed_paths_answer_too(server):
     with urllib.request.urlopen(server + "/openai/v1/models", timeout=30) as response:
         assert json.loads(response.read())["data"][0]["object"] == "model"
+
+
+def test_the_official_client_gets_logprobs(client):
+    model = client.models.list().data[0].id
+    answer = client.chat.completions.create(
+        model=model, messages=TEXT, max_tokens=4, temperature=0, logprobs=True, top_logprobs=2
+    )
+    content = answer.choices[0].logprobs.content
+    assert len(content) == answer.usage.completion_tokens and all(len(entry.top_logprobs) == 2 for entry in content)
+    assert all(entry.logprob == entry.top_logprobs[0].logprob <= 0 for entry in content)  # greedy: the likeliest

@@ -13,6 +13,8 @@ from runpod_vlm.vocabulary import GenerationParams
 
 log = logging.getLogger("runpod-vlm")
 
+MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs bound
+
 
 def use_grouped_query_decode_attention(model) -> None:
     """Decode steps attend with SDPA's own grouped-query attention. transformers' SDPA path copies
@@ -73,6 +75,8 @@ class SlotDecoder:
     row, so a shift changes no result). A step runs the smallest bucket of leading rows holding every
     busy row. Greedy rows give `model.generate(do_sample=False)`'s tokens, alone or beside others."""
 
+    pending_logprobs: Optional[dict] = None  # row -> (logprob, top ids, top logprobs) per new token
+
     def __init__(self, model, eos_ids: set, rows: int, length: int, use_graph: bool, interval: int):
         import torch
 
@@ -93,6 +97,7 @@ class SlotDecoder:
         self.caches: dict[int, Any] = {}  # bucket -> StaticCache over the first `bucket` rows
         vocab = model.get_output_embeddings().weight.shape[0]
         self.eos_index = torch.tensor(sorted(i for i in eos_ids if i < vocab), dtype=torch.long, device=device)
+        self.top_k = min(MAX_TOP_LOGPROBS, vocab)  # alternatives recorded per token when a row asks for logprobs
         penalty = getattr(model.generation_config, "repetition_penalty", None) or 1.0
         self.penalty = penalty if penalty != 1.0 else None
         zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
@@ -106,13 +111,17 @@ class SlotDecoder:
             temperature=zeros(rows, dtype=torch.float),
             top_p=zeros(rows, dtype=torch.float),
             seed=zeros(rows),
+            logprobs=zeros(rows, dtype=torch.bool),
             ring=zeros(rows, interval),
+            ring_logprob=zeros(rows, interval, dtype=torch.float),
+            ring_top_id=zeros(rows, interval, self.top_k),
+            ring_top_logprob=zeros(rows, interval, self.top_k, dtype=torch.float),
             seen=zeros(rows, vocab, dtype=torch.bool) if self.penalty else None,
         )
         self.position = None  # shaped like the family's position ids at the first prefill
         self.pointer = 0  # the slot the next step writes (host copy of cache_position)
         self.spans: dict[int, tuple[int, int]] = {}  # row -> (first slot, slot past its last token)
-        self.any_sample = False
+        self.any_sample = self.any_logprobs = False
         self.capture_failures = 0  # e.g. voided by the background compile's GPU work
 
     # ---- admission --------------------------------------------------------------------------
@@ -237,12 +246,18 @@ class SlotDecoder:
             temperature=column([p.temperature for p in params], torch.float),
             top_p=column([p.top_p for p in params], torch.float),
             seed=column([row_seed(p.seed) for p in params], torch.long),
+            logprobs=column([p.logprobs for p in params], torch.bool),
         )
         if self.penalty:
             new.seen = torch.zeros((count, state.seen.shape[1]), dtype=torch.bool, device=index.device)
             new.seen.scatter_(1, input_ids, True)
-        token = self._choose(output.logits[:, -1, :], new, any_sample=any(p.do_sample for p in params))
-        for name in ("min_new", "sample", "temperature", "top_p", "seed", "seen"):
+        wants_logprobs = any(p.logprobs for p in params)
+        token, logprobs = self._choose(output.logits[:, -1, :], new, any(p.do_sample for p in params), wants_logprobs)
+        if wants_logprobs:
+            self.pending_logprobs = {
+                row: [entry] for row, entry in zip(rows, zip(*(part.tolist() for part in logprobs)))
+            }
+        for name in ("min_new", "sample", "temperature", "top_p", "seed", "logprobs", "seen"):
             if getattr(new, name) is not None:
                 getattr(state, name)[index] = getattr(new, name)
         state.token[index] = token[:, None]
@@ -259,15 +274,20 @@ class SlotDecoder:
         self._update_any_sample()
 
     def _update_any_sample(self) -> None:
-        self.any_sample = bool(self.state.sample[sorted(self.spans)].any()) if self.spans else False
+        busy = sorted(self.spans)
+        self.any_sample = bool(self.state.sample[busy].any()) if busy else False
+        self.any_logprobs = bool(self.state.logprobs[busy].any()) if busy else False
 
     # ---- decoding ---------------------------------------------------------------------------
 
-    def _choose(self, logits, rows: types.SimpleNamespace, any_sample: bool):
-        """Each row's next token from its logits."""
+    def _choose(self, logits, rows: types.SimpleNamespace, any_sample: bool, with_logprobs: bool = False):
+        """Each row's next token from its logits; with `with_logprobs`, also each token's log-probability and the
+        `top_k` most likely tokens': log_softmax of the model's own logits, before the repetition penalty, the
+        end-token block of min_new_tokens, temperature and top-p (as generate()'s output_logits, and vLLM's)."""
         import torch
 
         logits = logits.float()
+        logprobs = torch.log_softmax(logits, dim=-1) if with_logprobs else None  # before the in-place edits below
         if rows.seen is not None:  # as transformers' RepetitionPenaltyLogitsProcessor
             penalized = torch.where(logits < 0, logits * self.penalty, logits / self.penalty)
             logits = torch.where(rows.seen, penalized, logits)
@@ -279,7 +299,10 @@ class SlotDecoder:
             token = torch.where(rows.sample, self._sampled(logits, rows), token)
         if rows.seen is not None:
             rows.seen.scatter_(1, token[:, None], True)
-        return token
+        if logprobs is None:
+            return token, None
+        top_logprob, top_id = logprobs.topk(self.top_k, dim=-1)
+        return token, (logprobs.gather(1, token[:, None])[:, 0], top_id, top_logprob)
 
     @staticmethod
     def _sampled(logits, rows: types.SimpleNamespace):
@@ -316,8 +339,13 @@ class SlotDecoder:
             use_cache=True,
             logits_to_keep=1,
         )
-        token = self._choose(output.logits[:, -1, :], rows, self.any_sample)
+        token, logprobs = self._choose(output.logits[:, -1, :], rows, self.any_sample, self.any_logprobs)
         rows.ring.index_copy_(1, self.ring_index, token[:, None])
+        if logprobs is not None:
+            chosen, top_id, top_logprob = logprobs
+            rows.ring_logprob.index_copy_(1, self.ring_index, chosen[:, None])
+            rows.ring_top_id.index_copy_(1, self.ring_index, top_id[:, None])
+            rows.ring_top_logprob.index_copy_(1, self.ring_index, top_logprob[:, None])
         self.ring_index += 1
         rows.count += 1
         rows.token.copy_(token[:, None])
@@ -333,11 +361,16 @@ class SlotDecoder:
         bucket = self.bucket()
         self._set_pointer(self.pointer)  # another bucket's steps moved only its own counters
         self.ring_index.zero_()
-        graph = self.graphs.get((bucket, self.any_sample))
+        graph = self.graphs.get((bucket, self.any_sample, self.any_logprobs))
         for _ in range(steps):
             graph.replay() if graph is not None else self._advance(bucket)
         self.pointer += steps
         tokens = self.state.ring[:bucket, :steps].tolist()
+        if self.any_logprobs:
+            state = self.state
+            parts = (state.ring_logprob, state.ring_top_id, state.ring_top_logprob)
+            per_row = zip(*(part[:bucket, :steps].tolist() for part in parts))
+            self.pending_logprobs = {row: list(zip(*entries)) for row, entries in enumerate(per_row)}
         if self.use_graph and graph is None and self.spans and self.pointer < self.length:
             try:
                 self._capture(bucket)
@@ -346,6 +379,11 @@ class SlotDecoder:
                 log.warning("CUDA graph capture failed (%d of 3 tries)", self.capture_failures, exc_info=True)
                 self.use_graph = self.capture_failures < 3
         return tokens
+
+    def take_logprobs(self) -> Optional[dict]:
+        """The log-probabilities the last prefill or steps recorded (row -> one entry per new token), once."""
+        pending, self.pending_logprobs = self.pending_logprobs, None
+        return pending
 
     def steps_only_with(self, forward) -> bool:
         """Whether every bucket steps with `forward` (the compiled one)."""
@@ -379,7 +417,7 @@ class SlotDecoder:
         self._set_pointer(pointer)
         for tensor, value in kept:
             tensor.copy_(value)
-        self.graphs[(bucket, self.any_sample)] = graph
+        self.graphs[(bucket, self.any_sample, self.any_logprobs)] = graph
 
 
 def row_seed(seed: Optional[int]) -> int:

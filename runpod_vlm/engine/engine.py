@@ -218,6 +218,9 @@ class Engine:
                 import torch
 
                 torch.manual_seed(item.params.seed)
+            if item.params.logprobs and not self.adapter.native:
+                message = f"the {self.adapter.name} family answers through its repository's chat(), which gives none"
+                raise RequestError("unsupported_parameter", message, join_param(item.param, "logprobs"))
             if self.adapter.native:
                 ticket.finish(self._generate_with_generate(item))
             else:
@@ -236,10 +239,21 @@ class Engine:
         error = self._context_error(item, prompt_tokens)
         if error:
             return error
+        kwargs = dict(eos_token_id=sorted(self.eos_ids), **self.sampling_kwargs(item.params))
         with torch.inference_mode():
-            out = self.model.generate(**inputs, eos_token_id=sorted(self.eos_ids), **self.sampling_kwargs(item.params))
-        ids = out[0, inputs["input_ids"].shape[1] :].tolist()
-        return self._generation(item, ids, prompt_tokens, input_sizes[0])
+            if not item.params.logprobs:
+                out = self.model.generate(**inputs, **kwargs)
+                return self._generation(
+                    item, out[0, inputs["input_ids"].shape[1] :].tolist(), prompt_tokens, input_sizes[0]
+                )
+            out = self.model.generate(**inputs, **kwargs, output_logits=True, return_dict_in_generate=True)
+            ids = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+            logprobs = []  # of generate's raw logits, before its processors, as on the batched path
+            for step, token in zip(out.logits, ids):
+                step_logprobs = torch.log_softmax(step[0].float(), dim=-1)
+                top_logprobs, top_ids = step_logprobs.topk(min(20, step_logprobs.shape[-1]))
+                logprobs.append((step_logprobs[token].item(), top_ids.tolist(), top_logprobs.tolist()))
+        return self._generation(item, ids, prompt_tokens, input_sizes[0], logprobs)
 
     def _admit(self, waiting: list[Ticket]) -> None:
         """Prefill as many waiting items as fit (in arrival order) and give them rows."""
@@ -326,10 +340,11 @@ class Engine:
                 log.warning("a prefill of %d items failed; admitting them one by one", len(group), exc_info=True)
                 return self._requeue(group, limit=1)
             return self._admit_failed(group[0])
+        logprobs = decoder.take_logprobs() or {}
         for ticket, row, token, prompt, size in zip(group, rows, first, prompt_tokens, input_sizes):
             ticket.row, ticket.prompt_tokens, ticket.input_size = row, prompt, size
             self._rows[row] = ticket
-            self._accept(ticket, [token])
+            self._accept(ticket, [token], logprobs.get(row))
 
     def _requeue(self, tickets: list[Ticket], limit: Optional[int] = None) -> None:
         """Back to the front of the queue; `limit`: admitted in groups of at most that many."""
@@ -347,16 +362,20 @@ class Engine:
         decoder = self._current_decoder()
         remaining = max(t.item.params.max_new_tokens - len(t.ids) for t in self._rows.values())
         tokens = decoder.step(max(1, min(decoder.interval, remaining)))
+        logprobs = decoder.take_logprobs() or {}
         for row, ticket in list(self._rows.items()):
-            self._accept(ticket, tokens[row])
+            self._accept(ticket, tokens[row], logprobs.get(row))
 
-    def _accept(self, ticket: Ticket, tokens: list[int]) -> None:
-        """New tokens for a row: stream them, and finish the row at its end token or length."""
+    def _accept(self, ticket: Ticket, tokens: list[int], logprobs: Optional[list] = None) -> None:
+        """New tokens for a row (and their log-probabilities when it asked): stream them, and finish the row
+        at its end token or length."""
         item, done = ticket.item, ticket.cancelled
-        for token in tokens:
+        for n, token in enumerate(tokens):
             if done:
                 break
             ticket.ids.append(token)
+            if item.params.logprobs and logprobs is not None:
+                ticket.logprobs.append(logprobs[n])
             done = token in self.eos_ids or len(ticket.ids) >= item.params.max_new_tokens
         if ticket.stream and not ticket.cancelled:
             ticket.emit_delta(self.tokenizer, self.eos_ids)
@@ -365,7 +384,9 @@ class Engine:
             self._current_decoder().release(ticket.row)
             del self._rows[ticket.row]
             if not ticket.cancelled:
-                ticket.finish(self._generation(item, ticket.ids, ticket.prompt_tokens, ticket.input_size))
+                ticket.finish(
+                    self._generation(item, ticket.ids, ticket.prompt_tokens, ticket.input_size, ticket.logprobs)
+                )
 
     def _fail_all(self, error: RequestError, queued: bool = False) -> None:
         """Fail the items in flight (and the queued ones too when `queued`)."""
@@ -386,7 +407,9 @@ class Engine:
         self.on_fatal()
         self._fail_all(GPU_FAILURE, queued=True)
 
-    def _generation(self, item: GenerationRequest, ids: list[int], prompt_tokens: int, input_size) -> Generation:
+    def _generation(
+        self, item: GenerationRequest, ids: list[int], prompt_tokens: int, input_size, logprobs=None
+    ) -> Generation:
         ids = ids[: item.params.max_new_tokens]
         kept = ids[: answered_length(ids, self.eos_ids)]
         return Generation.from_ids(
@@ -398,7 +421,23 @@ class Engine:
             raw_text=self.tokenizer.decode(kept, skip_special_tokens=False) if item.task == "grounding" else None,
             prompt_tokens=int(prompt_tokens),
             image_input_size=input_size,
+            logprobs=self._logprob_entries(kept, logprobs, item.params.top_logprobs) if item.params.logprobs else None,
         )
+
+    def _logprob_entries(self, ids: list[int], logprobs: list, top: int) -> list[dict]:
+        """OpenAI's logprobs entries of the answer's tokens: each token's text, log-probability and bytes, and
+        its `top` most likely alternatives' (-9999 stands for an impossible one, as OpenAI writes it)."""
+        known = set(ids).union(*(top_ids[:top] for _, top_ids, _ in logprobs))
+        order = sorted(known)
+        text = dict(zip(order, self.tokenizer.batch_decode([[i] for i in order])))
+
+        def entry(token: int, logprob: float) -> dict:
+            return {"token": text[token], "logprob": max(logprob, -9999.0), "bytes": list(text[token].encode())}
+
+        return [
+            {**entry(token, logprob), "top_logprobs": [entry(i, lp) for i, lp in zip(top_ids[:top], top_lps[:top])]}
+            for token, (logprob, top_ids, top_lps) in zip(ids, logprobs)
+        ]
 
     def _context_error(self, item: GenerationRequest, prompt_tokens: int) -> Optional[RequestError]:
         if self.context_length and prompt_tokens + item.params.max_new_tokens > self.context_length:

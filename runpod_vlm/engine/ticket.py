@@ -20,6 +20,7 @@ class Ticket:
         self.group_limit: Optional[int] = None  # set after a failed group: admitted in smaller ones
         self.row: Optional[int] = None
         self.ids: list[int] = []
+        self.logprobs: list = []  # (logprob, top ids, top logprobs) per id, when the item asked for them
         self.prompt_tokens, self.input_size = 0, None
         self.text: Optional[TextDeltas] = None  # made at the first streamed tokens
 
