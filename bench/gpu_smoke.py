@@ -4,7 +4,9 @@ the same worker with VLM_COMPILE=false, on a tiny random Qwen2-VL (fp32), throug
     python bench/gpu_smoke.py --out DIR      # writes DIR/gpu_smoke.json and prints it
 
 Reports per request whether the compiled answer's tokens equal the eager one's, whether batched
-answers equal solo ones, the finish reasons, and graphs compiled during requests (should be 0).
+answers equal solo ones, the finish reasons, and graphs compiled during requests (should be 0); and,
+through the CUDA graphs, that a seeded sampled request draws the same tokens alone and batched, and
+that logprobs come out (compiled against eager).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default="bench/results")
     args = parser.parse_args()
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 
     from torch._dynamo.utils import counters
 
@@ -61,16 +66,25 @@ def main() -> None:
         "top_p": 0.9,
     }
 
+    seeded = dict(sampled, seed=42, max_new_tokens=16)
+    with_logprobs = dict(requests[2], logprobs=True, top_logprobs=3, max_new_tokens=8, min_new_tokens=8)
+
     def answers(compile_: bool) -> dict:
         os.environ["VLM_COMPILE"] = "true" if compile_ else "false"
         handler.reset_engine()
         engine = handler.get_engine()
         engine.warm_up()
-        warm_up_s = engine.wait_until_compiled(900)
+        warm_up_s = engine.wait_until_compiled(900) if compile_ else None  # nothing compiles otherwise
         before = int(counters["stats"]["unique_graphs"])
         solo = [run_job({"input": r}) for r in requests]
         batched = run_job({"id": "smoke", "input": {"requests": requests + [sampled]}})["results"]
+        seeded_alone = [run_job({"input": seeded})["response"] for _ in range(2)]
+        seeded_batched = run_job({"input": {"requests": [sampled, seeded, requests[2]]}})["results"][1]["response"]
+        logprobs = run_job({"input": with_logprobs})
         return {
+            "seeded_alone_twice_equal": seeded_alone[0] == seeded_alone[1],
+            "seeded_batched_equals_alone": seeded_batched == seeded_alone[0],
+            "logprobs": logprobs,
             "compiled": engine.compile,
             "warm_up_s": warm_up_s,
             "solo": solo,
@@ -91,6 +105,16 @@ def main() -> None:
             b.get("response") == s.get("response") for b, s in zip(compiled["batched"], compiled["solo"])
         ],
         "finish_reasons": [a.get("finish_reason") for a in compiled["batched"]],
+        "seeded_alone_twice_equal": [compiled["seeded_alone_twice_equal"], eager["seeded_alone_twice_equal"]],
+        "seeded_batched_equals_alone": [compiled["seeded_batched_equals_alone"], eager["seeded_batched_equals_alone"]],
+        "logprob_tokens": len(compiled["logprobs"].get("logprobs", [])),
+        "logprobs_compiled_minus_eager_max": max(
+            (
+                abs(c["logprob"] - e["logprob"])
+                for c, e in zip(compiled["logprobs"].get("logprobs", []), eager["logprobs"].get("logprobs", []))
+            ),
+            default=None,
+        ),
         "completion_tokens": [a.get("usage", {}).get("completion_tokens") for a in compiled["batched"]],
     }
     out = Path(args.out)

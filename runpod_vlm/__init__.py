@@ -6,6 +6,7 @@ Imports point one way, down this list; no module imports one above it.
   responses_route  OpenAI's /v1/responses: input items read as a chat-completions body; Responses shapes
   openai_route   RunPod's /openai/v1 jobs: OpenAI bodies read as native requests; OpenAI's shapes
   answers        engine events back to a job: whole answers, paced streams, the output fields
+  text_deltas    a growing answer's token ids -> text deltas (an incremental detokenizer)
   grounding      boxes in each family's words and coordinates -> boxes in the original pixels
   request        a job's input -> GenerationRequest: fields, hostile-input checks, limits
   media          image specs -> decoded RGB images: count, deadline, pixel budget, safe decoding

@@ -11,6 +11,7 @@ import time
 from typing import TYPE_CHECKING, Optional
 
 from runpod_vlm.grounding import grounding_fields
+from runpod_vlm.text_deltas import TextDeltas
 from runpod_vlm.vocabulary import Generation, GenerationRequest, Outcome, RequestError, StreamDelta
 
 if TYPE_CHECKING:
@@ -35,13 +36,18 @@ def generate_all(engine: Engine, items: list[GenerationRequest]) -> list[Outcome
 
 
 async def stream_generation(engine: Engine, item: GenerationRequest, stream: bool = True):
-    """Yields StreamDelta events (when `stream`), then the Generation or RequestError; leaving early cancels it."""
+    """Yields StreamDelta events (when `stream`), then the Generation or RequestError; leaving early cancels it.
+    The engine streams token ids; their text is decoded here, on the job's side, not on the engine thread."""
     loop = asyncio.get_running_loop()
     events: asyncio.Queue = asyncio.Queue()
     ticket = engine.submit(item, lambda event: loop.call_soon_threadsafe(events.put_nowait, event), stream)
+    text: Optional[TextDeltas] = None
     try:
         while True:
             event = await events.get()
+            if isinstance(event, StreamDelta) and event.ids is not None:
+                text = text or TextDeltas(engine.tokenizer)
+                event = dataclasses.replace(event, text=text.delta(event.ids), ids=None)
             yield event
             if not isinstance(event, StreamDelta):
                 return

@@ -113,6 +113,7 @@ class StreamDelta:
     text: str  # new text since the previous delta
     completion_tokens: int  # tokens generated so far
     prompt_tokens: int = 0  # the prompt's, images included
+    ids: Optional[list[int]] = None  # the engine's: the answer's ids so far, which answers.stream_generation reads
 
 
 Outcome = Generation | RequestError  # what the engine gives back for one item

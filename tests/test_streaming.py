@@ -1,4 +1,4 @@
-"""Streams that flow: text deltas from an incremental detokenizer (runpod_vlm.engine.ticket.TextDeltas),
+"""Streams that flow: text deltas from an incremental detokenizer (runpod_vlm.text_deltas.TextDeltas),
 sent as soon as they are stable, joining to exactly the answer a non-streamed job gets."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import handler
-from runpod_vlm.engine.ticket import TextDeltas
+from runpod_vlm.text_deltas import TextDeltas
 from sample_images import data_uri, striped
 
 # Mixed ASCII, 2-, 3- and 4-byte characters.

@@ -378,7 +378,7 @@ class Engine:
                 ticket.logprobs.append(logprobs[n])
             done = token in self.eos_ids or len(ticket.ids) >= item.params.max_new_tokens
         if ticket.stream and not ticket.cancelled:
-            ticket.emit_delta(self.tokenizer, self.eos_ids)
+            ticket.emit_delta(self.eos_ids)
         if done:
             self._answered.set()
             self._current_decoder().release(ticket.row)
