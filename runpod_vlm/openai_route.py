@@ -36,7 +36,6 @@ OPENAI_UNSUPPORTED = {
     "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
-    "response_format": ({"type": "text"},),
     "modalities": (["text"],),
     "audio": (),
     "prediction": (),
@@ -84,6 +83,7 @@ class ChatCompletionBody(BaseModel, extra="forbid", strict=True):
     seed: Optional[int] = None
     logprobs: Optional[bool] = None
     top_logprobs: Optional[int] = None
+    response_format: Optional[Any] = None
     n: Optional[int] = None
     stream: Optional[bool] = None
     stream_options: Optional[OpenAIStreamOptions] = None
@@ -142,6 +142,7 @@ def openai_item(body: ChatCompletionBody, settings: Settings, model_id: str) -> 
         "seed": body.seed,
         "logprobs": body.logprobs,
         "top_logprobs": body.top_logprobs,
+        "response_format": body.response_format,
     }
     _, item = read_request({k: v for k, v in native.items() if v is not None}, settings, model_id, None)
     if body.vlm is not None and body.vlm.task == "grounding":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, Literal, Optional
 
@@ -47,6 +48,7 @@ class RequestModel(BaseModel):
     seed: Optional[int] = None
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
+    response_format: Optional[Any] = None  # OpenAI's: text, json_object or json_schema
     stream: bool = False
     batch_images: Optional[bool] = None
     annotate: bool = False  # grounding: also return the image with the boxes drawn
@@ -90,6 +92,9 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
         refuse("temperature", "must be above 0 when do_sample is true")
     if request.top_logprobs and not request.logprobs:
         refuse("top_logprobs", "needs logprobs true")
+    json_schema = schema_of(request.response_format, join_param(param, "response_format"))
+    if json_schema is not None and request.min_new_tokens:
+        refuse("min_new_tokens", "not used with a response_format: the schema decides where the answer ends")
     if request.annotate and task != "grounding":
         refuse("annotate", "only used by the grounding task")
     params = GenerationParams(
@@ -101,6 +106,7 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
         seed=request.seed,
         logprobs=request.logprobs,
         top_logprobs=request.top_logprobs,
+        json_schema=json_schema,
     )
     loose_images, target = _loose_images(request, param), None
     if task == "chat":
@@ -236,3 +242,23 @@ def read_request(
         message = f"this worker serves {model_id}; it cannot switch to {cut_text(request.model)!r}"
         raise RequestError("model_mismatch", message, join_param(param, "model"))
     return request, item
+
+
+def schema_of(response_format: Any, param: str) -> Optional[str]:
+    """OpenAI's `response_format` -> the JSON schema it asks for (canonical JSON text), or None for text."""
+    if response_format is None:
+        return None
+    if not isinstance(response_format, dict):
+        raise RequestError("invalid_request", "must be an object with a type", param)
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json.dumps({"type": "object"})
+    if kind != "json_schema":
+        raise RequestError("invalid_request", "type must be text, json_object or json_schema", f"{param}.type")
+    spec = response_format.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise RequestError("invalid_request", "needs a schema object", f"{param}.json_schema.schema")
+    return json.dumps(schema, sort_keys=True)

@@ -86,9 +86,15 @@ def read_responses_body(raw: Any) -> ResponsesBody:
         raise pydantic_error(error, None) from None
     if body.store:
         raise RequestError("unsupported_parameter", f"{STATELESS} (send store false, or leave it out)", "store")
-    if body.text not in (None, {}, {"format": {"type": "text"}}):
-        raise RequestError("unsupported_parameter", 'only {"format": {"type": "text"}} is accepted', "text")
     return body
+
+
+def response_format(body: ResponsesBody) -> Optional[dict]:
+    """`text.format` as chat completions' `response_format` (the Responses API flattens json_schema's fields)."""
+    form = (body.text or {}).get("format")
+    if not isinstance(form, dict) or form.get("type") != "json_schema":
+        return form
+    return {"type": "json_schema", "json_schema": {k: v for k, v in form.items() if k != "type"}}
 
 
 def chat_messages(body: ResponsesBody) -> list:
@@ -124,6 +130,8 @@ def responses_param(param: Optional[str], offset: int) -> Optional[str]:
     if not param:
         return param
     renamed = {"max_completion_tokens": "max_output_tokens", "max_new_tokens": "max_output_tokens"}.get(param)
+    if param.startswith("response_format"):
+        return "text.format" + param.removeprefix("response_format").replace(".json_schema", "")
     if renamed:
         return renamed
     return re.sub(r"^messages\[(\d+)\]", lambda m: f"input[{int(m.group(1)) - offset}]", param).replace(
@@ -138,6 +146,7 @@ def responses_item(body: ResponsesBody, settings, model_id: str) -> GenerationRe
         "max_completion_tokens": body.max_output_tokens,
         "temperature": body.temperature,
         "top_p": body.top_p,
+        "response_format": response_format(body),
     }
     try:
         return openai_item(read_openai_body({k: v for k, v in chat.items() if v is not None}), settings, model_id)
@@ -189,7 +198,7 @@ class ResponseWriter:
             "parallel_tool_calls": False,
             "tool_choice": "none",
             "tools": [],
-            "text": {"format": {"type": "text"}},
+            "text": {"format": self.body.text.get("format") if self.body.text else {"type": "text"}},
             "truncation": "disabled",
             "store": False,
             "metadata": {},

@@ -76,6 +76,7 @@ class GenerationParams:
     seed: Optional[int] = None  # sampled tokens are a function of it (and the prompt) alone
     logprobs: bool = False  # each answer token's log-probability, and its `top_logprobs` alternatives
     top_logprobs: int = 0
+    json_schema: Optional[str] = None  # the answer is JSON of this schema (canonical JSON text), token by token
 
 
 @dataclasses.dataclass

@@ -1891,6 +1891,7 @@ class FakeSlotDecoder(SlotDecoder):
         self.buckets = sorted({b for b in (8,) if b < rows} | {rows})
         self.forwards = {bucket: model for bucket in self.buckets}
         self.graphs, self.pointer, self.spans, self.any_sample = {}, 0, {}, False
+        self.any_logprobs = self.any_constrained = False  # logprobs and grammars: tested on real tiny models
         self.answers: dict = {}  # row -> its script, tokens so far, params and seen tokens
         self.caches: dict = {}  # as the real one's: allocated by the first prefill that runs
         HUB.decoders.append(self)
@@ -1899,7 +1900,7 @@ class FakeSlotDecoder(SlotDecoder):
         self.pointer += delta
         self.spans = {row: (s + delta, e + delta) for row, (s, e) in self.spans.items()}
 
-    def prefill(self, inputs, rows, params):
+    def prefill(self, inputs, rows, params, allowed=None):
         HUB.forward_rows.append(len(rows))
         prompts, _ = self.model._prompts(inputs["input_ids"], inputs.get("attention_mask"))
         pixels = inputs.get("pixel_values") if hasattr(inputs, "get") else None

@@ -11,6 +11,7 @@ import inspect
 import json
 import os
 import sys
+import typing
 import urllib.error
 import urllib.request
 
@@ -305,7 +306,7 @@ TEXT = [{"role": "user", "content": "Hi"}]
             "unsupported_parameter",
             "tools",
         ),
-        ({"messages": TEXT, "response_format": {"type": "json_object"}}, "unsupported_parameter", "response_format"),
+        ({"messages": TEXT, "response_format": {"type": "xml"}}, "invalid_request", "response_format.type"),
         ({"messages": TEXT, "logprobs": True, "top_logprobs": 21}, "invalid_request", "top_logprobs"),
         ({"messages": TEXT, "top_logprobs": 2}, "invalid_request", "top_logprobs"),
         ({"messages": TEXT, "presence_penalty": 0.5}, "unsupported_parameter", "presence_penalty"),
@@ -461,3 +462,17 @@ def test_the_official_client_gets_logprobs(client):
     content = answer.choices[0].logprobs.content
     assert len(content) == answer.usage.completion_tokens and all(len(entry.top_logprobs) == 2 for entry in content)
     assert all(entry.logprob == entry.top_logprobs[0].logprob <= 0 for entry in content)  # greedy: the likeliest
+
+
+def test_the_official_client_parses_a_structured_answer(client):
+    import pydantic
+
+    class Verdict(pydantic.BaseModel):
+        ok: bool
+        colour: typing.Literal["red", "green", "blue"]
+
+    model = client.models.list().data[0].id
+    parsed = client.chat.completions.parse(
+        model=model, messages=TEXT, response_format=Verdict, max_tokens=60, temperature=0
+    )
+    assert isinstance(parsed.choices[0].message.parsed, Verdict)  # the client validated the answer

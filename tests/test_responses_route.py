@@ -123,7 +123,7 @@ def test_a_streamed_response_is_the_responses_events_in_order(engine):
         ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id", "unsupported_parameter"),
         ({"input": "Hi", "store": True}, "store", "unsupported_parameter"),
         ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools", "unsupported_parameter"),
-        ({"input": "Hi", "text": {"format": {"type": "json_object"}}}, "text", "unsupported_parameter"),
+        ({"input": "Hi", "text": {"format": {"type": "xml"}}}, "text.format.type", "invalid_request"),
         ({"input": []}, "input", "invalid_request"),
         ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0]", "invalid_request"),
         (
@@ -148,6 +148,22 @@ def test_what_the_worker_does_not_do_is_refused_naming_the_field(engine, body, p
     [out] = answers(body)
     assert out["error"]["param"] == param and out["error"]["code"] == code, out
     assert out["error"]["type"] == "invalid_request_error"
+
+
+def test_text_format_json_schema_constrains_the_answer(engine):
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}},
+        "required": ["ok"],
+        "additionalProperties": False,
+    }
+    form = {"type": "json_schema", "name": "verdict", "schema": schema, "strict": True}
+    [out] = answers({"input": "Is it fine?", "text": {"format": form}, "max_output_tokens": 40, "temperature": 0})
+    response = Response.model_validate(out)
+    assert response.text.format.type == "json_schema" and json.loads(response.output_text) in (
+        {"ok": True},
+        {"ok": False},
+    )
 
 
 def test_every_responses_field_is_known_to_the_route():

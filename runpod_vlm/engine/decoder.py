@@ -98,6 +98,8 @@ class SlotDecoder:
         vocab = model.get_output_embeddings().weight.shape[0]
         self.eos_index = torch.tensor(sorted(i for i in eos_ids if i < vocab), dtype=torch.long, device=device)
         self.top_k = min(MAX_TOP_LOGPROBS, vocab)  # alternatives recorded per token when a row asks for logprobs
+        index = torch.arange(vocab, device=device, dtype=torch.int32)
+        self.mask_word, self.mask_bit = (index // 32).long(), index % 32  # a token's word and bit in `allowed`
         penalty = getattr(model.generation_config, "repetition_penalty", None) or 1.0
         self.penalty = penalty if penalty != 1.0 else None
         zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
@@ -112,6 +114,8 @@ class SlotDecoder:
             top_p=zeros(rows, dtype=torch.float),
             seed=zeros(rows),
             logprobs=zeros(rows, dtype=torch.bool),
+            constrained=zeros(rows, dtype=torch.bool),
+            allowed=zeros(rows, (vocab + 31) // 32, dtype=torch.int32),  # bit-packed: 32 tokens a word
             ring=zeros(rows, interval),
             ring_logprob=zeros(rows, interval, dtype=torch.float),
             ring_top_id=zeros(rows, interval, self.top_k),
@@ -121,7 +125,7 @@ class SlotDecoder:
         self.position = None  # shaped like the family's position ids at the first prefill
         self.pointer = 0  # the slot the next step writes (host copy of cache_position)
         self.spans: dict[int, tuple[int, int]] = {}  # row -> (first slot, slot past its last token)
-        self.any_sample = self.any_logprobs = False
+        self.any_sample = self.any_logprobs = self.any_constrained = False
         self.capture_failures = 0  # e.g. voided by the background compile's GPU work
 
     # ---- admission --------------------------------------------------------------------------
@@ -200,7 +204,7 @@ class SlotDecoder:
                     torch._dynamo.mark_static_address(layer.values)
         self._set_pointer(self.pointer)
 
-    def prefill(self, inputs, rows: list[int], params: list[GenerationParams]) -> list[int]:
+    def prefill(self, inputs, rows: list[int], params: list[GenerationParams], allowed=None) -> list[int]:
         """Run new items' prompts (one left-padded batch) and place them in `rows`, whose slots end
         at the pointer (the caller made room with `plan`/`shift`). Returns each row's first token."""
         import torch
@@ -247,17 +251,22 @@ class SlotDecoder:
             top_p=column([p.top_p for p in params], torch.float),
             seed=column([row_seed(p.seed) for p in params], torch.long),
             logprobs=column([p.logprobs for p in params], torch.bool),
+            constrained=column([p.json_schema is not None for p in params], torch.bool),
+            allowed=None if allowed is None else allowed.to(index.device),
         )
         if self.penalty:
             new.seen = torch.zeros((count, state.seen.shape[1]), dtype=torch.bool, device=index.device)
             new.seen.scatter_(1, input_ids, True)
         wants_logprobs = any(p.logprobs for p in params)
-        token, logprobs = self._choose(output.logits[:, -1, :], new, any(p.do_sample for p in params), wants_logprobs)
+        constrained = allowed is not None
+        token, logprobs = self._choose(
+            output.logits[:, -1, :], new, any(p.do_sample for p in params), wants_logprobs, constrained
+        )
         if wants_logprobs:
             self.pending_logprobs = {
                 row: [entry] for row, entry in zip(rows, zip(*(part.tolist() for part in logprobs)))
             }
-        for name in ("min_new", "sample", "temperature", "top_p", "seed", "logprobs", "seen"):
+        for name in ("min_new", "sample", "temperature", "top_p", "seed", "logprobs", "constrained", "allowed", "seen"):
             if getattr(new, name) is not None:
                 getattr(state, name)[index] = getattr(new, name)
         state.token[index] = token[:, None]
@@ -277,10 +286,19 @@ class SlotDecoder:
         busy = sorted(self.spans)
         self.any_sample = bool(self.state.sample[busy].any()) if busy else False
         self.any_logprobs = bool(self.state.logprobs[busy].any()) if busy else False
+        self.any_constrained = bool(self.state.constrained[busy].any()) if busy else False
+
+    def set_allowed(self, rows: list[int], allowed) -> None:
+        """The tokens each of `rows` may take at the next step (a grammar's masks, CPU int32 [len(rows), words])."""
+        import torch
+
+        self.state.allowed[torch.tensor(rows, device=self.state.allowed.device)] = allowed.to(self.state.allowed.device)
 
     # ---- decoding ---------------------------------------------------------------------------
 
-    def _choose(self, logits, rows: types.SimpleNamespace, any_sample: bool, with_logprobs: bool = False):
+    def _choose(
+        self, logits, rows: types.SimpleNamespace, any_sample: bool, with_logprobs: bool = False, masked: bool = False
+    ):
         """Each row's next token from its logits; with `with_logprobs`, also each token's log-probability and the
         `top_k` most likely tokens': log_softmax of the model's own logits, before the repetition penalty, the
         end-token block of min_new_tokens, temperature and top-p (as generate()'s output_logits, and vLLM's)."""
@@ -294,6 +312,9 @@ class SlotDecoder:
         if self.eos_index.numel():  # no end token before min_new_tokens
             early = (rows.count < rows.min_new)[:, None]
             logits[:, self.eos_index] = logits[:, self.eos_index].masked_fill(early, float("-inf"))
+        if masked:  # a constrained row takes only what its grammar allows
+            allowed = (rows.allowed[:, self.mask_word] >> self.mask_bit) & 1
+            logits = logits.masked_fill((allowed == 0) & rows.constrained[:, None], float("-inf"))
         token = logits.argmax(dim=-1)
         if any_sample:
             token = torch.where(rows.sample, self._sampled(logits, rows), token)
@@ -339,7 +360,9 @@ class SlotDecoder:
             use_cache=True,
             logits_to_keep=1,
         )
-        token, logprobs = self._choose(output.logits[:, -1, :], rows, self.any_sample, self.any_logprobs)
+        token, logprobs = self._choose(
+            output.logits[:, -1, :], rows, self.any_sample, self.any_logprobs, self.any_constrained
+        )
         rows.ring.index_copy_(1, self.ring_index, token[:, None])
         if logprobs is not None:
             chosen, top_id, top_logprob = logprobs
@@ -361,7 +384,7 @@ class SlotDecoder:
         bucket = self.bucket()
         self._set_pointer(self.pointer)  # another bucket's steps moved only its own counters
         self.ring_index.zero_()
-        graph = self.graphs.get((bucket, self.any_sample, self.any_logprobs))
+        graph = self.graphs.get(self._graph_key(bucket))
         for _ in range(steps):
             graph.replay() if graph is not None else self._advance(bucket)
         self.pointer += steps
@@ -379,6 +402,9 @@ class SlotDecoder:
                 log.warning("CUDA graph capture failed (%d of 3 tries)", self.capture_failures, exc_info=True)
                 self.use_graph = self.capture_failures < 3
         return tokens
+
+    def _graph_key(self, bucket: int) -> tuple:
+        return bucket, self.any_sample, self.any_logprobs, self.any_constrained
 
     def take_logprobs(self) -> Optional[dict]:
         """The log-probabilities the last prefill or steps recorded (row -> one entry per new token), once."""
@@ -417,7 +443,7 @@ class SlotDecoder:
         self._set_pointer(pointer)
         for tensor, value in kept:
             tensor.copy_(value)
-        self.graphs[(bucket, self.any_sample, self.any_logprobs)] = graph
+        self.graphs[self._graph_key(bucket)] = graph
 
 
 def row_seed(seed: Optional[int]) -> int:

@@ -20,6 +20,7 @@ from runpod_vlm.engine.compile import (
     with_compiled_layers,
 )
 from runpod_vlm.engine.decoder import SlotDecoder, use_grouped_query_decode_attention
+from runpod_vlm.engine.grammar import Grammars
 from runpod_vlm.engine.loading import load_model
 from runpod_vlm.engine.ticket import Ticket
 from runpod_vlm.families.base import end_tokens
@@ -76,6 +77,7 @@ class Engine:
         self._rows: dict[int, Ticket] = {}  # decoder row -> the item decoding there (engine thread only)
         self._thread: Optional[threading.Thread] = None
         self._decoder: Optional[SlotDecoder] = None
+        self.grammars: Optional[Grammars] = None  # made at the first request for structured output
 
     # ---- loading ----------------------------------------------------------------------------
 
@@ -218,6 +220,9 @@ class Engine:
                 import torch
 
                 torch.manual_seed(item.params.seed)
+            if item.params.json_schema is not None:
+                message = f"the {self.adapter.name} family answers one request at a time, without structured output"
+                raise RequestError("unsupported_parameter", message, join_param(item.param, "response_format"))
             if item.params.logprobs and not self.adapter.native:
                 message = f"the {self.adapter.name} family answers through its repository's chat(), which gives none"
                 raise RequestError("unsupported_parameter", message, join_param(item.param, "logprobs"))
@@ -282,6 +287,9 @@ class Engine:
         import torch
 
         decoder = self._current_decoder()
+        group = self._with_grammars(group)
+        if not group:
+            return
         try:
             items = [t.item for t in group]
             inputs, input_sizes = self.adapter.batch_inputs(self.processor, items, self.model.device, self.dtype)
@@ -315,7 +323,7 @@ class Engine:
         decoder.shift(shift)
         rows = free[: len(group)]
         try:
-            first = decoder.prefill(inputs, rows, [t.item.params for t in group])
+            first = decoder.prefill(inputs, rows, [t.item.params for t in group], self._grammar_masks(group))
         except Exception as error:
             for row in rows:
                 decoder.release(row)
@@ -345,6 +353,7 @@ class Engine:
             ticket.row, ticket.prompt_tokens, ticket.input_size = row, prompt, size
             self._rows[row] = ticket
             self._accept(ticket, [token], logprobs.get(row))
+        self._next_grammar_masks()
 
     def _requeue(self, tickets: list[Ticket], limit: Optional[int] = None) -> None:
         """Back to the front of the queue; `limit`: admitted in groups of at most that many."""
@@ -361,10 +370,52 @@ class Engine:
     def _decode_interval(self) -> None:
         decoder = self._current_decoder()
         remaining = max(t.item.params.max_new_tokens - len(t.ids) for t in self._rows.values())
-        tokens = decoder.step(max(1, min(decoder.interval, remaining)))
+        # A grammar's next mask depends on the token just chosen: constrained rows step one token at a time.
+        steps = 1 if decoder.any_constrained else max(1, min(decoder.interval, remaining))
+        tokens = decoder.step(steps)
         logprobs = decoder.take_logprobs() or {}
         for row, ticket in list(self._rows.items()):
             self._accept(ticket, tokens[row], logprobs.get(row))
+        self._next_grammar_masks()
+
+    # ---- structured output --------------------------------------------------------------------
+
+    def _with_grammars(self, group: list[Ticket]) -> list[Ticket]:
+        """The group's tickets, each with a schema given its grammar's matcher; one whose schema cannot be
+        compiled is answered with the error and left out."""
+        kept = []
+        for ticket in group:
+            schema = ticket.item.params.json_schema
+            if schema is not None and ticket.matcher is None:
+                try:
+                    ticket.matcher = self._grammars().matcher(schema, join_param(ticket.item.param, "response_format"))
+                except RequestError as error:
+                    ticket.finish(error)
+                    continue
+            kept.append(ticket)
+        return kept
+
+    def _grammars(self) -> Grammars:
+        if self.grammars is None:
+            vocab = self.model.get_output_embeddings().weight.shape[0]
+            self.grammars = Grammars(self.tokenizer, vocab, min(i for i in self.eos_ids if i < vocab))
+        return self.grammars
+
+    def _grammar_masks(self, tickets: list[Ticket]):
+        """Each ticket's allowed next tokens (everything for one without a schema), or None when none has one."""
+        matchers = [t.matcher for t in tickets]
+        if not any(matchers):
+            return None
+        masks = self._grammars().masks([m for m in matchers if m is not None])
+        full = masks.new_full((len(tickets), masks.shape[1]), -1)  # every bit set: all tokens allowed
+        full[[n for n, m in enumerate(matchers) if m is not None]] = masks
+        return full
+
+    def _next_grammar_masks(self) -> None:
+        constrained = [(row, t) for row, t in self._rows.items() if t.matcher is not None]
+        if constrained:
+            rows, tickets = zip(*constrained)
+            self._current_decoder().set_allowed(list(rows), self._grammar_masks(list(tickets)))
 
     def _accept(self, ticket: Ticket, tokens: list[int], logprobs: Optional[list] = None) -> None:
         """New tokens for a row (and their log-probabilities when it asked): stream them, and finish the row
@@ -374,6 +425,8 @@ class Engine:
             if done:
                 break
             ticket.ids.append(token)
+            if ticket.matcher is not None:
+                ticket.matcher.consume_token(token)
             if item.params.logprobs and logprobs is not None:
                 ticket.logprobs.append(logprobs[n])
             done = token in self.eos_ids or len(ticket.ids) >= item.params.max_new_tokens

@@ -21,6 +21,7 @@ class Ticket:
         self.row: Optional[int] = None
         self.ids: list[int] = []
         self.logprobs: list = []  # (logprob, top ids, top logprobs) per id, when the item asked for them
+        self.matcher = None  # its grammar's state, when the item asked for structured output
         self.prompt_tokens, self.input_size = 0, None
 
     def cancel(self) -> None:
