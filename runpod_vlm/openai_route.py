@@ -94,20 +94,24 @@ class ChatCompletionBody(BaseModel, extra="forbid", strict=True):
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
 
 
-def read_openai_body(raw: Any) -> ChatCompletionBody:
-    """Check an OpenAI chat-completions body's fields (its messages are read with the item)."""
+def read_body(raw: Any, model: type[BaseModel], unsupported: dict, ignored: tuple):
+    """An OpenAI body as `model`: a field of `unsupported` away from its neutral values is refused with
+    `unsupported_parameter`, the `ignored` ones are dropped, any other unknown field is refused."""
     if not isinstance(raw, dict):
         raise RequestError("invalid_request", "the request body must be a JSON object")
-    for name, neutral in OPENAI_UNSUPPORTED.items():
+    for name, neutral in unsupported.items():
         if raw.get(name) is not None and raw[name] not in neutral:
             accepted = f" (only {json.dumps(neutral[0])} is accepted)" if neutral else ""
             raise RequestError("unsupported_parameter", f"not supported by this worker{accepted}", name)
     try:
-        body = ChatCompletionBody.model_validate(
-            {k: v for k, v in raw.items() if k not in OPENAI_UNSUPPORTED and k not in OPENAI_IGNORED}
-        )
+        return model.model_validate({k: v for k, v in raw.items() if k not in unsupported and k not in ignored})
     except ValidationError as error:
         raise pydantic_error(error, None) from None
+
+
+def read_openai_body(raw: Any) -> ChatCompletionBody:
+    """Check an OpenAI chat-completions body's fields (its messages are read with the item)."""
+    body = read_body(raw, ChatCompletionBody, OPENAI_UNSUPPORTED, OPENAI_IGNORED)
     stops, grounding = body.stop_sequences, body.vlm is not None and body.vlm.task == "grounding"
     for refused, message, param in (
         (body.n not in (None, 1), "must be 1: this worker returns one choice per request", "n"),

@@ -15,11 +15,10 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Optional
 
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 
 from runpod_vlm.answers import answer_pieces, paced
-from runpod_vlm.openai_route import openai_error, openai_item, read_openai_body
-from runpod_vlm.request import pydantic_error
+from runpod_vlm.openai_route import openai_error, openai_item, read_body, read_openai_body
 from runpod_vlm.vocabulary import Generation, GenerationRequest, RequestError, as_request_error
 
 if TYPE_CHECKING:
@@ -69,21 +68,10 @@ class ResponsesBody(BaseModel, extra="forbid", strict=True):
 
 
 def read_responses_body(raw: Any) -> ResponsesBody:
-    if not isinstance(raw, dict):
-        raise RequestError("invalid_request", "the request body must be a JSON object")
     for name in ("previous_response_id", "conversation"):
-        if raw.get(name) is not None:
+        if isinstance(raw, dict) and raw.get(name) is not None:
             raise RequestError("unsupported_parameter", STATELESS, name)
-    for name, neutral in RESPONSES_UNSUPPORTED.items():
-        if raw.get(name) is not None and raw[name] not in neutral:
-            accepted = f" (only {json.dumps(neutral[0])} is accepted)" if neutral else ""
-            raise RequestError("unsupported_parameter", f"not supported by this worker{accepted}", name)
-    try:
-        body = ResponsesBody.model_validate(
-            {k: v for k, v in raw.items() if k not in RESPONSES_UNSUPPORTED and k not in RESPONSES_IGNORED}
-        )
-    except ValidationError as error:
-        raise pydantic_error(error, None) from None
+    body = read_body(raw, ResponsesBody, RESPONSES_UNSUPPORTED, RESPONSES_IGNORED)
     if body.store:
         raise RequestError("unsupported_parameter", f"{STATELESS} (send store false, or leave it out)", "store")
     return body
