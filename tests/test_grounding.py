@@ -224,7 +224,7 @@ def test_qwen2_vl_boxes_make_detections_with_the_readmes_glue(tiny_model, serve,
     engine = serve(tiny_model("qwen2-vl"))
     scripted(engine, "<|object_ref_start|>the cat<|object_ref_end|><|box_start|>(100,200),(500,900)<|box_end|>")
     out = grounding_answer(Image.new("RGB", (320, 240), "white"))
-    detections = sv.Detections(  # README "Grounding into supervision"
+    detections = sv.Detections(  # docs/examples.md, "Grounding into supervision"
         xyxy=np.array([box["bbox"] for box in out["boxes"]], dtype=float).reshape(-1, 4),
         data={"class_name": np.array([box["label"] or "" for box in out["boxes"]])},
     )

@@ -193,7 +193,7 @@ def test_test_input_runs_one_job_and_exits_0(tiny_model):
 
 # ---- every request body of the README, as its examples show it ----------------------------------
 
-README = os.path.join(ROOT, "README.md")
+README = [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "docs", "examples.md")]  # the user's documents
 
 
 def top_level_keys(shape: str) -> set[str]:
@@ -213,7 +213,7 @@ def top_level_keys(shape: str) -> set[str]:
 def readme_requests(image_url: str) -> list[tuple[str, dict, set[str]]]:
     """(where, job body, the output keys shown) for every job body in the README: its JSON examples, each with
     the keys of the shape after its arrow ("same shape" is the first example's), and the bodies of its curl lines."""
-    text = open(README, encoding="utf-8").read()
+    text = "\n".join(open(path, encoding="utf-8").read() for path in README)
     images = {
         "data:image/png;base64,iVBORw0KGgo...": data_uri(striped()),
         "data:image/jpeg;base64,/9j/4AAQ...": data_uri(encode(plain("blue"), "JPEG"), "image/jpeg"),
