@@ -52,6 +52,7 @@ def read_images(item: GenerationRequest, settings: Settings) -> None:
                     raise RequestError("image_too_large", message, turn.parts[k].param) from None
                 raise
             used += image.width * image.height
+            item.image_max_pixels.append(turn.parts[k].max_pixels)
             turn.parts[k] = image
     finally:
         pool.shutdown(wait=False, cancel_futures=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from typing import Any, Literal, Optional
@@ -49,6 +50,7 @@ class RequestModel(BaseModel):
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
     response_format: Optional[Any] = None  # OpenAI's: text, json_object or json_schema
+    max_pixels: Optional[int] = Field(default=None, ge=1)  # each image resized to at most this many pixels
     stream: bool = False
     batch_images: Optional[bool] = None
     annotate: bool = False  # grounding: also return the image with the boxes drawn
@@ -129,11 +131,20 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
         else:
             parts = [*loose_images, TASK_PROMPTS[task]]
         turns = [Turn("user", parts)]
+    if request.max_pixels is not None:  # the deployment's own bound still applies below it (FamilyAdapter)
+        for turn in turns:
+            turn.parts = [
+                dataclasses.replace(p, max_pixels=min(p.max_pixels or request.max_pixels, request.max_pixels))
+                if isinstance(p, ImageSpec)
+                else p
+                for p in turn.parts
+            ]
     prepared = GenerationRequest(task, turns, params, grounding_target=target, annotate=request.annotate, param=param)
     check_text_length(prepared, settings, param)
     return request, prepared
 
 
+LOW_DETAIL_PIXELS = 512 * 512  # OpenAI's detail "low": an image the size of 512x512 at most
 MAX_NESTING = 32  # a real request nests 7 levels deep (requests[i].messages[j].content[k].image_url.url)
 _SURROGATE = re.compile(r"[\ud800-\udfff]")  # in a str always lone (JSON's \ud800): UTF-8 cannot encode it
 
@@ -221,7 +232,10 @@ def _parse_block(block: Any, where: str):
     if kind in ("image_url", "image"):
         if kind not in block:
             raise RequestError("invalid_request", f"an {kind} block needs '{kind}'", f"{where}.{kind}")
-        return ImageSpec(block[kind], f"{where}.{kind}")
+        detail = block[kind].get("detail") if isinstance(block[kind], dict) else None
+        if detail not in (None, "auto", "high", "low"):
+            raise RequestError("invalid_request", "must be auto, high or low", f"{where}.{kind}.detail")
+        return ImageSpec(block[kind], f"{where}.{kind}", LOW_DETAIL_PIXELS if detail == "low" else None)
     raise RequestError("invalid_request", "type must be text, image_url or image", f"{where}.type")
 
 

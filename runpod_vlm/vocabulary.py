@@ -87,6 +87,7 @@ class GenerationRequest:
     grounding_target: Optional[str] = None
     annotate: bool = False  # grounding: return the image with its boxes drawn
     param: Optional[str] = None  # where the request sits in the job, e.g. "requests[3]"
+    image_max_pixels: list = dataclasses.field(default_factory=list)  # per image, in order: a bound, or None
 
     @property
     def images(self) -> list:
@@ -126,6 +127,7 @@ class ImageSpec:
 
     spec: Any
     param: str
+    max_pixels: Optional[int] = None  # the request's bound on its resized size (OpenAI's detail: low), if any
 
 
 def finish_reason(ids: list[int], eos: set, max_new_tokens: int) -> str:

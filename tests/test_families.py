@@ -793,3 +793,39 @@ def test_phi4_multimodal_keeps_its_image_embedding_out_of_quantization(tiny_mode
     modules = dict(model.named_modules())
     assert modules[head] is model.get_output_embeddings()
     assert {"img_processor", "img_projection_up", "img_projection_down"} <= set(dict(modules[vision].named_children()))
+
+
+# ---- a request's image resolution: max_pixels and OpenAI's detail -------------------------------
+
+
+def image_tokens(out: dict, text_only: dict) -> int:
+    return out["usage"]["prompt_tokens"] - text_only["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+def test_max_pixels_gives_the_visual_tokens_the_processor_gives_that_bound(family, tiny_model, serve):
+    from PIL import Image
+
+    engine = serve(tiny_model(family))
+    image = Image.new("RGB", (640, 480), "white")
+    processor = engine.processor.image_processor
+    low, high = processor.size["shortest_edge"], processor.size["longest_edge"]  # the deployment's bounds
+
+    def expected(max_pixels: int) -> int:  # the processor's own count with that bound, within the deployment's
+        size = {"shortest_edge": low, "longest_edge": max(min(max_pixels, high), low)}
+        grid = processor(images=[image], size=size, return_tensors="pt")["image_grid_thw"][0]
+        return int(grid.prod()) // processor.merge_size**2 + 2  # and the template's vision start and end tokens
+
+    def ask_with(**extra) -> dict:
+        content = [{"type": "image_url", "image_url": {"url": data_uri(image), **extra.pop("detail", {})}}]
+        return ask({"messages": [{"role": "user", "content": [*content, {"type": "text", "text": "?"}]}],
+                    "max_new_tokens": 1, **extra})  # fmt: skip
+
+    text_only = ask({"messages": [{"role": "user", "content": [{"type": "text", "text": "?"}]}], "max_new_tokens": 1})
+    full = image_tokens(ask_with(), text_only)
+    for bound in (5_000, 8_000):  # between the tiny processors' bounds
+        assert image_tokens(ask_with(max_pixels=bound), text_only) == expected(bound) < full
+    low_detail = image_tokens(ask_with(detail={"detail": "low"}), text_only)
+    assert low_detail == expected(512 * 512) <= full
+    assert image_tokens(ask_with(detail={"detail": "high"}), text_only) == full
+    assert ask_with(detail={"detail": "tiny"})["param"] == "messages[0].content[0].image_url.detail"

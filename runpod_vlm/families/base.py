@@ -64,7 +64,7 @@ class FamilyAdapter:
         ]
         kwargs: dict = {"text": prompts, "padding": True, "return_tensors": "pt"}
         if any(item.images for item in items):
-            kwargs["images"] = [item.images for item in items]
+            kwargs["images"] = [self.bounded_images(processor, item) for item in items]
         bos = getattr(processor.tokenizer, "bos_token", None)  # a template that writes BOS gets no second one
         if isinstance(bos, str) and prompts[0].startswith(bos):
             kwargs["add_special_tokens"] = False
@@ -72,6 +72,24 @@ class FamilyAdapter:
         if "pixel_values" in inputs:
             inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
         return inputs, self.input_sizes(processor, inputs, items)
+
+    def bounded_images(self, processor, item: GenerationRequest) -> list:
+        """The item's images, each with a request's pixel bound (max_pixels, detail low) scaled down to it."""
+        bounds = item.image_max_pixels or [None] * len(item.images)
+        return [
+            image if bound is None else self.bounded(processor, image, bound)
+            for image, bound in zip(item.images, bounds)
+        ]
+
+    def bounded(self, processor, image, max_pixels: int):
+        """Scaled down, aspect kept, to at most `max_pixels` (a processor of fixed resolution then resizes it)."""
+        from PIL import Image
+
+        scale = (max_pixels / (image.width * image.height)) ** 0.5
+        if scale >= 1:
+            return image
+        size = (max(1, int(image.width * scale)), max(1, int(image.height * scale)))
+        return image.resize(size, Image.Resampling.BICUBIC)
 
     def input_sizes(self, processor, inputs, items: list[GenerationRequest]) -> list:
         return [None] * len(items)

@@ -21,6 +21,19 @@ class QwenVLAdapter(FamilyAdapter):
     def processor_kwargs(self, settings: Settings) -> dict:
         return {k: v for k, v in {"min_pixels": settings.min_pixels, "max_pixels": settings.max_pixels}.items() if v}
 
+    def bounded(self, processor, image, max_pixels: int):
+        """Resized as the processor itself resizes under `max_pixels` (its smart_resize, within its own bounds),
+        so the image gets exactly the visual tokens the processor would give it with that bound."""
+        from PIL import Image
+        from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+        images = processor.image_processor
+        factor = images.patch_size * images.merge_size
+        low = getattr(images, "min_pixels", None) or images.size["shortest_edge"]
+        high = min(max_pixels, getattr(images, "max_pixels", None) or images.size["longest_edge"])
+        height, width = smart_resize(image.height, image.width, factor, min_pixels=low, max_pixels=max(high, low))
+        return image if (width, height) == image.size else image.resize((width, height), Image.Resampling.BICUBIC)
+
     def input_sizes(self, processor, inputs, items: list[GenerationRequest]) -> list:
         """Per item, (width, height) of its first image as resized: Qwen2.5-VL's boxes are in its pixels."""
         if "image_grid_thw" not in inputs:
