@@ -1,0 +1,90 @@
+"""Structured output's cost on the GPU: 64 concurrent jobs through handler.handler, all free, all
+constrained to a JSON schema, and half of each, at Qwen2-VL-2B shapes (random weights, bf16).
+
+    python bench/structured.py --out DIR      # writes DIR/structured.json and prints it
+
+The tiny builder's tokenizer has a few hundred tokens (the vocabulary of the logits is the model's
+151,936), so llguidance's mask filling is cheaper here than with the real tokenizer: see
+bench/grammar_masks.py for that CPU cost. What this measures is the rest: the mask applied inside each
+step and the engine stepping one token at a time while a constrained row runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "tests")]
+
+
+def job(n: int, constrained: bool, schema: dict) -> dict:
+    request = {"messages": [{"role": "user", "content": f"Item {n} as JSON."}], "max_new_tokens": 96}
+    if constrained:
+        request["response_format"] = {"type": "json_schema", "json_schema": {"name": "item", "schema": schema}}
+    else:
+        request["min_new_tokens"] = 48
+    return {"id": f"j{n}", "input": request}
+
+
+async def run(handler, jobs: list[dict]) -> dict:
+    started = time.perf_counter()
+    outputs = await asyncio.gather(*(handler.local_test_answer(j) for j in jobs))
+    wall = time.perf_counter() - started
+    tokens = sum(o["usage"]["completion_tokens"] for o in outputs)
+    parsed = sum(1 for o, j in zip(outputs, jobs) if "response_format" in j["input"] and _parses(o["response"]))
+    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "constrained_answers_parsed": parsed}
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+        return True
+    except ValueError:
+        return False
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
+    args = parser.parse_args()
+    import torch
+
+    import tiny_models
+    from test_structured_output import SCHEMAS
+
+    folder = Path(args.models) / "qwen2-vl-2b"
+    if not (folder / "config.json").exists():
+        tiny_models.build("qwen2-vl", folder, "qwen2-vl-2b", device="cuda", dtype="bf16")
+        torch.cuda.empty_cache()
+    os.environ.update(
+        VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", VLM_DTYPE="bf16", VLM_MAX_BATCH_SIZE="64",
+        VLM_MAX_CONCURRENCY="64", VLM_MAX_BATCH_REQUESTS="64", VLM_COMPILE="false",
+    )  # fmt: skip
+    import handler
+
+    handler.get_engine()
+    schema = SCHEMAS["nested"]
+    results = {"device": torch.cuda.get_device_name(), "compiled": False}
+    asyncio.run(run(handler, [job(n, n % 2 == 0, schema) for n in range(8)]))  # warm: graphs, grammar cache
+    for name, constrained in (
+        ("free", lambda n: False),
+        ("constrained", lambda n: True),
+        ("half", lambda n: n % 2 == 0),
+    ):
+        results[name] = asyncio.run(run(handler, [job(n, constrained(n), schema) for n in range(64)]))
+        print(name, results[name], flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "structured.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
