@@ -22,7 +22,7 @@ from runpod_vlm.engine.compile import (
 from runpod_vlm.engine.decoder import SlotDecoder, use_grouped_query_decode_attention
 from runpod_vlm.engine.grammar import Grammars
 from runpod_vlm.engine.loading import load_model
-from runpod_vlm.engine.ticket import Ticket
+from runpod_vlm.engine.ticket import Ticket, logprob_entries
 from runpod_vlm.families.base import end_tokens
 from runpod_vlm.settings import Settings
 from runpod_vlm.vocabulary import (
@@ -381,19 +381,10 @@ class Engine:
     # ---- structured output --------------------------------------------------------------------
 
     def _with_grammars(self, group: list[Ticket]) -> list[Ticket]:
-        """The group's tickets, each with a schema given its grammar's matcher; one whose schema cannot be
-        compiled is answered with the error and left out."""
-        kept = []
-        for ticket in group:
-            schema = ticket.item.params.json_schema
-            if schema is not None and ticket.matcher is None:
-                try:
-                    ticket.matcher = self._grammars().matcher(schema, join_param(ticket.item.param, "response_format"))
-                except RequestError as error:
-                    ticket.finish(error)
-                    continue
-            kept.append(ticket)
-        return kept
+        """The group's tickets; each with a schema gets its matcher, one whose schema fails gets the error."""
+        if not any(t.item.params.json_schema is not None for t in group):
+            return group
+        return self._grammars().attach(group)
 
     def _grammars(self) -> Grammars:
         if self.grammars is None:
@@ -402,14 +393,9 @@ class Engine:
         return self.grammars
 
     def _grammar_masks(self, tickets: list[Ticket]):
-        """Each ticket's allowed next tokens (everything for one without a schema), or None when none has one."""
+        """Each ticket's allowed next tokens, or None when none has a schema."""
         matchers = [t.matcher for t in tickets]
-        if not any(matchers):
-            return None
-        masks = self._grammars().masks([m for m in matchers if m is not None])
-        full = masks.new_full((len(tickets), masks.shape[1]), -1)  # every bit set: all tokens allowed
-        full[[n for n, m in enumerate(matchers) if m is not None]] = masks
-        return full
+        return self._grammars().masks_for(matchers) if any(matchers) else None
 
     def _next_grammar_masks(self) -> None:
         constrained = [(row, t) for row, t in self._rows.items() if t.matcher is not None]
@@ -465,6 +451,8 @@ class Engine:
     ) -> Generation:
         ids = ids[: item.params.max_new_tokens]
         kept = ids[: answered_length(ids, self.eos_ids)]
+        top = item.params.top_logprobs
+        entries = logprob_entries(self.tokenizer, kept, logprobs, top) if item.params.logprobs else None
         return Generation.from_ids(
             self.tokenizer.decode(kept, skip_special_tokens=True).strip(),
             ids,
@@ -474,23 +462,8 @@ class Engine:
             raw_text=self.tokenizer.decode(kept, skip_special_tokens=False) if item.task == "grounding" else None,
             prompt_tokens=int(prompt_tokens),
             image_input_size=input_size,
-            logprobs=self._logprob_entries(kept, logprobs, item.params.top_logprobs) if item.params.logprobs else None,
+            logprobs=entries,
         )
-
-    def _logprob_entries(self, ids: list[int], logprobs: list, top: int) -> list[dict]:
-        """OpenAI's logprobs entries of the answer's tokens: each token's text, log-probability and bytes, and
-        its `top` most likely alternatives' (-9999 stands for an impossible one, as OpenAI writes it)."""
-        known = set(ids).union(*(top_ids[:top] for _, top_ids, _ in logprobs))
-        order = sorted(known)
-        text = dict(zip(order, self.tokenizer.batch_decode([[i] for i in order])))
-
-        def entry(token: int, logprob: float) -> dict:
-            return {"token": text[token], "logprob": max(logprob, -9999.0), "bytes": list(text[token].encode())}
-
-        return [
-            {**entry(token, logprob), "top_logprobs": [entry(i, lp) for i, lp in zip(top_ids[:top], top_lps[:top])]}
-            for token, (logprob, top_ids, top_lps) in zip(ids, logprobs)
-        ]
 
     def _context_error(self, item: GenerationRequest, prompt_tokens: int) -> Optional[RequestError]:
         if self.context_length and prompt_tokens + item.params.max_new_tokens > self.context_length:

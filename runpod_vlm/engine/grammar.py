@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Optional
 
-from runpod_vlm.vocabulary import RequestError
+from runpod_vlm.vocabulary import RequestError, join_param
 
 # Compact JSON (no free whitespace between tokens): a random or wayward model cannot pad an answer forever.
 JSON_OPTIONS = {"whitespace_flexible": False}
@@ -47,6 +47,28 @@ class Grammars:
             message = f"this JSON schema is not supported: {str(error).splitlines()[0]}"
             raise RequestError("invalid_request", message, param) from None
         return self.llguidance.LLMatcher(self.tokenizer, grammar, log_level=0)
+
+    def attach(self, tickets: list) -> list:
+        """The tickets whose schema compiled, each given a fresh matcher; the others are answered with the error."""
+        kept = []
+        for ticket in tickets:
+            schema = ticket.item.params.json_schema
+            if schema is not None and ticket.matcher is None:
+                try:
+                    ticket.matcher = self.matcher(schema, join_param(ticket.item.param, "response_format"))
+                except RequestError as error:
+                    ticket.finish(error)
+                    continue
+            kept.append(ticket)
+        return kept
+
+    def masks_for(self, matchers: list) -> Any:
+        """Each row's allowed next tokens, every token for a row without a matcher (None)."""
+        live = [m for m in matchers if m is not None]
+        masks = self.masks(live)
+        full = masks.new_full((len(matchers), masks.shape[1]), -1)  # every bit set: all tokens allowed
+        full[[n for n, m in enumerate(matchers) if m is not None]] = masks
+        return full
 
     def masks(self, matchers: list) -> Any:
         """The allowed tokens of each matcher's next step, as a CPU int32 tensor [len(matchers), words]."""

@@ -49,3 +49,19 @@ class Ticket:
         except Exception:  # its caller is gone (a closed event loop): the item is dropped, not its neighbours
             log.warning("an item's listener failed; the item is dropped", exc_info=True)
             self.cancelled = True
+
+
+def logprob_entries(tokenizer, ids: list[int], logprobs: list, top: int) -> list[dict]:
+    """OpenAI's logprobs entries of the answer's tokens: each token's text, log-probability and bytes, and
+    its `top` most likely alternatives' (-9999 stands for an impossible one, as OpenAI writes it)."""
+    known = set(ids).union(*(top_ids[:top] for _, top_ids, _ in logprobs))
+    order = sorted(known)
+    text = dict(zip(order, tokenizer.batch_decode([[i] for i in order])))
+
+    def entry(token: int, logprob: float) -> dict:
+        return {"token": text[token], "logprob": max(logprob, -9999.0), "bytes": list(text[token].encode())}
+
+    return [
+        {**entry(token, logprob), "top_logprobs": [entry(i, lp) for i, lp in zip(top_ids[:top], top_lps[:top])]}
+        for token, (logprob, top_ids, top_lps) in zip(ids, logprobs)
+    ]
