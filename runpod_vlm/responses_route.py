@@ -199,12 +199,11 @@ class ResponseWriter:
 
     def opening(self) -> str:
         part = {"type": "output_text", "text": "", "annotations": []}
-        place = {"output_index": 0, "content_index": 0, "item_id": self.message_id}
         return (
             self.event("response.created", response=self.response())
             + self.event("response.in_progress", response=self.response())
             + self.event("response.output_item.added", output_index=0, item=self.message("", "in_progress"))
-            + self.event("response.content_part.added", part=part, **place)
+            + self.event("response.content_part.added", part=part, **self.place())
         )
 
     def delta(self, text: str) -> str:

@@ -98,8 +98,8 @@ class SlotDecoder:
         vocab = model.get_output_embeddings().weight.shape[0]
         self.eos_index = torch.tensor(sorted(i for i in eos_ids if i < vocab), dtype=torch.long, device=device)
         self.top_k = min(MAX_TOP_LOGPROBS, vocab)  # alternatives recorded per token when a row asks for logprobs
-        index = torch.arange(vocab, device=device, dtype=torch.int32)
-        self.mask_word, self.mask_bit = (index // 32).long(), index % 32  # a token's word and bit in `allowed`
+        self.vocab_index = torch.arange(vocab, device=device)
+        self.mask_word, self.mask_bit = self.vocab_index // 32, self.vocab_index % 32  # a token's place in `allowed`
         penalty = getattr(model.generation_config, "repetition_penalty", None) or 1.0
         self.penalty = penalty if penalty != 1.0 else None
         zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
@@ -325,8 +325,7 @@ class SlotDecoder:
         top_logprob, top_id = logprobs.topk(self.top_k, dim=-1)
         return token, (logprobs.gather(1, token[:, None])[:, 0], top_id, top_logprob)
 
-    @staticmethod
-    def _sampled(logits, rows: types.SimpleNamespace):
+    def _sampled(self, logits, rows: types.SimpleNamespace):
         """Temperature and top-p sampling, drawn as argmax(p / Exp(1)) so a CUDA graph can hold it. The
         Exp(1) noise is a function of the row's seed, its token's index and the vocabulary index alone, so
         a seeded row draws the same tokens alone, batched or beside any other rows."""
@@ -336,8 +335,7 @@ class SlotDecoder:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         outside = sorted_probs.cumsum(dim=-1) - sorted_probs > rows.top_p[:, None]
         probs = probs.scatter(1, order, sorted_probs.masked_fill(outside, 0.0))
-        vocab = torch.arange(probs.shape[-1], device=probs.device)
-        return (probs / -torch.log(counter_uniform(rows.seed, rows.count, vocab))).argmax(dim=-1)
+        return (probs / -torch.log(counter_uniform(rows.seed, rows.count, self.vocab_index))).argmax(dim=-1)
 
     def _rows_of(self, bucket: int) -> types.SimpleNamespace:
         """The per-row tensors of the first `bucket` rows, as views."""
