@@ -160,8 +160,8 @@ def answer_batch(job: dict, payload: dict) -> dict:
     if parsed:  # the first request asking for a quantization decides it if this call loads the model
         engine = get_engine(next((request.quantize for _, (request, _) in parsed if request.quantize), None))
         for (index, (request, item)), result in zip(parsed, generate_all(engine, [item for _, (_, item) in parsed])):
-            answered = isinstance(result, RequestError)
-            results[index] = result.to_dict() if answered else format_output(engine, item, result, request)
+            refused = isinstance(result, RequestError)
+            results[index] = result.to_dict() if refused else format_output(engine, item, result, request)
     return {"model": model_id, "count": len(results), "id": job.get("id"), "results": results}
 
 
