@@ -14,6 +14,7 @@ path as the queue (`run_job`, handler.handler), so requests in flight share the 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 from collections.abc import Callable
@@ -50,7 +51,7 @@ def make_app(run_job: Callable[[dict], Any], readiness: Callable[[], str]):
     """A FastAPI app over `run_job(job)` (an async generator of outputs) and `readiness()`
     ("initializing", "ready" or "unhealthy")."""
     app = FastAPI(title="runpod-vlm", docs_url=None, redoc_url=None)
-    jobs = iter(range(1, 1 << 62))
+    jobs = itertools.count(1)
 
     async def answered(job_input: dict, sse_chunks: bool):
         """The job's first output, and a response that sends the rest as server-sent events when it streams."""
