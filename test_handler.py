@@ -18,6 +18,7 @@ import pathlib
 import re
 import sys
 import threading
+import time
 
 import pytest
 from PIL import Image
@@ -50,7 +51,7 @@ from fake_backend import (
     VOCAB,
     WEB,
     FakeBitsAndBytesConfig,
-    FakeSlotDecoder,
+    FakePagedDecoder,
     StubModule,
     encode_text,
     last_user_text,
@@ -58,6 +59,7 @@ from fake_backend import (
     render,
     sent_images,
 )
+from runpod_vlm.engine.blocks import BlockPool, PoolExhausted
 from runpod_vlm.grounding import box_to_pixels, parse_bbox
 from runpod_vlm.request import TASK_PROMPTS
 from runpod_vlm.settings import CURATED_MODELS, DEFAULT_MODEL, MediaPolicy, Settings, SettingsError
@@ -1500,7 +1502,7 @@ def compiled_engine(monkeypatch, hub, **env):
     """The compiled (CUDA) path: a fake GPU, VLM_COMPILE on, the fake model echoing its question."""
     hub.reply, hub.cuda_available, hub.device = echo, True, "cuda:0"
     monkeypatch.setattr(engine_module, "COMPILE_AFTER_FIRST_ANSWER_S", 0)  # compiles at once (one test checks the wait)
-    serve(monkeypatch, QWEN, **dict({"VLM_COMPILE": "true"}, **env))
+    serve(monkeypatch, QWEN, **dict({"VLM_COMPILE": "true", "VLM_MAX_BATCH_SIZE": "16"}, **env))  # buckets 8 and 16
 
 
 def test_padding_rows_of_the_compiled_path_never_hold_a_batch_open(monkeypatch, hub):
@@ -1575,6 +1577,171 @@ def test_batch_without_a_job_id(monkeypatch):
 
 
 # =================================================================================================
+# The paged KV cache's bookkeeping and the scheduler, on the fake decoder
+# =================================================================================================
+
+
+def test_the_block_pool_hands_out_whole_blocks_all_or_nothing_and_reuses_freed_ones_last():
+    pool = BlockPool(blocks=5, block_size=16)  # block 0 is kept for idle rows: 4 to hand out
+    assert (pool.capacity, pool.capacity_tokens, pool.free) == (4, 64, 4)
+    assert pool.grow("a", 17) == [1, 2] and pool.grow("a", 32) == []  # 17 tokens take 2 blocks, 32 still 2
+    assert pool.shortfall("b", 48) == 1
+    with pytest.raises(PoolExhausted):
+        pool.grow("b", 48)
+    assert pool.free == 2 and pool.table("b") == []  # a refused grow takes nothing
+    assert pool.grow("b", 20) == [3, 4] and pool.free == 0
+    assert pool.release("a") == 2 and pool.grow("c", 1) == [1]
+    assert pool.release("b") == 2 and pool.grow("d", 48) == [2, 3, 4]  # oldest freed first
+    assert pool.release("c") + pool.release("d") == 4 and pool.free == pool.capacity
+    assert pool.release("never") == 0
+
+
+def test_the_kv_pool_takes_what_the_weights_and_a_measured_step_leave_of_the_gpu(monkeypatch, hub):
+    hub.cuda_available, hub.device = True, "cuda:0"
+    hub.gpu_memory, hub.gpu_used, hub.work_memory = 80 * 2**30, 16 * 2**30, 4 * 2**30
+    serve(monkeypatch, QWEN, VLM_COMPILE="false")
+    left = 0.9 * 80 * 2**30 - 16 * 2**30 - 4 * 2**30  # VLM_GPU_MEMORY_UTILIZATION 0.9
+    tokens = handler.get_engine()._current_decoder().pool.capacity_tokens
+    assert tokens == int(left // hub.kv_bytes_per_token) // 16 * 16
+    handler.reset_engine()
+    hub.memory_fraction = 0.3  # a process capped to 24 GB of the 80 (torch.cuda.set_per_process_memory_fraction)
+    capped = handler.get_engine()._current_decoder().pool.capacity_tokens
+    assert capped == int((0.3 * 80 * 2**30 - 20 * 2**30) // hub.kv_bytes_per_token) // 16 * 16
+    handler.reset_engine()
+    monkeypatch.setenv("VLM_KV_CACHE_TOKENS", "1000")
+    assert handler.get_engine()._current_decoder().pool.capacity_tokens == 992  # whole blocks
+    assert handler.get_engine().describe()["kv_cache_tokens"] == 992
+
+
+def pool_of(engine):
+    return engine._current_decoder().pool
+
+
+def test_a_full_kv_cache_preempts_the_newest_row_which_resumes_with_its_tokens(monkeypatch, hub):
+    hub.reply = lambda prompt: last_user_text(prompt) * 30  # 60 tokens each
+    serve(monkeypatch, VLM_KV_CACHE_TOKENS="160", VLM_SYNC_INTERVAL="4")  # room for about 1.5 such jobs
+    engine = handler.get_engine()
+    preempted = []
+    real_preempt = engine._preempt
+
+    def preempt(row):
+        newest = max(ticket.admitted for ticket in engine._rows.values())
+        preempted.append(engine._rows[row].admitted == newest)
+        return real_preempt(row)
+
+    monkeypatch.setattr(engine, "_preempt", preempt)
+    out = batch(*(chat(letter + letter, max_new_tokens=70) for letter in "abcd"))
+    assert [r["response"] for r in out["results"]] == [letter * 60 for letter in "abcd"]
+    assert preempted and all(preempted)  # always the newest row
+    assert hub.resumed  # prefilled again with the tokens it had, then went on where it stopped
+    assert pool_of(engine).free == pool_of(engine).capacity and not hub.protocol_errors
+
+
+def test_a_request_the_whole_kv_cache_cannot_hold_fails_alone_and_never_a_neighbour(monkeypatch, hub):
+    hub.reply = echo
+    serve(monkeypatch, VLM_KV_CACHE_TOKENS="160")
+    out = batch(chat("one", max_new_tokens=20), chat("two", max_new_tokens=200), chat("three", max_new_tokens=20))
+    first, failed, third = out["results"]
+    assert_error(failed, "requests[1]", "out_of_memory")
+    assert "KV cache, which holds 160 tokens" in failed["error"]
+    assert (first["response"], third["response"]) == ("echo:one", "echo:three")
+
+
+def test_a_prefill_holds_no_more_prompt_tokens_than_the_step_budget(monkeypatch, hub):
+    hub.reply = echo
+    serve(monkeypatch, VLM_MAX_BATCH_TOKENS="256")
+    texts = [f"item {n:02d}" for n in range(12)] + [f"{n} " + "x" * 90 for n in range(8)]  # short ones, then long
+    out = batch(*(chat(text, max_new_tokens=100) for text in texts))
+    assert [r["response"] for r in out["results"]] == [f"echo:{text}" for text in texts]
+    assert len(hub.prefills) > 2
+    assert all(len(p["prompts"]) * p["width"] <= 256 for p in hub.prefills)
+
+
+def test_a_long_prompt_enters_in_chunks_of_the_budget_while_the_others_decode(monkeypatch, hub):
+    hub.reply = lambda prompt: "long answer" if "z" in prompt else "s" * 40
+    serve(monkeypatch, VLM_MAX_BATCH_TOKENS="256", VLM_SYNC_INTERVAL="2")
+    engine = handler.get_engine()
+    events = []
+    for name in ("prefill_chunk", "step"):
+        real = getattr(FakePagedDecoder, name)
+        monkeypatch.setattr(
+            FakePagedDecoder,
+            name,
+            lambda self, *a, _real=real, _name=name, **k: events.append(_name) or _real(self, *a, **k),
+        )
+
+    async def jobs():
+        short = [handler.local_test_answer({"id": f"s{n}", "input": chat(f"short {n}")}) for n in range(2)]
+        return await asyncio.gather(*short, handler.local_test_answer({"id": "long", "input": chat("z" * 600)}))
+
+    *shorts, long = asyncio.run(jobs())
+    assert [s["response"] for s in shorts] == ["s" * 40] * 2 and long["response"] == "long answer"
+    assert [size for _, size in hub.chunks][:2] == [256, 256] and len(hub.chunks) == 3
+    chunk_at = [n for n, event in enumerate(events) if event == "prefill_chunk"]
+    assert all("step" in events[a:b] for a, b in zip(chunk_at, chunk_at[1:]))  # the short rows decoded between
+    assert pool_of(engine).free == pool_of(engine).capacity
+
+
+def test_a_request_that_does_not_fit_yet_is_not_passed_by_later_smaller_ones(monkeypatch, hub):
+    hub.reply = lambda prompt: "a" * 100 if "first" in prompt else "ok"
+    serve(monkeypatch, VLM_KV_CACHE_TOKENS="192", VLM_SYNC_INTERVAL="2")
+    engine = handler.get_engine()
+    settings, model_id = handler.served_model()
+    started, answers = [], {}
+    real_started, real_step = engine._started, FakePagedDecoder.step
+    monkeypatch.setattr(
+        engine,
+        "_started",
+        lambda ticket, *a: started.append(ticket.item.turns[-1].parts[0]) or real_started(ticket, *a),
+    )
+
+    def submit(text, max_new_tokens):
+        item = handler.read_job_item(chat(text, max_new_tokens=max_new_tokens), settings, model_id, None)[1]
+        engine.submit(item, lambda event: answers.__setitem__(text, event))
+
+    def step(
+        self, steps
+    ):  # once the first holds 60 tokens: a long request that does not fit beside it, and a short one that would
+        if started == ["first"] and max(self.lengths.values()) >= 90 and not answers and not engine._queue:
+            submit("x" * 110, 5)
+            submit("small", 5)
+        return real_step(self, steps)
+
+    monkeypatch.setattr(FakePagedDecoder, "step", step)
+    submit("first", 101)
+    deadline = time.monotonic() + 10
+    while len(answers) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [answers[t].text for t in ("first", "x" * 110, "small")] == ["a" * 100, "ok", "ok"]
+    assert started == ["first", "x" * 110, "small"]  # the small one waited its turn
+
+
+def test_a_cancelled_prompt_entering_in_chunks_gives_its_blocks_back(monkeypatch, hub):
+    hub.reply = echo
+    serve(monkeypatch, VLM_MAX_BATCH_TOKENS="256")
+    engine = handler.get_engine()
+    settings, model_id = handler.served_model()
+    item = handler.read_job_item(chat("z" * 900), settings, model_id, None)[1]
+    answers, tickets = [], []
+    real = FakePagedDecoder.prefill_chunk
+
+    def cancel_after_the_first(self, chunked, size, allowed=None):
+        tickets[0].cancel()
+        return real(self, chunked, size, allowed)
+
+    monkeypatch.setattr(FakePagedDecoder, "prefill_chunk", cancel_after_the_first)
+    tickets.append(engine.submit(item, answers.append))
+    deadline = time.monotonic() + 10
+    while (engine._chunking is not None or engine._queue) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)
+    assert len(hub.chunks) == 1 and not answers  # dropped after one chunk, nothing answered
+    assert pool_of(engine).free == pool_of(engine).capacity
+    monkeypatch.setattr(FakePagedDecoder, "prefill_chunk", real)
+    assert call(chat("after"))["response"] == "echo:after"
+
+
+# =================================================================================================
 # The compiled (CUDA) path, faked: served at once, compiled in the background, same answers
 # =================================================================================================
 
@@ -1646,7 +1813,7 @@ def test_the_forward_is_compiled_once_per_decode_shape_in_the_background(monkeyp
 def test_a_failed_background_compile_leaves_decoding_uncompiled_and_right(monkeypatch, hub, caplog):
     compiled_engine(monkeypatch, hub)
     monkeypatch.setattr(
-        FakeSlotDecoder,
+        FakePagedDecoder,
         "_advance",
         lambda self, bucket: (
             (_ for _ in ()).throw(RuntimeError("inductor failed")) if self.forwards[bucket] is not self.model else None
@@ -1671,7 +1838,7 @@ def test_requests_in_flight_keep_their_tokens_across_the_switch(monkeypatch, hub
     hub.reply = lambda prompt: "x" * 60
     engine = handler.get_engine()
     release = threading.Event()
-    original = FakeSlotDecoder.step
+    original = FakePagedDecoder.step
 
     def step(self, steps):
         if len(HUB.steps) == 5:
@@ -1684,7 +1851,7 @@ def test_requests_in_flight_keep_their_tokens_across_the_switch(monkeypatch, hub
 
     compile_shape = engine._compile_shape
     monkeypatch.setattr(engine, "_compile_shape", lambda *a: release.wait(30) and compile_shape(*a))
-    monkeypatch.setattr(FakeSlotDecoder, "step", step)
+    monkeypatch.setattr(FakePagedDecoder, "step", step)
     engine.warm_up()
     out = call(chat("long", max_new_tokens=60))
     assert out == eager
@@ -1701,7 +1868,7 @@ def test_compiled_shapes_are_switched_to_together_once_all_are_compiled(monkeypa
     monkeypatch.setattr(
         engine,
         "_compile_shape",
-        lambda bucket, length: (bucket != 16 or release.wait(30)) and compile_shape(bucket, length),
+        lambda bucket: (bucket != 16 or release.wait(30)) and compile_shape(bucket),
     )
     engine.warm_up()
     for _ in range(3000):
@@ -1725,7 +1892,7 @@ def test_a_shape_whose_compile_fails_once_is_compiled_on_a_second_try(monkeypatc
     monkeypatch.setattr(
         engine,
         "_compile_shape",
-        lambda bucket, length: tries.append(bucket) or (tries.count(8) > 1 and compile_shape(bucket, length)),
+        lambda bucket: tries.append(bucket) or (tries.count(8) > 1 and compile_shape(bucket)),
     )  # the 8-row shape fails once
     engine.warm_up()
     assert engine.wait_until_compiled(timeout=30)
@@ -1827,14 +1994,14 @@ def test_after_sigterm_requests_still_running_fail_within_the_grace(monkeypatch,
     hub.reply = lambda prompt: "x" * 500
     serve(monkeypatch, VLM_SYNC_INTERVAL="1", VLM_MAX_NEW_TOKENS="600")
     engine = handler.get_engine()
-    original = FakeSlotDecoder.step
+    original = FakePagedDecoder.step
 
     def step(self, steps):
         if len(hub.steps) == 3:
             engine.stop_after(0)  # what the SIGTERM handler does, with no grace left
         return original(self, steps)
 
-    monkeypatch.setattr(FakeSlotDecoder, "step", step)
+    monkeypatch.setattr(FakePagedDecoder, "step", step)
     out = call(chat("long", max_new_tokens=500))
     assert out["code"] == "worker_stopping" and "retry" in out["error"]
     assert len(hub.steps) < 10
@@ -1909,6 +2076,15 @@ def test_stubbed_api_is_exactly_what_the_handler_uses(monkeypatch, hub):
 
     hub.reply = out_of_memory
     assert call(chat("big"))["code"] == "out_of_memory"
+    # A KV cache too small for all: a row is preempted and resumes with its tokens after its prompt.
+    handler.reset_engine()
+    hub.reply = lambda prompt: last_user_text(prompt) * 30
+    for name, value in {"VLM_KV_CACHE_TOKENS": "160", "VLM_SYNC_INTERVAL": "4", "VLM_COMPILE": "false"}.items():
+        monkeypatch.setenv(name, value)
+    out = batch(*(chat(c + c, max_new_tokens=70) for c in "abc"))
+    assert [r["response"] for r in out["results"]] == [c * 60 for c in "abc"] and hub.resumed
+    for name in ("VLM_KV_CACHE_TOKENS", "VLM_SYNC_INTERVAL", "VLM_COMPILE"):
+        monkeypatch.delenv(name)
     # 2. Phi-3-vision, 4-bit, explicit dtype.
     handler.reset_engine()
     hub.reset()

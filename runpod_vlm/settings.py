@@ -115,7 +115,7 @@ class Settings:
     allow_any: bool = False
     max_new_tokens: pydantic.PositiveInt = 2048  # the most a request may ask for; every field is VLM_<NAME>
     default_max_new_tokens: pydantic.PositiveInt = 256
-    max_batch_size: pydantic.PositiveInt = 16  # rows decoding together (continuous batching)
+    max_batch_size: pydantic.PositiveInt = 256  # rows decoding together (continuous batching), as the KV pool allows
     max_concurrency: pydantic.PositiveInt = 32  # jobs this worker takes at once (RunPod concurrency_modifier)
     sync_interval: pydantic.PositiveInt = 8  # decode steps between looks at the tokens (admission, stops, streaming)
     stream_interval_ms: pydantic.NonNegativeInt = 50  # streamed jobs post at most this often
@@ -129,7 +129,9 @@ class Settings:
     min_pixels: pydantic.NonNegativeInt = 0  # Qwen processors' visual-token bounds; 0 keeps the model's own
     max_pixels: pydantic.NonNegativeInt = 0
     compile: bool = True  # torch.compile + CUDA graphs for decoding (CUDA only, never bitsandbytes)
-    cache_len: Annotated[int, Field(ge=256)] = 2048  # KV-cache length compiled at warm-up; a longer request doubles it
+    max_batch_tokens: Annotated[int, Field(ge=256)] = 8192  # prompt tokens per prefill; longer prompts go in chunks
+    gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9  # of the GPU (or process cap): weights, KV, work
+    kv_cache_tokens: pydantic.NonNegativeInt = 0  # the KV pool in tokens; 0: sized from free GPU memory (CPU: 32768)
     compile_cache_dir: str = ""  # compiled kernels kept here are reused by a restarted worker
     endpoint_type: Annotated[Literal["queue", "lb"], _Lower] = "queue"  # lb: an HTTP server (RunPod load balancing)
     media: MediaPolicy = MediaPolicy()  # its own variables: see MediaPolicy.from_env

@@ -35,7 +35,8 @@ import pytest
 import handler
 import runpod_vlm.engine.engine as engine_module
 from runpod_vlm import fetch, media
-from runpod_vlm.engine.decoder import SlotDecoder
+from runpod_vlm.engine.blocks import BlockPool
+from runpod_vlm.engine.decoder import PagedDecoder, row_buckets
 from runpod_vlm.families.remote import InternVL2Adapter
 from runpod_vlm.vocabulary import RequestError
 
@@ -60,10 +61,20 @@ STUBBED_API = frozenset(
         "torch.Tensor.to",
         "torch.Tensor.sum",
         "torch.Tensor.__len__",
+        # torch: a preempted request's prompt followed by its tokens
+        "torch.tensor",
+        "torch.Tensor.dtype",
+        "torch.Tensor.device",
         # torch: the compiled path (torch.compile, CUDA graphs on a side stream)
         "torch.compile",
         "torch.cuda.synchronize",
         "torch.cuda.empty_cache",
+        # torch: sizing the KV pool from GPU memory
+        "torch.cuda.get_device_properties",
+        "torch.cuda.get_per_process_memory_fraction",
+        "torch.cuda.mem_get_info",
+        "torch.cuda.memory_allocated",
+        "torch.cuda.memory_reserved",
         # torchvision (InternVL2's tiling)
         "torchvision.transforms.functional.to_tensor",
         "torchvision.transforms.functional.normalize",
@@ -402,6 +413,11 @@ class FakeTensor:
     def shape(self) -> tuple:
         _use("torch.Tensor.shape")
         return self.dims
+
+    @property
+    def device(self):
+        _use("torch.Tensor.device")
+        return self._device
 
     @property
     def dtype(self):
@@ -767,7 +783,11 @@ def torch_cat(tensors, dim=0):
             tensors[0]._device,
             all(t.normalized for t in tensors),
         )
-    raise NotImplementedError("the handler concatenates image stacks only")
+    if dim == 1 and all(isinstance(t, FakeTensor) for t in tensors):  # rows of tokens, lengthened
+        _same_device(*tensors)
+        rows = zip(*(t._data for t in tensors))
+        return FakeTensor([[x for part in row for x in part] for row in rows], tensors[0]._dtype, tensors[0]._device)
+    raise NotImplementedError("the handler concatenates image stacks and token rows only")
 
 
 def torch_stack(tensors, dim=0):
@@ -897,6 +917,31 @@ def cuda_empty_cache():
 
 def cuda_synchronize(device=None):
     _use("torch.cuda.synchronize")
+
+
+def cuda_get_device_properties(device=None):
+    _use("torch.cuda.get_device_properties")
+    return types.SimpleNamespace(total_memory=HUB.gpu_memory)
+
+
+def cuda_get_per_process_memory_fraction(device=None):
+    _use("torch.cuda.get_per_process_memory_fraction")
+    return HUB.memory_fraction
+
+
+def cuda_mem_get_info(device=None):
+    _use("torch.cuda.mem_get_info")
+    return HUB.gpu_memory - HUB.gpu_used, HUB.gpu_memory
+
+
+def cuda_memory_allocated(device=None):
+    _use("torch.cuda.memory_allocated")
+    return HUB.gpu_used
+
+
+def cuda_memory_reserved(device=None):
+    _use("torch.cuda.memory_reserved")
+    return HUB.gpu_used
 
 
 def cuda_is_available():
@@ -1084,7 +1129,13 @@ class Hub:
         self.capture_failures = 0  # the next N captures fail
         self.stream = FakeStream()  # the current CUDA stream
         self.forward_rows = []  # the rows of every forward call of the model (prefills, steps, warm-up)
-        self.decoders = []  # every FakeSlotDecoder made
+        self.decoders = []  # every FakePagedDecoder made
+        self.paged_attention = True  # whether the model takes the paged attention
+        self.chunked, self.chunks = [], []  # rows given a chunked prompt; (row, tokens) of every chunk
+        self.resumed = []  # the prompts of preempted rows prefilled again
+        self.gpu_memory, self.memory_fraction = 80 * 2**30, 1.0  # torch.cuda's device memory and process cap
+        self.gpu_used = 16 * 2**30  # allocated (the weights) and reserved
+        self.work_memory, self.kv_bytes_per_token = 4 * 2**30, 2**17
         self.artifacts = []  # ("load" | "save", key) of the compile-artifact file
         self.steps = []  # (bucket, steps, compiled forward?) of every decode interval
         self.compiled_steps = []  # the bucket of every step run with the compiled forward
@@ -1695,6 +1746,11 @@ def build_stub_modules() -> dict:
             "graph": cuda_graph,
             "synchronize": cuda_synchronize,
             "empty_cache": cuda_empty_cache,
+            "get_device_properties": cuda_get_device_properties,
+            "get_per_process_memory_fraction": cuda_get_per_process_memory_fraction,
+            "mem_get_info": cuda_mem_get_info,
+            "memory_allocated": cuda_memory_allocated,
+            "memory_reserved": cuda_memory_reserved,
         },
     )
     torch = StubModule(
@@ -1781,7 +1837,11 @@ def hub(monkeypatch):
     HUB.reset()
     MISSING.clear()
     handler.reset_engine()
-    monkeypatch.setattr(engine_module, "SlotDecoder", FakeSlotDecoder)
+    monkeypatch.setattr(engine_module, "PagedDecoder", FakePagedDecoder)
+    monkeypatch.setattr(engine_module, "use_paged_attention", lambda model: HUB.paged_attention)
+    # GPU memory is asked of the fake torch.cuda; the work memory is measured on the GPU (bench/serving.py).
+    monkeypatch.setattr(engine_module.Engine, "_measured_work_memory", lambda self: HUB.work_memory)
+    monkeypatch.setattr(engine_module.Engine, "_kv_bytes_per_token", lambda self: HUB.kv_bytes_per_token)
     # The compile-artifact file is torch's (tests/test_compile_cache.py runs it for real): here the
     # engine's use of it is recorded.
     monkeypatch.setattr(engine_module, "compile_cache_key", lambda model_id, **parts: f"{model_id}:{parts['shapes']}")
@@ -1874,46 +1934,80 @@ def model_load():
 
 
 # =================================================================================================
-# The decoder, faked: SlotDecoder's protocol in plain Python
+# The decoder, faked: PagedDecoder's protocol in plain Python
 # =================================================================================================
 
 
-class FakeSlotDecoder(SlotDecoder):
-    """The real decoder's slot bookkeeping (plan, buckets, forwards) with rows that answer HUB's
+class FakeChunked:
+    """A chunked prompt as the fake decoder holds it: the whole prompt's inputs, fed `size` tokens a call."""
+
+    def __init__(self, inputs, row, params, prior):
+        self.inputs, self.row, self.params, self.prior, self.done = inputs, row, params, prior, 0
+        self.length = sum(inputs["attention_mask"]._data[0])
+
+
+class FakePagedDecoder(PagedDecoder):
+    """The real decoder's block bookkeeping (its BlockPool, buckets, forwards) with rows that answer HUB's
     script for their prompt: the fake logits are 10 for the script's token, HUB.runner_up_logit for
     FILLER and 0 elsewhere; end tokens are blocked before min_new_tokens, the generation config's
     repetition penalty applies, and sampled rows draw at their temperature and top_p from HUB.rng.
-    The tensor side of the real decoder is tested on real tiny models (tests/)."""
+    A resumed row (preempted, its tokens after its prompt) continues its script where it stopped; a
+    chunked prompt is fed `size` tokens a call. Every step checks that each busy row holds the blocks
+    of its tokens. The tensor side of the real decoder is tested on real tiny models (tests/)."""
 
-    def __init__(self, model, eos_ids, rows, length, use_graph, interval):
-        self.model, self.eos_ids, self.rows, self.length = model, set(eos_ids), rows, length
-        self.use_graph, self.interval = use_graph, interval
-        self.buckets = sorted({b for b in (8,) if b < rows} | {rows})
+    def __init__(self, model, eos_ids, rows, blocks, block_size, use_graph, interval):
+        self.model, self.eos_ids, self.rows = model, set(eos_ids), rows
+        self.use_graph, self.interval, self.block_size = use_graph, interval, block_size
+        self.pool = BlockPool(blocks, block_size)
+        self.columns = self.pool.capacity + 1
+        self.buckets = row_buckets(rows)
         self.forwards = {bucket: model for bucket in self.buckets}
-        self.graphs, self.pointer, self.spans, self.any_sample = {}, 0, {}, False
+        self.graphs, self.lengths, self.any_sample = {}, {}, False
         self.any_logprobs = self.any_constrained = False  # logprobs and grammars: tested on real tiny models
         self.answers: dict = {}  # row -> its script, tokens so far, params and seen tokens
-        self.caches: dict = {}  # as the real one's: allocated by the first prefill that runs
+        self.keys: list = []  # as the real one's: allocated by the first prefill that runs
         HUB.decoders.append(self)
 
-    def shift(self, delta):
-        self.pointer += delta
-        self.spans = {row: (s + delta, e + delta) for row, (s, e) in self.spans.items()}
+    def grow(self, row, tokens):
+        self.pool.grow(row, tokens)
 
-    def prefill(self, inputs, rows, params, allowed=None):
+    def prefill(self, inputs, rows, params, allowed=None, prior=None):
         HUB.forward_rows.append(len(rows))
-        prompts, _ = self.model._prompts(inputs["input_ids"], inputs.get("attention_mask"))
+        prior = prior or [0] * len(rows)
+        ids_rows = [ids[len(ids) - p :] if p else [] for ids, p in zip(inputs["input_ids"]._data, prior)]
+        with _quiet():
+            prompt_ids = FakeTensor([ids[: len(ids) - p] for ids, p in zip(inputs["input_ids"]._data, prior)])
+            mask = inputs.get("attention_mask")
+            prompt_mask = FakeTensor([m[: len(m) - p] for m, p in zip(mask._data, prior)]) if mask is not None else None
+        prompts, lengths = self.model._prompts(prompt_ids, prompt_mask)
+        HUB.resumed.extend(prompt for prompt, p in zip(prompts, prior) if p)
         pixels = inputs.get("pixel_values") if hasattr(inputs, "get") else None
-        HUB.prefills.append(dict(prompts=prompts, pixel_dtype=getattr(pixels, "_dtype", None), keys=sorted(inputs)))
         width = len(inputs["input_ids"]._data[0])
+        HUB.prefills.append(
+            dict(prompts=prompts, pixel_dtype=getattr(pixels, "_dtype", None), keys=sorted(inputs), width=width)
+        )
         first = []
-        for row, prompt, p, ids in zip(rows, prompts, params, inputs["input_ids"]._data):
-            self.answers[row] = dict(script=HUB.script(prompt), tokens=[], params=p, seen=set(ids))
-            self.spans[row] = (self.pointer - width, self.pointer + p.max_new_tokens + self.interval)
+        for row, prompt, p, ids, done, length in zip(rows, prompts, params, prompt_ids._data, ids_rows, lengths):
+            self.grow(row, length + len(done))
+            self.lengths[row] = length + len(done)
+            self.answers[row] = dict(script=HUB.script(prompt), tokens=list(done), params=p, seen=set(ids) | set(done))
             first.append(self._next(row))
         self.any_sample = any(a["params"].do_sample for a in self.answers.values())
-        self.caches = self.caches or dict.fromkeys(self.buckets)
+        self.keys = self.keys or [None]
         return first
+
+    def begin_chunks(self, inputs, row, params, prior=0):
+        HUB.chunked.append(row)
+        return FakeChunked(inputs, row, params, prior)
+
+    def prefill_chunk(self, chunked, size, allowed=None):
+        end = min(chunked.done + size, chunked.length)
+        HUB.chunks.append((chunked.row, end - chunked.done))
+        self.pool.grow(chunked.row, end)
+        chunked.done = end
+        if end < chunked.length:
+            return None
+        return self.prefill(chunked.inputs, [chunked.row], [chunked.params], allowed, [chunked.prior])[0]
 
     def _next(self, row):
         answer = self.answers[row]
@@ -1953,11 +2047,12 @@ class FakeSlotDecoder(SlotDecoder):
         return token
 
     def release(self, row):
-        self.spans.pop(row, None)
+        self.pool.release(row)
+        self.lengths.pop(row, None)
         self.answers.pop(row, None)
         self.any_sample = any(a["params"].do_sample for a in self.answers.values())
 
-    def _advance(self, bucket):
+    def _advance(self, bucket, span=None):
         HUB.forward_rows.append(bucket)
         if self.forwards[bucket] is not self.model:
             HUB.compiled_steps.append(bucket)
@@ -1965,9 +2060,15 @@ class FakeSlotDecoder(SlotDecoder):
     def step(self, steps):
         bucket = self.bucket()
         HUB.steps.append((bucket, steps, self.forwards[bucket] is not self.model))
+        for row, length in self.lengths.items():  # steps past a row's budget write block 0: their tokens are dropped
+            answer = self.answers[row]
+            written = min(length + steps, length + answer["params"].max_new_tokens - len(answer["tokens"]))
+            if self.pool.blocks_for(written) > len(self.pool.table(row)):
+                HUB.protocol_errors.append(f"row {row} stepped past its blocks")
         for _ in range(steps):
             self._advance(bucket)
-        self.pointer += steps
+        for row in self.lengths:
+            self.lengths[row] += steps
         return [
             [self._next(row) for _ in range(steps)] if row in self.answers else [PAD] * steps for row in range(bucket)
         ]

@@ -34,7 +34,7 @@ from runpod_vlm.engine.compile import (
     save_compile_artifacts,
     set_torch_cache_dirs,
 )
-from runpod_vlm.engine.decoder import SlotDecoder
+from runpod_vlm.engine.decoder import PagedDecoder
 from runpod_vlm.engine.loading import missing_model_files, weights_source
 from runpod_vlm.settings import Settings
 from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, Turn
@@ -540,19 +540,25 @@ def prefill(engine, decoder, parts: list, count: int = 1, first_row: int = 0, ne
     params = GenerationParams(max_new_tokens=new_tokens, temperature=0.0, top_p=1.0, do_sample=False)
     items = [GenerationRequest("chat", [Turn("user", parts)], params)] * count
     inputs, _ = engine.adapter.batch_inputs(engine.processor, items, engine.model.device, engine.dtype)
-    decoder.shift(decoder.plan(inputs["input_ids"].shape[1], new_tokens))
     decoder.prefill(inputs, list(range(first_row, first_row + count)), [params] * count)
 
 
+def step(decoder, steps: int) -> list:
+    """`decoder.step(steps)` once every busy row holds the blocks for `steps` more tokens (the engine's part)."""
+    for row, length in decoder.lengths.items():
+        decoder.grow(row, length + steps)
+    return decoder.step(steps)
+
+
 def compile_in_background(engine, monkeypatch, buckets: list[int], backend) -> None:
-    """The engine's background compile of `buckets` (a 256-slot cache) with dynamo and `backend`, waited for."""
+    """The engine's background compile of `buckets` with dynamo and `backend`, waited for."""
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, dynamic, **options: compile_(fn, dynamic=dynamic, backend=backend))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(engine_module, "COMPILE_AFTER_FIRST_ANSWER_S", 0)
     monkeypatch.setattr(engine_module, "load_compile_artifacts", lambda *args: False)
     monkeypatch.setattr(engine_module, "save_compile_artifacts", lambda *args: None)
-    engine._compile_in_background(buckets, 256)
+    engine._compile_in_background(buckets)
     engine._compiler.shutdown(wait=True)
 
 
@@ -571,8 +577,10 @@ def test_a_compiled_decode_step_is_traced_once_whatever_the_prefills(tiny_model,
         dynamic=False,
         backend=lambda graph, example_inputs: traces.append(graph) or graph.forward,
     )
-    shadow = SlotDecoder(model_view(engine.model), engine.eos_ids, rows=16, length=256, use_graph=False, interval=8)
-    decoder = SlotDecoder(engine.model, engine.eos_ids, rows=16, length=256, use_graph=False, interval=8)
+    shadow = PagedDecoder(
+        model_view(engine.model), engine.eos_ids, rows=16, blocks=64, block_size=16, use_graph=False, interval=8
+    )
+    decoder = PagedDecoder(engine.model, engine.eos_ids, rows=16, blocks=64, block_size=16, use_graph=False, interval=8)
     plans = [
         (shadow, ["warm up"], 8, 0),
         (decoder, [Image.new("RGB", (64, 64)), "Hi."], 1, 0),
@@ -582,7 +590,7 @@ def test_a_compiled_decode_step_is_traced_once_whatever_the_prefills(tiny_model,
         for step, (slots, parts, count, first_row) in enumerate(plans):
             prefill(engine, slots, parts, count, first_row)
             slots.use_forward(8, forward)
-            slots._advance(8)
+            slots._advance(8, 256)
             if step == 0:
                 traced = len(traces)
     assert traced >= 1 and len(traces) == traced  # the shadow's trace served every later step
@@ -596,29 +604,32 @@ def test_the_step_compiles_one_decoder_layer_per_shape_and_decodes_as_the_plain_
     compile_in_background(
         engine, monkeypatch, [8, 16], backend=lambda graph, example_inputs: traces.append(graph) or graph.forward
     )
-    assert engine._compiled_shapes == {(8, 256), (16, 256)} and len(engine.model.get_decoder().layers) == 2
-    assert len(traces) == 2 and not any("embed_tokens" in graph.code for graph in traces)
+    assert engine._compiled_shapes == {8, 16} and len(engine.model.get_decoder().layers) == 2
+    # Four graphs a shape around the paged attention, which runs eagerly: the layer and its attention, before and after.
+    assert len(traces) == 2 * 4 and not any("embed_tokens" in graph.code for graph in traces)
     tokens = []
     for forward in (engine.model, engine._compiled_forward):
-        decoder = SlotDecoder(engine.model, engine.eos_ids, rows=16, length=256, use_graph=False, interval=4)
+        decoder = PagedDecoder(
+            engine.model, engine.eos_ids, rows=16, blocks=64, block_size=16, use_graph=False, interval=4
+        )
         for bucket in decoder.buckets:
             decoder.use_forward(bucket, forward)
         with torch.inference_mode():
             prefill(engine, decoder, ["Say hi."], new_tokens=16)  # row 0: 8-row steps
-            tokens.append(decoder.step(4))
+            tokens.append(step(decoder, 4))
             prefill(engine, decoder, ["Count."], count=2, first_row=8, new_tokens=8)  # rows 8-9: 16-row steps
-            tokens.append(decoder.step(4) + decoder.step(4))
-    assert tokens[:2] == tokens[2:] and len(traces) == 2
+            tokens.append(step(decoder, 4) + step(decoder, 4))
+    assert tokens[:2] == tokens[2:] and len(traces) == 2 * 4
 
 
 def test_a_failed_cuda_graph_capture_is_tried_again_at_a_later_step(tiny_model, serve, monkeypatch):
     # On the H200 a capture that overlapped the background compile failed, and the worker then decoded
     # without graphs for good. A failed capture is now tried again, up to 3 times in all.
     engine = serve(tiny_model("qwen2-vl"), VLM_COMPILE="false")
-    decoder = SlotDecoder(engine.model, engine.eos_ids, rows=8, length=256, use_graph=True, interval=2)
+    decoder = PagedDecoder(engine.model, engine.eos_ids, rows=8, blocks=64, block_size=16, use_graph=True, interval=2)
     tries = []
 
-    def capture(bucket):
+    def capture(bucket, span):
         tries.append(bucket)
         if len(tries) in (1, 3, 4):
             raise RuntimeError("operation not permitted when stream is capturing")
@@ -627,12 +638,12 @@ def test_a_failed_cuda_graph_capture_is_tried_again_at_a_later_step(tiny_model, 
     monkeypatch.setattr(decoder, "_capture", capture)
     with torch.inference_mode():
         prefill(engine, decoder, ["hi"], new_tokens=40)
-        decoder.step(2)
+        step(decoder, 2)
         assert tries == [8] and decoder.use_graph  # failed once: tried again at the next step
-        decoder.step(2)
+        step(decoder, 2)
         assert tries == [8, 8] and decoder.use_graph
         for _ in range(4):
-            decoder.step(2)
+            step(decoder, 2)
     assert tries == [8] * 4 and not decoder.use_graph  # a third failure: no more tries
 
 
@@ -647,14 +658,16 @@ def test_a_prefill_on_the_engine_thread_during_the_compile_does_not_fail_it(tiny
         return graph.forward
 
     compile_in_background(engine, monkeypatch, [8], prefill_meanwhile)
-    assert engine._compiled_shapes == {(8, 256)}
+    assert engine._compiled_shapes == {8}
     tokens = []
     for forward in (engine.model, engine._compiled_forward):  # the view's compiled step decodes as the model
-        decoder = SlotDecoder(engine.model, engine.eos_ids, rows=8, length=256, use_graph=False, interval=4)
+        decoder = PagedDecoder(
+            engine.model, engine.eos_ids, rows=8, blocks=64, block_size=16, use_graph=False, interval=4
+        )
         decoder.use_forward(8, forward)
         with torch.inference_mode():
             prefill(engine, decoder, ["Say hi."], new_tokens=8)
-            tokens.append(decoder.step(4) + decoder.step(4))
+            tokens.append(step(decoder, 4) + step(decoder, 4))
     assert tokens[0] == tokens[1]
 
 
@@ -671,7 +684,6 @@ def test_jobs_answered_while_the_step_compiles_and_after_get_their_eager_tokens(
         VLM_COMPILE="false",
         VLM_MAX_BATCH_SIZE="4",
         VLM_SYNC_INTERVAL="2",
-        VLM_CACHE_LEN="256",
         VLM_COMPILE_CACHE_DIR=str(tmp_path),
     )
     jobs = [

@@ -14,7 +14,6 @@ import torch
 
 import handler
 from runpod_vlm.answers import generate_all, stream_generation
-from runpod_vlm.engine.decoder import SlotDecoder
 from runpod_vlm.engine.loading import quantization_config
 from runpod_vlm.vocabulary import StreamDelta
 from sample_images import b64, data_uri, plain, striped
@@ -411,7 +410,7 @@ def test_concurrent_jobs_each_get_their_solo_tokens(family, tiny_model, serve):
     """Separate jobs of different lengths and images run at once through few rows and a short
     cache: they join and leave the running batch, wait for rows, and shift the cache, and each
     answer is exactly its solo run's."""
-    serve(tiny_model(family), VLM_MAX_BATCH_SIZE="3", VLM_CACHE_LEN="256", VLM_SYNC_INTERVAL="3")
+    serve(tiny_model(family), VLM_MAX_BATCH_SIZE="3", VLM_KV_CACHE_TOKENS="512", VLM_SYNC_INTERVAL="3")
     jobs = [
         {
             "task": "vqa",
@@ -495,11 +494,11 @@ def test_a_decoder_that_cannot_be_built_fails_the_waiting_job_instead_of_looping
     alone = ask(job)
     real_new_decoder, attempts, failing = engine._new_decoder, [], [True]
 
-    def new_decoder(length):
-        attempts.append(length)
+    def new_decoder():
+        attempts.append(1)
         if failing:
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real_new_decoder(length)
+        return real_new_decoder()
 
     monkeypatch.setattr(engine, "_new_decoder", new_decoder)
     engine._decoder = None
@@ -551,25 +550,6 @@ def test_a_prefill_out_of_memory_is_retried_in_halves(tiny_model, serve, monkeyp
     assert ask(items[0]) == solo[0]  # memory released, the worker goes on
 
 
-def test_a_cache_grown_for_a_long_request_that_does_not_fit_leaves_the_usual_one(tiny_model, serve, monkeypatch):
-    # A request too long for the cache gets a decoder with a longer one for every row; when that does not
-    # fit in GPU memory, the request gets `out_of_memory` and the next ones the usual cache again.
-    engine = serve(tiny_model("qwen2-vl"), VLM_CACHE_LEN="256", VLM_MAX_NEW_TOKENS="400")
-    short = {"messages": [{"role": "user", "content": "Short."}], "max_new_tokens": 3}
-    before = ask(short)
-    allocate = SlotDecoder._allocate
-
-    def allocate_or_run_out(self, keys, values):
-        if self.length > 256:
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 40.00 GiB")
-        return allocate(self, keys, values)
-
-    monkeypatch.setattr(SlotDecoder, "_allocate", allocate_or_run_out)
-    long = {"messages": [{"role": "user", "content": "Long."}], "max_new_tokens": 300}
-    assert ask(long)["code"] == "out_of_memory"
-    assert ask(short) == before and engine._current_decoder().length == 256
-
-
 def test_a_fatal_cuda_error_fails_requests_and_asks_for_a_new_worker(tiny_model, serve, monkeypatch):
     engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_SIZE="2")
     monkeypatch.setattr(handler, "_RUNPOD_CONFIG", {})
@@ -580,11 +560,9 @@ def test_a_fatal_cuda_error_fails_requests_and_asks_for_a_new_worker(tiny_model,
     assert ask({"messages": [{"role": "user", "content": "Again?"}]})["code"] == "gpu_failure"
 
 
-def test_a_batch_too_long_for_the_cache_together_is_split_until_it_fits(tiny_model, serve):
-    # 256 slots: the two together (padded to the longer prompt, the longer budget) do not fit; the
-    # engine splits the group (and grows the cache for an item too long alone) rather than waiting
-    # for a fit that never comes.
-    serve(tiny_model("qwen2-vl"), VLM_CACHE_LEN="256", VLM_MAX_NEW_TOKENS="400")
+def test_a_batch_too_long_for_the_pool_together_is_answered_as_each_alone(tiny_model, serve):
+    # A 320-token pool: each item fits alone, the two together do not; one waits or is preempted, never failed.
+    engine = serve(tiny_model("qwen2-vl"), VLM_KV_CACHE_TOKENS="320", VLM_MAX_NEW_TOKENS="400")
     items = [
         {
             "task": "vqa",
@@ -596,8 +574,9 @@ def test_a_batch_too_long_for_the_cache_together_is_split_until_it_fits(tiny_mod
         {"messages": [{"role": "user", "content": "Short."}], "max_new_tokens": 200, "min_new_tokens": 200},
     ]
     solo = [ask(item) for item in items]
-    assert solo[0]["usage"]["prompt_tokens"] + 200 > 256  # together they cannot fit
+    assert solo[0]["usage"]["prompt_tokens"] + 20 + solo[1]["usage"]["prompt_tokens"] + 200 > 320
     assert ask({"requests": items})["results"] == solo
+    assert engine._current_decoder().pool.free == engine._current_decoder().pool.capacity
 
 
 def test_a_prefill_cut_off_midway_by_a_torch_fx_trace_runs_again_from_an_empty_cache(tiny_model, serve, monkeypatch):
@@ -620,9 +599,9 @@ def test_a_prefill_cut_off_midway_by_a_torch_fx_trace_runs_again_from_an_empty_c
 
 
 def test_a_decode_step_cut_off_midway_by_a_torch_fx_trace_runs_again_at_the_same_slot(tiny_model, serve, monkeypatch):
-    # Each layer of a static cache counts its own writes: run again after being cut off, the layers before the cut
-    # wrote one slot further on, and the job's next tokens attended to the wrong keys (the CPU background-compile
-    # test failed about one run in five).
+    # With the static cache each layer counted its own writes: run again after being cut off, the layers before the
+    # cut wrote one slot further on (the CPU background-compile test failed about one run in five). A paged step
+    # writes the slots of its row lengths, moved only once the step has run.
     engine = serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="4", VLM_COMPILE="false")
     job = {
         "task": "vqa",

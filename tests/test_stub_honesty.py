@@ -70,6 +70,11 @@ CUDA_ONLY = {
     "torch.cuda.current_stream": "graph capture runs on a side stream, CUDA only",
     "torch.cuda.Stream.wait_stream": "graph capture runs on a side stream, CUDA only",
     "torch.cuda.CUDAGraph.replay": "decode steps replay CUDA graphs only on a CUDA device",
+    "torch.cuda.get_device_properties": "the KV pool is sized from GPU memory only on a CUDA device",
+    "torch.cuda.get_per_process_memory_fraction": "the KV pool is sized from GPU memory only on a CUDA device",
+    "torch.cuda.mem_get_info": "the KV pool is sized from GPU memory only on a CUDA device",
+    "torch.cuda.memory_allocated": "the KV pool is sized from GPU memory only on a CUDA device",
+    "torch.cuda.memory_reserved": "the KV pool is sized from GPU memory only on a CUDA device",
 }
 # Tensor members recorded through a TorchFunctionMode rather than by wrapping them on torch.Tensor:
 # a Python __getitem__ on torch.Tensor makes torch.tensor([0-d tensors...]) call len() on them.

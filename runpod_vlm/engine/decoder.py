@@ -1,48 +1,20 @@
-"""Continuous-batching decoding over one static KV cache: rows join and leave at step boundaries."""
+"""Continuous-batching decoding over a paged KV cache: rows join and leave at step boundaries."""
 
 from __future__ import annotations
 
-import copy
 import logging
 import random
 import time
 import types
-from typing import Any, Optional
+from typing import Optional
 
+from runpod_vlm.engine.blocks import BlockPool
+from runpod_vlm.engine.paged_attention import PagedStep, paged
 from runpod_vlm.vocabulary import GenerationParams
 
 log = logging.getLogger("runpod-vlm")
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs bound
-
-
-def use_grouped_query_decode_attention(model) -> None:
-    """Decode steps attend with SDPA's own grouped-query attention. transformers' SDPA path copies
-    K/V for every query head (repeat_kv) whenever a mask is passed, which every decode step of a
-    batch with rows of different lengths does: at 64 rows that copy was most of the step."""
-    text_config = model.config.get_text_config(decoder=True)
-    if getattr(text_config, "_attn_implementation", None) != "sdpa":
-        return
-    from transformers import AttentionInterface
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    def attention(module, query, key, value, attention_mask, **kwargs):
-        if attention_mask is None or query.shape[2] != 1 or getattr(module, "num_key_value_groups", 1) == 1:
-            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        import torch
-
-        output = torch.nn.functional.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, scale=kwargs.get("scaling"), enable_gqa=True
-        )
-        return output.transpose(1, 2).contiguous(), None
-
-    AttentionInterface.register("sdpa_gqa_decode", attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register("sdpa_gqa_decode", sdpa_mask)
-    try:  # the text model only: the vision tower keeps its own attention
-        model.set_attn_implementation({"text_config": "sdpa_gqa_decode"})
-    except Exception:
-        log.warning("grouped-query decode attention unavailable; using transformers' SDPA", exc_info=True)
 
 
 def _beside_fx_traces(forward, rewind=None, **kwargs):
@@ -65,36 +37,63 @@ def _beside_fx_traces(forward, rewind=None, **kwargs):
     return forward(**kwargs)
 
 
-class SlotDecoder:
-    """Continuous-batching decoding state: `rows` sequences over one static KV cache of `length` slots.
+SPAN_BUCKETS_FROM = 256  # a decode step gathers each row's slots up to a power-of-two multiple of this
 
-    Every row writes its next token at the same slot (the shared pointer), so a step has fixed shapes
-    and replays as one CUDA graph whatever rows join or leave. A new row's prompt is prefilled alone,
-    its keys/values copied into the slots just before the pointer; the mask hides the slots a row
-    does not own. For room, all rows' slots shift at once (rotary positions live in the keys and per
-    row, so a shift changes no result). A step runs the smallest bucket of leading rows holding every
-    busy row. Greedy rows give `model.generate(do_sample=False)`'s tokens, alone or beside others."""
+
+def row_buckets(rows: int) -> list[int]:
+    """The row counts a decode step runs at: powers of two from 8, and all rows."""
+    return sorted({b for b in (8, 16, 32, 64, 128) if b < rows} | {rows})
+
+
+class _Captured(Exception):
+    """Stops a forward at the language model, once the family's own code has built its inputs."""
+
+
+class ChunkedPrefill:
+    """A prompt entering one chunk at a time: its embeddings (vision merged in) and positions are held
+    until its last chunk; `done` tokens are in its blocks so far."""
+
+    def __init__(self, row: int, embeds, positions, position_ids, input_ids, params, prior: int):
+        self.row, self.embeds, self.positions, self.input_ids = row, embeds, positions, input_ids
+        self.last_position = position_ids[..., -1:]  # as the whole model takes positions (decode steps)
+        self.params, self.prior, self.done = params, prior, 0
+
+    @property
+    def length(self) -> int:
+        return self.embeds.shape[1]
+
+
+class PagedDecoder:
+    """Continuous-batching decoding state: up to `rows` sequences over a pool of KV blocks.
+
+    A row holds the blocks of its own tokens (its block table); a decode step writes each row's new
+    key/value at its own next slot and attends to its own slots only, gathered up to a length bucket,
+    so a step has fixed shapes per (row bucket, length bucket) and replays as a CUDA graph. New prompts
+    are prefilled as a left-padded batch into a scratch cache and copied into their blocks; a long one
+    enters in chunks written straight into its blocks (`begin_chunks`/`prefill_chunk`). A step runs
+    the smallest bucket of leading rows holding every busy row. Greedy rows give
+    `model.generate(do_sample=False)`'s tokens, alone or beside others."""
 
     pending_logprobs: Optional[dict] = None  # row -> (logprob, top ids, top logprobs) per new token
 
-    def __init__(self, model, eos_ids: set, rows: int, length: int, use_graph: bool, interval: int):
+    def __init__(self, model, eos_ids: set, rows: int, blocks: int, block_size: int, use_graph: bool, interval: int):
         import torch
 
         with torch.inference_mode():  # like every tensor made later, on the engine or compile thread
-            self._make_state(model, eos_ids, rows, length, use_graph, interval)
+            self._make_state(model, eos_ids, rows, blocks, block_size, use_graph, interval)
 
-    def _make_state(self, model, eos_ids, rows, length, use_graph, interval) -> None:
+    def _make_state(self, model, eos_ids, rows, blocks, block_size, use_graph, interval) -> None:
         import torch
 
         device = model.device
-        self.model, self.rows, self.length = model, rows, length
-        self.use_graph, self.interval = use_graph, interval
-        self.buckets = sorted({b for b in (8,) if b < rows} | {rows})
+        self.model, self.rows, self.interval, self.use_graph = model, rows, interval, use_graph
+        self.pool = BlockPool(blocks, block_size)
+        self.block_size = block_size
+        self.buckets = row_buckets(rows)
         self.forwards = {bucket: model for bucket in self.buckets}  # `use_forward` swaps in compiled ones
-        self.graphs: dict = {}  # (bucket, any sampled row) -> CUDA graph of one step
-        self.text_config = copy.copy(model.config.get_text_config(decoder=True))
-        self.text_config.sliding_window, self.text_config.layer_types = None, None  # length <= window
-        self.caches: dict[int, Any] = {}  # bucket -> StaticCache over the first `bucket` rows
+        self.graphs: dict = {}  # (bucket, span, any sampled row, logprobs, constrained) -> CUDA graph of one step
+        self.keys: list = []  # per layer [slots, kv heads, head dim]: made at the first prefill, from its shapes
+        self.values: list = []
         vocab = model.get_output_embeddings().weight.shape[0]
         self.eos_index = torch.tensor(sorted(i for i in eos_ids if i < vocab), dtype=torch.long, device=device)
         self.top_k = min(MAX_TOP_LOGPROBS, vocab)  # alternatives recorded per token when a row asks for logprobs
@@ -102,11 +101,16 @@ class SlotDecoder:
         self.mask_word, self.mask_bit = self.vocab_index // 32, self.vocab_index % 32  # a token's place in `allowed`
         penalty = getattr(model.generation_config, "repetition_penalty", None) or 1.0
         self.penalty = penalty if penalty != 1.0 else None
+        self.columns = self.pool.blocks_for(self.pool.capacity_tokens) + 1  # a block table's width
+        self.offsets = torch.arange(self.columns * block_size, device=device)
         zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
-        self.cache_position, self.ring_index = zeros(1), zeros(1)
+        self.ring_index = zeros(1)
+        self.table = zeros(rows, self.columns)  # block ids; 0 (never handed out) past a row's own
+        self.host_table = torch.zeros(rows, self.columns, dtype=torch.long)
         self.state = types.SimpleNamespace(
             token=zeros(rows, 1),
-            mask=zeros(rows, length),
+            length=zeros(rows),  # tokens in the row's blocks before its next step
+            busy=zeros(rows),
             count=zeros(rows),
             min_new=zeros(rows),
             sample=zeros(rows, dtype=torch.bool),
@@ -123,96 +127,70 @@ class SlotDecoder:
             seen=zeros(rows, vocab, dtype=torch.bool) if self.penalty else None,
         )
         self.position = None  # shaped like the family's position ids at the first prefill
-        self.pointer = 0  # the slot the next step writes (host copy of cache_position)
-        self.spans: dict[int, tuple[int, int]] = {}  # row -> (first slot, slot past its last token)
+        self.lengths: dict[int, int] = {}  # busy row -> tokens in its blocks (host copy of state.length)
         self.any_sample = self.any_logprobs = self.any_constrained = False
         self.capture_failures = 0  # e.g. voided by the background compile's GPU work
 
-    # ---- admission --------------------------------------------------------------------------
+    # ---- blocks -----------------------------------------------------------------------------
 
     @property
     def allocated(self) -> bool:
-        """Whether the KV cache exists yet (it is shaped from the first prefill's keys)."""
-        return bool(self.caches)
-
-    def length_to_hold(self, prompt_length: int, max_new_tokens: int) -> int:
-        """The cache length, doubling this one's, a decoder needs to hold one such request."""
-        length = self.length
-        while length < prompt_length + max_new_tokens + self.interval:
-            length *= 2
-        return length
+        """Whether the KV pool exists yet (it is shaped from the first prefill's keys)."""
+        return bool(self.keys)
 
     def free_rows(self) -> list[int]:
-        return [row for row in range(self.rows) if row not in self.spans]
+        return [row for row in range(self.rows) if row not in self.lengths]
 
-    def plan(self, prompt_length: int, max_new_tokens: int) -> Optional[int]:
-        """The shift that makes room for a new row (0: none needed), or None if it cannot fit now."""
-        if prompt_length + max_new_tokens + self.interval > self.length:
-            return None
-        if not self.spans:
-            return prompt_length - self.pointer
-        low, high = min(s for s, _ in self.spans.values()), max(e for _, e in self.spans.values())
-        if self.pointer >= prompt_length and self.pointer + max_new_tokens + self.interval <= self.length:
-            return 0
-        shift = max(prompt_length - self.pointer, -low)
-        fits = high + shift <= self.length and self.pointer + shift + max_new_tokens + self.interval <= self.length
-        return shift if fits else None
+    def grow(self, row, tokens: int) -> None:
+        """Give `row` (a busy row, or a prompt's key) the blocks for `tokens` tokens; raises PoolExhausted."""
+        held = len(self.pool.table(row))
+        new = self.pool.grow(row, tokens)
+        if new and isinstance(row, int):
+            self.host_table[row, held : held + len(new)] = self.host_table.new_tensor(new)
+            self.table[row, held : held + len(new)] = self.host_table[row, held : held + len(new)].to(self.table.device)
 
-    def shift(self, delta: int) -> None:
-        """Move every row's slots by `delta` (negative: left)."""
+    def _slots(self, row, start: int, end: int):
+        """The pool slots of a holder's tokens [start, end)."""
         import torch
 
-        if delta == 0:
-            return
-        full = self.caches.get(self.rows)
-        for layer in full.layers if full else ():
-            layer.keys.copy_(torch.roll(layer.keys, delta, dims=2))
-            layer.values.copy_(torch.roll(layer.values, delta, dims=2))
-        mask = self.state.mask
-        mask.copy_(torch.roll(mask, delta, dims=1))
-        if delta > 0:
-            mask[:, :delta] = 0  # what wrapped around from the end
-        else:
-            mask[:, self.length + delta :] = 1  # future slots: hidden by causality until written
-        self._set_pointer(self.pointer + delta)
-        self.spans = {row: (s + delta, e + delta) for row, (s, e) in self.spans.items()}
+        blocks = torch.tensor(self.pool.table(row), dtype=torch.long)
+        slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
+        return slots[start:end].to(self.offsets.device)
 
-    def _set_pointer(self, pointer: int) -> None:
-        self.pointer = pointer
-        self.cache_position.fill_(pointer)
-        for cache in self.caches.values():  # transformers' StaticLayer writes at its own counter
-            for layer in cache.layers:
-                layer.cumulative_length.fill_(pointer)
+    def release(self, row: int) -> None:
+        """Free a row and its blocks: it may be given to a new item."""
+        self.pool.release(row)
+        self.lengths.pop(row, None)
+        self.host_table[row] = 0
+        self.table[row] = 0
+        self.state.busy[row] = 0
+        self.state.length[row] = 0
+        self._update_any_sample()
 
-    def _allocate(self, keys, values) -> None:
-        """The static cache of all rows, shaped from a prefill's keys/values; each smaller bucket's
-        cache holds views of its leading rows."""
+    def _allocate(self, keys) -> None:
+        """The pool: keys and values per layer, shaped as a prefill's keys [batch, heads, length, dim]."""
         import torch
-        from transformers import StaticCache
 
-        caches = {}  # kept only whole: an allocation that runs out of memory leaves none
-        for bucket in self.buckets:
-            caches[bucket] = StaticCache(config=self.text_config, max_cache_len=self.length)
-            for layer, k, v in zip(caches[bucket].layers, keys, values):
-                layer.lazy_initialization(k[:1].expand(bucket, -1, -1, -1), v[:1].expand(bucket, -1, -1, -1))
-        self.caches, full = caches, caches[self.rows]
-        for bucket, cache in self.caches.items():
-            if bucket != self.rows:
-                for layer, whole in zip(cache.layers, full.layers):
-                    layer.keys, layer.values = whole.keys[:bucket], whole.values[:bucket]
-                    torch._dynamo.mark_static_address(layer.keys)
-                    torch._dynamo.mark_static_address(layer.values)
-        self._set_pointer(self.pointer)
+        slots = (self.pool.capacity + 1) * self.block_size
+        made_keys, made_values = [], []  # kept only whole: an allocation that runs out of memory leaves none
+        for k in keys:
+            made_keys.append(torch.zeros(slots, k.shape[1], k.shape[3], dtype=k.dtype, device=k.device))
+            made_values.append(torch.zeros_like(made_keys[-1]))
+        self.keys, self.values = made_keys, made_values
+        for tensor in (*self.keys, *self.values):
+            torch._dynamo.mark_static_address(tensor)
 
-    def prefill(self, inputs, rows: list[int], params: list[GenerationParams], allowed=None) -> list[int]:
-        """Run new items' prompts (one left-padded batch) and place them in `rows`, whose slots end
-        at the pointer (the caller made room with `plan`/`shift`). Returns each row's first token."""
+    # ---- prefill ----------------------------------------------------------------------------
+
+    def prefill(self, inputs, rows: list[int], params: list[GenerationParams], allowed=None, prior=None) -> list[int]:
+        """Run new items' prompts (one left-padded batch) and place them in `rows`, each with the blocks
+        of its own tokens. `prior`: per row, the tokens it had already generated (a preempted row resumed:
+        they end its prompt). Returns each row's next token."""
         import torch
         from transformers import DynamicCache
 
-        model, state = self.model, self.state
+        model = self.model
         input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
-        count, prompt_length = input_ids.shape
         # Positions continue from the prompt's exactly as generate() continues them (M-RoPE too).
         position_ids = model._prepare_position_ids_for_generation(input_ids, dict(inputs))
 
@@ -223,27 +201,103 @@ class SlotDecoder:
             ), scratch
 
         output, scratch = _beside_fx_traces(forward)
-        if not self.caches:
-            self._allocate([layer.keys for layer in scratch.layers], [layer.values for layer in scratch.layers])
-        index = torch.tensor(rows, device=input_ids.device)
-        start, end = self.pointer - prompt_length, self.pointer
-        for layer, new in zip(self.caches[self.rows].layers, scratch.layers):
-            layer.keys[index, :, start:end] = new.keys
-            layer.values[index, :, start:end] = new.values
-        state.mask[index] = 0
-        state.mask[index, start:end] = attention_mask
-        state.mask[index, end:] = 1
+        if not self.keys:
+            self._allocate([layer.keys for layer in scratch.layers])
+        lengths = attention_mask.sum(dim=1).tolist()
+        for row, length in zip(rows, lengths):
+            self.grow(row, length)
+        slots = torch.cat([self._slots(row, 0, length) for row, length in zip(rows, lengths)])
+        kept = attention_mask.bool()  # left padding is not copied
+        for pool_keys, pool_values, layer in zip(self.keys, self.values, scratch.layers):
+            pool_keys.index_copy_(0, slots, layer.keys.transpose(1, 2)[kept].to(pool_keys.dtype))
+            pool_values.index_copy_(0, slots, layer.values.transpose(1, 2)[kept].to(pool_values.dtype))
+        logits, last_position = output.logits[:, -1, :], position_ids[..., -1:]
+        return self._start(rows, lengths, logits, last_position, input_ids, params, allowed, prior)
+
+    def begin_chunks(self, inputs, row: int, params: GenerationParams, prior: int = 0) -> Optional[ChunkedPrefill]:
+        """A one-item prompt's embeddings and positions, made by the family's own forward up to its language
+        model (the vision tower runs here); None when that language model takes more than embeddings and
+        positions (e.g. Qwen3-VL's deepstack features), which a chunk could not slice: prefill it whole."""
+        model = self.model
+        position_ids = model._prepare_position_ids_for_generation(inputs["input_ids"], dict(inputs))
+        language_model, captured = model.get_decoder(), {}
+
+        def capture(module, args, kwargs):
+            captured.update(kwargs)
+            raise _Captured
+
+        handle = language_model.register_forward_pre_hook(capture, with_kwargs=True)
+        try:
+            model(**inputs, position_ids=position_ids, use_cache=False)
+        except _Captured:
+            pass
+        finally:
+            handle.remove()
+        plain = {"input_ids", "inputs_embeds", "position_ids", "attention_mask", "past_key_values", "cache_position"}
+        if any(v is not None and k not in plain and hasattr(v, "shape") for k, v in captured.items()):
+            return None
+        embeds = captured.get("inputs_embeds")
+        if embeds is None:
+            embeds = language_model.get_input_embeddings()(inputs["input_ids"])
+        positions = captured.get("position_ids")  # as the language model takes them
+        positions = position_ids if positions is None else positions
+        return ChunkedPrefill(row, embeds, positions, position_ids, inputs["input_ids"], params, prior)
+
+    def prefill_chunk(self, chunked: ChunkedPrefill, size: int, allowed=None) -> Optional[int]:
+        """Run the next `size` tokens of a chunked prompt into its blocks (the caller grew them); at its
+        last chunk the row starts decoding and its first token is returned."""
+        import torch
+
+        start, end = chunked.done, min(chunked.done + size, chunked.length)
+        self.grow(chunked.row, end)
+        if not self.keys:
+            self._allocate_from_config(chunked.embeds)
+        slots = self._slots(chunked.row, start, end)
+        index = self._slots(chunked.row, 0, end)[None, :]
+        positions = torch.arange(end, device=slots.device)
+        visible = positions[None, :] <= positions[start:end, None]  # causal, after the earlier chunks
+        step = PagedStep(self.keys, self.values, slots, index, visible[None, None])
+        with paged(step):
+            hidden = self.model.get_decoder()(
+                inputs_embeds=chunked.embeds[:, start:end],
+                position_ids=chunked.positions[..., start:end],
+                use_cache=False,
+            ).last_hidden_state
+        chunked.done = end
+        if end < chunked.length:
+            return None
+        logits = self.model.get_output_embeddings()(hidden[:, -1:, :])[:, -1, :]
+        prior = [chunked.prior] if chunked.prior else None
+        return self._start(
+            [chunked.row], [end], logits, chunked.last_position, chunked.input_ids, [chunked.params], allowed, prior
+        )[0]
+
+    def _allocate_from_config(self, embeds) -> None:
+        import torch
+
+        config = self.model.config.get_text_config(decoder=True)
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        shape = (1, heads, 1, dim)
+        self._allocate([torch.empty(shape, dtype=embeds.dtype, device=embeds.device)] * config.num_hidden_layers)
+
+    def _start(self, rows, lengths, logits, last_position, input_ids, params, allowed, prior) -> list[int]:
+        """Rows whose prompts are in their blocks: their settings and first tokens, chosen from `logits`."""
+        import torch
+
+        state = self.state
+        index = torch.tensor(rows, device=logits.device)
         if self.position is None:
-            shape = list(position_ids.shape)
-            shape[-2], shape[-1] = self.rows, 1
-            self.position = torch.zeros(shape, dtype=position_ids.dtype, device=position_ids.device)
-        self.position.index_copy_(-2, index, position_ids[..., -1:] + 1)
+            shape = list(last_position.shape)
+            shape[-2] = self.rows
+            self.position = torch.zeros(shape, dtype=last_position.dtype, device=last_position.device)
+        self.position.index_copy_(-2, index, last_position + 1)
 
         def column(values, dtype):
             return torch.tensor(values, dtype=dtype, device=index.device)
 
         new = types.SimpleNamespace(
-            count=torch.zeros(count, dtype=torch.long, device=index.device),
+            count=column(prior or [0] * len(rows), torch.long),
             seen=None,
             min_new=column([p.min_new_tokens for p in params], torch.long),
             sample=column([p.do_sample for p in params], torch.bool),
@@ -253,37 +307,32 @@ class SlotDecoder:
             logprobs=column([p.logprobs for p in params], torch.bool),
             constrained=column([p.json_schema is not None for p in params], torch.bool),
             allowed=None if allowed is None else allowed.to(index.device),
+            length=column(lengths, torch.long),
+            busy=column([1] * len(rows), torch.long),
         )
         if self.penalty:
-            new.seen = torch.zeros((count, state.seen.shape[1]), dtype=torch.bool, device=index.device)
+            new.seen = torch.zeros((len(rows), state.seen.shape[1]), dtype=torch.bool, device=index.device)
             new.seen.scatter_(1, input_ids, True)
         wants_logprobs = any(p.logprobs for p in params)
-        constrained = allowed is not None
         token, logprobs = self._choose(
-            output.logits[:, -1, :], new, any(p.do_sample for p in params), wants_logprobs, constrained
+            logits, new, any(p.do_sample for p in params), wants_logprobs, allowed is not None
         )
         if wants_logprobs:
             self.pending_logprobs = {
                 row: [entry] for row, entry in zip(rows, zip(*(part.tolist() for part in logprobs)))
             }
-        for name in ("min_new", "sample", "temperature", "top_p", "seed", "logprobs", "constrained", "allowed", "seen"):
+        names = ("min_new", "sample", "temperature", "top_p", "seed", "logprobs", "constrained", "allowed", "seen")
+        for name in (*names, "length", "busy"):
             if getattr(new, name) is not None:
                 getattr(state, name)[index] = getattr(new, name)
         state.token[index] = token[:, None]
-        state.count[index] = 1
-        for row, p in zip(rows, params):
-            self.spans[row] = (start, end + p.max_new_tokens + self.interval)
+        state.count[index] = new.count + 1
+        self.lengths.update(zip(rows, lengths))
         self._update_any_sample()
         return token.tolist()
 
-    def release(self, row: int) -> None:
-        """Free a row: its slots are hidden from now on and it may be given to a new item."""
-        self.spans.pop(row, None)
-        self.state.mask[row, : self.pointer] = 0
-        self._update_any_sample()
-
     def _update_any_sample(self) -> None:
-        busy = sorted(self.spans)
+        busy = sorted(self.lengths)
         self.any_sample = bool(self.state.sample[busy].any()) if busy else False
         self.any_logprobs = bool(self.state.logprobs[busy].any()) if busy else False
         self.any_constrained = bool(self.state.constrained[busy].any()) if busy else False
@@ -341,23 +390,27 @@ class SlotDecoder:
         """The per-row tensors of the first `bucket` rows, as views."""
         return types.SimpleNamespace(**{k: v if v is None else v[:bucket] for k, v in vars(self.state).items()})
 
-    def _advance(self, bucket: int) -> None:
-        """One step of the first `bucket` rows: their last tokens go through the model, the next
-        are chosen."""
+    def _advance(self, bucket: int, span: int) -> None:
+        """One step of the first `bucket` rows, each attending to its first `span` slots at most: their
+        last tokens go through the model, the next are chosen."""
         rows = self._rows_of(bucket)
         position = self.position[..., :bucket, :]
-        cache = self.caches[bucket]  # each layer counts its writes: a step cut off midway moved some counters
-        output = _beside_fx_traces(
-            self.forwards[bucket],
-            lambda: [n.cumulative_length.copy_(self.cache_position[0]) for n in cache.layers],
-            input_ids=rows.token,
-            attention_mask=rows.mask,
-            position_ids=position,
-            past_key_values=cache,
-            cache_position=self.cache_position,
-            use_cache=True,
-            logits_to_keep=1,
-        )
+        table = self.table[:bucket]
+        length = rows.length
+        block = table.gather(1, (length // self.block_size)[:, None])[:, 0]
+        # An idle row writes block 0's first slot: its table may hold a prompt entering in chunks.
+        slots = (block * self.block_size + length % self.block_size) * rows.busy
+        offsets = self.offsets[:span]
+        index = table[:, offsets // self.block_size] * self.block_size + offsets % self.block_size
+        visible = (offsets[None, :] <= length[:, None])[:, None, None, :]
+        with paged(PagedStep(self.keys, self.values, slots, index, visible)):
+            output = _beside_fx_traces(
+                self.forwards[bucket],
+                input_ids=rows.token,
+                position_ids=position,
+                use_cache=False,
+                logits_to_keep=1,
+            )
         token, logprobs = self._choose(
             output.logits[:, -1, :], rows, self.any_sample, self.any_logprobs, self.any_constrained
         )
@@ -369,40 +422,49 @@ class SlotDecoder:
             rows.ring_top_logprob.index_copy_(1, self.ring_index, top_logprob[:, None])
         self.ring_index += 1
         rows.count += 1
+        rows.length.add_(rows.busy)  # an idle row stays at its one slot of block 0
         rows.token.copy_(token[:, None])
         position += 1
-        self.cache_position += 1
 
     def bucket(self) -> int:
-        busy = max(self.spans, default=0) + 1
+        busy = max(self.lengths, default=0) + 1
         return next(b for b in self.buckets if b >= busy)
 
+    def span(self, steps: int) -> int:
+        """The slots a step gathers per row: a length bucket holding every busy row's tokens after `steps` more."""
+        longest = max(self.lengths.values(), default=0) + steps
+        span = SPAN_BUCKETS_FROM
+        while span < longest:
+            span *= 2
+        return min(span, self.columns * self.block_size)
+
     def step(self, steps: int) -> list[list[int]]:
-        """Run `steps` (at most `interval`) decode steps; each busy bucket row's new tokens."""
-        bucket = self.bucket()
-        self._set_pointer(self.pointer)  # another bucket's steps moved only its own counters
+        """Run `steps` (at most `interval`) decode steps; each busy bucket row's new tokens. Every busy row
+        must hold the blocks for `steps` more tokens (`grow`)."""
+        bucket, span = self.bucket(), self.span(steps)
         self.ring_index.zero_()
-        graph = self.graphs.get(self._graph_key(bucket))
+        graph = self.graphs.get(self._graph_key(bucket, span))
         for _ in range(steps):
-            graph.replay() if graph is not None else self._advance(bucket)
-        self.pointer += steps
+            graph.replay() if graph is not None else self._advance(bucket, span)
+        for row in self.lengths:
+            self.lengths[row] += steps
         tokens = self.state.ring[:bucket, :steps].tolist()
         if self.any_logprobs:
             state = self.state
             parts = (state.ring_logprob, state.ring_top_id, state.ring_top_logprob)
             per_row = zip(*(part[:bucket, :steps].tolist() for part in parts))
             self.pending_logprobs = {row: list(zip(*entries)) for row, entries in enumerate(per_row)}
-        if self.use_graph and graph is None and self.spans and self.pointer < self.length:
+        if self.use_graph and graph is None and self.lengths:
             try:
-                self._capture(bucket)
+                self._capture(bucket, span)
             except Exception:  # still correct without the graph, only slower; tried again at later steps
                 self.capture_failures += 1
                 log.warning("CUDA graph capture failed (%d of 3 tries)", self.capture_failures, exc_info=True)
                 self.use_graph = self.capture_failures < 3
         return tokens
 
-    def _graph_key(self, bucket: int) -> tuple:
-        return bucket, self.any_sample, self.any_logprobs, self.any_constrained
+    def _graph_key(self, bucket: int, span: int) -> tuple:
+        return bucket, span, self.any_sample, self.any_logprobs, self.any_constrained
 
     def take_logprobs(self) -> Optional[dict]:
         """The log-probabilities the last prefill or steps recorded (row -> one entry per new token), once."""
@@ -418,30 +480,31 @@ class SlotDecoder:
         self.forwards[bucket] = forward
         self.graphs = {key: graph for key, graph in self.graphs.items() if key[0] != bucket}
 
-    def _capture(self, bucket: int) -> None:
-        """Record one step as a CUDA graph; the steps run to record it write only the pointer's slot."""
+    def _capture(self, bucket: int, span: int) -> None:
+        """Record one step as a CUDA graph. The steps run to record it write each row's next slots (written
+        again by the real steps before any reads them) or block 0's; what they advance is put back."""
         import torch
 
-        state = self.state  # what the recording steps advance, put back after
-        kept = [(t, t.clone()) for t in (state.token, self.position, state.count, state.seen) if t is not None]
-        pointer = self.pointer
+        state = self.state
+        kept = [
+            (t, t.clone()) for t in (state.token, self.position, state.count, state.length, state.seen) if t is not None
+        ]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             for _ in range(2):
-                self._set_pointer(pointer)
                 self.ring_index.zero_()
-                self._advance(bucket)
+                self._advance(bucket, span)
         torch.cuda.current_stream().wait_stream(stream)
-        self._set_pointer(pointer)
+        for tensor, value in kept:
+            tensor.copy_(value)
         self.ring_index.zero_()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self._advance(bucket)
-        self._set_pointer(pointer)
+            self._advance(bucket, span)
         for tensor, value in kept:
             tensor.copy_(value)
-        self.graphs[self._graph_key(bucket)] = graph
+        self.graphs[self._graph_key(bucket, span)] = graph
 
 
 def row_seed(seed: Optional[int]) -> int:

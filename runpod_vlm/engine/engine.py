@@ -11,6 +11,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
+from runpod_vlm.engine.blocks import PoolExhausted
 from runpod_vlm.engine.compile import (
     compile_cache_key,
     load_compile_artifacts,
@@ -19,9 +20,10 @@ from runpod_vlm.engine.compile import (
     set_torch_cache_dirs,
     with_compiled_layers,
 )
-from runpod_vlm.engine.decoder import SlotDecoder, use_grouped_query_decode_attention
+from runpod_vlm.engine.decoder import ChunkedPrefill, PagedDecoder
 from runpod_vlm.engine.grammar import Grammars
 from runpod_vlm.engine.loading import load_model
+from runpod_vlm.engine.paged_attention import use_paged_attention
 from runpod_vlm.engine.ticket import Ticket, logprob_entries
 from runpod_vlm.families.base import end_tokens
 from runpod_vlm.settings import Settings
@@ -41,6 +43,8 @@ from runpod_vlm.vocabulary import (
 log = logging.getLogger("runpod-vlm")
 
 COMPILE_AFTER_FIRST_ANSWER_S = 10.0  # a new worker's first job is answered before the background compile slows it
+BLOCK_SIZE = 16  # tokens per KV block (vLLM's default): a row wastes at most 15 slots
+CPU_KV_CACHE_TOKENS = 32768
 
 
 def is_out_of_memory(error: Exception) -> bool:
@@ -56,6 +60,18 @@ def is_fatal_gpu_error(error: Exception) -> bool:
     )
 
 
+def with_generated(inputs, ids: list[int]) -> None:
+    """A one-item prompt's inputs followed by `ids` it had generated: text tokens, in every per-token tensor
+    (the attention mask, and e.g. Qwen's mm_token_type_ids, where 0 is text)."""
+    import torch
+
+    shape = tuple(inputs["input_ids"].shape)
+    for name, value in list(inputs.items()):
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == shape:
+            tail = ids if name == "input_ids" else [int(name == "attention_mask")] * len(ids)
+            inputs[name] = torch.cat([value, torch.tensor([tail], dtype=value.dtype, device=value.device)], dim=1)
+
+
 class Engine:
     """The loaded model, its processor and family adapter. One per process."""
 
@@ -68,15 +84,18 @@ class Engine:
         self._compiled_forward = None
         self.broken = False  # a fatal GPU error happened: nothing more runs here
         self._stop_by: Optional[float] = None  # after SIGTERM: when the items still running fail
-        self._compiled_shapes: set = set()  # (bucket, cache length) compiled in the background
+        self._compiled_shapes: set = set()  # row buckets compiled in the background
         self._newly_compiled: list = []  # ... ready, not yet switched to by the engine thread
         self._answered = threading.Event()  # set at the first answer; the background compile waits for it
         self._load()
         self._wake = threading.Condition()  # guards the queue; the engine thread waits on it
         self._queue: list[Ticket] = []  # submitted, not yet given a row, in arrival order
         self._rows: dict[int, Ticket] = {}  # decoder row -> the item decoding there (engine thread only)
+        self._chunking: Optional[tuple[Ticket, ChunkedPrefill]] = None  # a long prompt entering chunk by chunk
+        self._admitted = 0  # admissions so far: a row's number orders preemption (the newest goes first)
+        self._tokens_per_item = 256.0  # a running mean of prompt lengths: how many items one prefill takes
         self._thread: Optional[threading.Thread] = None
-        self._decoder: Optional[SlotDecoder] = None
+        self._decoder: Optional[PagedDecoder] = None
         self.grammars: Optional[Grammars] = None  # made at the first request for structured output
 
     # ---- loading ----------------------------------------------------------------------------
@@ -91,9 +110,9 @@ class Engine:
         self.context_length = getattr(text_config, "max_position_embeddings", None)
         self.use_graphs = self._cuda_graphs_possible()
         self.compile = self.use_graphs and self.settings.compile
-        # Rows join and leave a running batch through one static cache; sliding-window layers and remote-code
-        # chat() APIs cannot, and answer one item at a time; nor can LongRoPE (Phi-4), whose factors switch on the
-        # highest position in a batch, a free row's too. A window no shorter than the cache attends like full attention.
+        # Rows join and leave a running batch through the paged cache; remote-code chat() APIs cannot, and answer
+        # one item at a time; nor can LongRoPE (Phi-4), whose factors switch on the highest position in a batch.
+        # Sliding-window layers attend like full attention while a request fits its window: a longer one runs alone.
         window = getattr(text_config, "sliding_window", None)
         kinds = set(getattr(text_config, "layer_types", None) or (["sliding_attention"] if window else []))
         self.max_slots = window if "sliding_attention" in kinds else None
@@ -102,16 +121,14 @@ class Engine:
             self.adapter.native
             and kinds <= {"full_attention", "sliding_attention"}
             and not longrope
-            and (self.max_slots is None or self.max_slots >= self.settings.cache_len)
+            and use_paged_attention(self.model)
         )
-        if self.continuous and self.use_graphs:  # a GPU speed-up; CPU runs keep transformers' SDPA
-            use_grouped_query_decode_attention(self.model)
         log.info("loaded %s (%s) in %.1fs", self.model_id, self.adapter.name, time.perf_counter() - started)
 
-    def _current_decoder(self) -> SlotDecoder:
+    def _current_decoder(self) -> PagedDecoder:
         """The decoder, made at first use (which queues the background compile of its shapes)."""
         if self._decoder is None:
-            self._decoder = self._new_decoder(self.settings.cache_len)
+            self._decoder = self._new_decoder()
         return self._decoder
 
     @property
@@ -128,7 +145,9 @@ class Engine:
             "quantize": self.quantize,
             "batching": "continuous" if self.continuous else "one request at a time",
             "rows": self.settings.max_batch_size,
-            "kv_cache_slots": self.settings.cache_len,
+            "kv_cache_tokens": self._decoder.pool.capacity_tokens if self._decoder else None,
+            "kv_block_size": BLOCK_SIZE,
+            "max_batch_tokens": self.settings.max_batch_tokens,
             "compiled_decode": self.compile,
             "cuda_graphs": self.use_graphs,
         }
@@ -183,7 +202,7 @@ class Engine:
     def _serve_forever(self) -> None:
         while True:
             with self._wake:
-                while not self._queue and not self._rows and not self._newly_compiled:
+                while not self._queue and not self._rows and not self._chunking and not self._newly_compiled:
                     self._wake.wait()
                 self._queue = [t for t in self._queue if not t.cancelled]
                 waiting = list(self._queue)
@@ -199,6 +218,8 @@ class Engine:
                 if self._newly_compiled:
                     self._switch_to_compiled()
                 self._admit(waiting)
+                if self._chunking is not None:
+                    self._prefill_next_chunk()
                 if self._rows:
                     self._decode_interval()
             except Exception as error:
@@ -261,14 +282,19 @@ class Engine:
         return self._generation(item, ids, prompt_tokens, input_sizes[0], logprobs)
 
     def _admit(self, waiting: list[Ticket]) -> None:
-        """Prefill as many waiting items as fit (in arrival order) and give them rows."""
-
+        """Prefill the waiting items at the queue's head that fit the step's token budget, the free rows and
+        the free KV blocks (in arrival order: a long request is never passed over), and give them rows."""
         decoder = self._current_decoder()
         free = decoder.free_rows()
         if not waiting or not free:
             return
-        size = min(len(free), *(t.group_limit or len(free) for t in waiting[: len(free)]))
+        if self._chunking is not None:  # the row of the prompt entering in chunks is not free
+            free = [row for row in free if row != self._chunking[1].row]
+        by_budget = max(1, int(self.settings.max_batch_tokens // self._tokens_per_item))
+        size = min(len(free), by_budget, *(t.group_limit or len(free) for t in waiting[: len(free)]))
         group = waiting[:size]
+        if any(t.ids for t in group):  # a preempted item resumes alone: its own tokens end its prompt
+            group = group[:1]
         self._take(group)
         try:
             self._place(group, free)
@@ -279,7 +305,7 @@ class Engine:
             else:
                 log.exception("could not admit %d items", len(group))
             with self._wake:
-                lost = [t for t in group if t.row is None and t not in self._queue]
+                lost = [t for t in group if t.row is None and t not in self._queue and not t.done]
             for ticket in lost:
                 ticket.fail(GPU_FAILURE if fatal else GENERATION_FAILED)
 
@@ -300,60 +326,122 @@ class Engine:
                 return group[0].finish(error)
             return self._admit_failed(group[0])
         prompt_tokens = inputs["attention_mask"].sum(dim=1).tolist()
-        errors = [self._context_error(t.item, n) for t, n in zip(group, prompt_tokens)]
+        self._tokens_per_item = (self._tokens_per_item + sum(prompt_tokens) / len(prompt_tokens)) / 2
+        width = inputs["input_ids"].shape[1]  # a padded batch runs this many tokens a row
+        if len(group) > 1 and len(group) * width > self.settings.max_batch_tokens:
+            return self._requeue(group, limit=max(1, self.settings.max_batch_tokens // width))
+        errors = [self._context_error(t.item, n) or self._pool_error(t.item, n) for t, n in zip(group, prompt_tokens)]
         if any(errors):
             for ticket, error in zip(group, errors):
                 if error:
                     ticket.finish(error)
             self._requeue([t for t, e in zip(group, errors) if not e])
             return
-        prompt_length = inputs["input_ids"].shape[1]
-        longest = max(t.item.params.max_new_tokens for t in group)
-        shift = decoder.plan(prompt_length, longest)
-        if shift is None:
-            if len(group) > 1:  # a smaller group (shorter padding, fewer tokens) may fit
-                return self._requeue(group, limit=len(group) // 2)
-            if not self._rows:  # alone and still too long: a decoder with a longer cache
-                length = decoder.length_to_hold(prompt_length, longest)
-                if self.max_slots is not None and length > self.max_slots:
-                    return self._run_alone(group[0])  # past the sliding window: generate() handles it
-                self._decoder = self._new_decoder(length)
-                return self._requeue(group)
-            return self._requeue(group)  # waits for rows to finish
-        decoder.shift(shift)
+        window = self.max_slots
+        if window is not None and any(n + t.item.params.max_new_tokens > window for t, n in zip(group, prompt_tokens)):
+            # past a sliding window: generate() handles it alone
+            return self._requeue(group, limit=1) if len(group) > 1 else self._run_alone(group[0])
+        if group[0].ids:  # resumed: the tokens it had generated follow its prompt
+            with_generated(inputs, group[0].ids)
+        lengths = inputs["attention_mask"].sum(dim=1).tolist()
+        room = self._rows_that_fit(decoder, lengths, [t.item.params.max_new_tokens for t in group])
+        if room < len(group):  # wait for blocks: what fits first comes again as a smaller group
+            return self._requeue(group, limit=room or None)
+        if len(group) == 1 and lengths[0] > self.settings.max_batch_tokens:
+            chunked = decoder.begin_chunks(inputs, free[0], group[0].item.params, len(group[0].ids))
+            if chunked is not None:
+                group[0].prompt_tokens, group[0].input_size = prompt_tokens[0], input_sizes[0]
+                self._chunking = (group[0], chunked)
+                return
         rows = free[: len(group)]
         try:
-            first = decoder.prefill(inputs, rows, [t.item.params for t in group], self._grammar_masks(group))
+            first = decoder.prefill(
+                inputs, rows, [t.item.params for t in group], self._grammar_masks(group), [len(t.ids) for t in group]
+            )
         except Exception as error:
             for row in rows:
                 decoder.release(row)
             if is_fatal_gpu_error(error):
                 raise
             if is_out_of_memory(error):
-                if not decoder.allocated and decoder.length > self.settings.cache_len:
-                    self._decoder = None  # a cache grown for a long request does not fit: back to the usual one
                 torch.cuda.empty_cache()
                 if len(group) > 1:  # halves, down to single items
                     log.warning("a prefill of %d items ran out of GPU memory; retrying in halves", len(group))
                     return self._requeue(group, limit=len(group) // 2)
-                return group[0].finish(
-                    RequestError(
-                        "out_of_memory",
-                        f"this request ({prompt_tokens[0]} prompt tokens with its "
-                        f"{len(group[0].item.images)} images) does not fit in the GPU's free memory",
-                        group[0].item.param,
-                    )
-                )
+                return group[0].finish(self._out_of_memory(group[0], prompt_tokens[0]))
             if len(group) > 1:
                 log.warning("a prefill of %d items failed; admitting them one by one", len(group), exc_info=True)
                 return self._requeue(group, limit=1)
             return self._admit_failed(group[0])
         logprobs = decoder.take_logprobs() or {}
         for ticket, row, token, prompt, size in zip(group, rows, first, prompt_tokens, input_sizes):
-            ticket.row, ticket.prompt_tokens, ticket.input_size = row, prompt, size
-            self._rows[row] = ticket
-            self._accept(ticket, [token], logprobs.get(row))
+            ticket.prompt_tokens, ticket.input_size = prompt, size
+            self._started(ticket, row, token, logprobs.get(row))
         self._next_grammar_masks()
+
+    def _started(self, ticket: Ticket, row: int, token: int, logprobs) -> None:
+        ticket.row, ticket.group_limit = row, None
+        self._admitted += 1
+        ticket.admitted = self._admitted
+        self._rows[row] = ticket
+        self._accept(ticket, [token], logprobs)
+
+    def _rows_that_fit(self, decoder: PagedDecoder, lengths: list[int], max_new: list[int]) -> int:
+        """How many of a group's leading items the free blocks hold, each with its prompt and first interval."""
+        needed = 0
+        for n, (length, new) in enumerate(zip(lengths, max_new)):
+            needed += decoder.pool.blocks_for(length + min(new, decoder.interval))
+            if needed > decoder.pool.free:
+                return n
+        return len(lengths)
+
+    def _pool_error(self, item: GenerationRequest, prompt_tokens: int) -> Optional[RequestError]:
+        """A request the whole KV pool could not hold, even alone."""
+        capacity = self._current_decoder().pool.capacity_tokens
+        if prompt_tokens + item.params.max_new_tokens > capacity:
+            return self._out_of_memory_error(item, prompt_tokens, f"the KV cache, which holds {capacity} tokens")
+
+    def _out_of_memory(self, ticket: Ticket, prompt_tokens: int) -> RequestError:
+        return self._out_of_memory_error(ticket.item, prompt_tokens, "the GPU's free memory")
+
+    def _out_of_memory_error(self, item: GenerationRequest, prompt_tokens: int, where: str) -> RequestError:
+        return RequestError(
+            "out_of_memory",
+            f"this request ({prompt_tokens} prompt tokens with its {len(item.images)} images, and max_new_tokens "
+            f"{item.params.max_new_tokens}) does not fit in {where}",
+            item.param,
+        )
+
+    def _prefill_next_chunk(self) -> None:
+        """The next chunk of the prompt entering in pieces (at most the step's token budget)."""
+        import torch
+
+        ticket, chunked = self._chunking
+        decoder = self._current_decoder()
+        if ticket.cancelled:
+            self._chunking = None
+            return decoder.release(chunked.row)
+        size = self.settings.max_batch_tokens
+        end = min(chunked.done + size, chunked.length)
+        if decoder.pool.shortfall(chunked.row, end + min(ticket.item.params.max_new_tokens, decoder.interval)):
+            if self._rows:
+                return  # blocks come back as rows finish (or are preempted before the next interval)
+        try:
+            token = decoder.prefill_chunk(chunked, size, self._grammar_masks([ticket]))
+        except Exception as error:
+            self._chunking = None
+            decoder.release(chunked.row)
+            if is_fatal_gpu_error(error):
+                raise
+            if is_out_of_memory(error):
+                torch.cuda.empty_cache()
+                return ticket.finish(self._out_of_memory(ticket, ticket.prompt_tokens))
+            log.exception("a chunked prefill failed")
+            return ticket.fail(GENERATION_FAILED)
+        if token is not None:
+            self._chunking = None
+            self._started(ticket, chunked.row, token, (decoder.take_logprobs() or {}).get(chunked.row))
+            self._next_grammar_masks()
 
     def _requeue(self, tickets: list[Ticket], limit: Optional[int] = None) -> None:
         """Back to the front of the queue; `limit`: admitted in groups of at most that many."""
@@ -372,11 +460,34 @@ class Engine:
         remaining = max(t.item.params.max_new_tokens - len(t.ids) for t in self._rows.values())
         # A grammar's next mask depends on the token just chosen: constrained rows step one token at a time.
         steps = 1 if decoder.any_constrained else max(1, min(decoder.interval, remaining))
+        self._make_room(decoder, steps)
         tokens = decoder.step(steps)
         logprobs = decoder.take_logprobs() or {}
         for row, ticket in list(self._rows.items()):
             self._accept(ticket, tokens[row], logprobs.get(row))
         self._next_grammar_masks()
+
+    def _make_room(self, decoder: PagedDecoder, steps: int) -> None:
+        """Blocks for every row's next `steps` tokens; while too few are free, the newest row is preempted:
+        its blocks freed, it goes back to the queue's front and is later prefilled again with the tokens it
+        had (recompute: a prefill costs less than copying blocks to the host and back)."""
+        for row in sorted(self._rows, key=lambda r: self._rows[r].admitted):
+            while row in self._rows:
+                ticket, length = self._rows[row], decoder.lengths[row]
+                last = length + ticket.item.params.max_new_tokens - len(ticket.ids)  # slots it writes, at most
+                try:
+                    decoder.grow(row, min(length + steps, last))
+                    break
+                except PoolExhausted:
+                    self._preempt(max(self._rows, key=lambda r: self._rows[r].admitted))
+
+    def _preempt(self, row: int) -> None:
+        ticket = self._rows.pop(row)
+        self._current_decoder().release(row)
+        ticket.row = None
+        ticket.preemptions += 1
+        log.info("KV cache full: request preempted after %d tokens (it resumes later)", len(ticket.ids))
+        self._requeue([ticket])
 
     # ---- structured output --------------------------------------------------------------------
 
@@ -431,6 +542,10 @@ class Engine:
         """Fail the items in flight (and the queued ones too when `queued`)."""
         with self._wake:
             waiting, self._queue = (self._queue, []) if queued else ([], self._queue)
+        if self._chunking is not None:
+            waiting.append(self._chunking[0])
+            self._current_decoder().release(self._chunking[1].row)
+            self._chunking = None
         for row, ticket in list(self._rows.items()):
             self._current_decoder().release(row)
             ticket.fail(error)
@@ -475,36 +590,101 @@ class Engine:
                 join_param(item.param, "max_new_tokens"),
             )
 
-    # ---- the decoder and its compiled step ----------------------------------------------------
+    # ---- the decoder, its KV pool and its compiled step ----------------------------------------
 
-    def _new_decoder(self, length: int) -> SlotDecoder:
-        decoder = SlotDecoder(
-            self.model,
+    def _new_decoder(self) -> PagedDecoder:
+        decoder = self._make_decoder(self.model, self._kv_pool_blocks(), self.use_graphs)
+        for bucket in decoder.buckets:
+            if bucket in self._compiled_shapes:
+                decoder.use_forward(bucket, self._compiled_forward)
+        missing = [b for b in decoder.buckets if b not in self._compiled_shapes]
+        if self.compile and missing:
+            self._compile_in_background(missing)
+        log.info(
+            "KV cache: %d blocks of %d tokens (%d tokens) for up to %d rows",
+            decoder.pool.capacity,
+            BLOCK_SIZE,
+            decoder.pool.capacity_tokens,
+            decoder.rows,
+        )
+        return decoder
+
+    def _make_decoder(self, model, blocks: int, use_graph: bool) -> PagedDecoder:
+        return PagedDecoder(
+            model,
             self.eos_ids,
             rows=self.settings.max_batch_size,
-            length=length,
-            use_graph=self.use_graphs,
+            blocks=blocks,
+            block_size=BLOCK_SIZE,
+            use_graph=use_graph,
             interval=self.settings.sync_interval,
         )
-        for bucket in decoder.buckets:
-            if (bucket, length) in self._compiled_shapes:
-                decoder.use_forward(bucket, self._compiled_forward)
-        missing = [b for b in decoder.buckets if (b, length) not in self._compiled_shapes]
-        if self.compile and missing:
-            self._compile_in_background(missing, length)
-        return decoder
+
+    def _kv_pool_blocks(self) -> int:
+        """The pool's blocks: VLM_KV_CACHE_TOKENS, else what the GPU holds beside the weights and a step's
+        measured work memory, within VLM_GPU_MEMORY_UTILIZATION of the memory this process may use."""
+        import torch
+
+        tokens = self.settings.kv_cache_tokens
+        if not tokens and not str(self.model.device).startswith("cuda"):
+            tokens = CPU_KV_CACHE_TOKENS
+        if not tokens:
+            device = self.model.device
+            total = torch.cuda.get_device_properties(device).total_memory
+            fraction = min(self.settings.gpu_memory_utilization, torch.cuda.get_per_process_memory_fraction(device))
+            limit = total * fraction
+            limit = min(limit, torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device))
+            work = self._measured_work_memory()
+            free = limit - torch.cuda.memory_allocated(device) - work
+            tokens = max(0, int(free // self._kv_bytes_per_token()))
+            log.info(
+                "KV pool from GPU memory: limit %.1f GB, weights %.1f GB, measured work memory %.1f GB -> %d tokens",
+                limit / 1e9,
+                torch.cuda.memory_allocated(device) / 1e9,
+                work / 1e9,
+                tokens,
+            )
+        return max(2, tokens // BLOCK_SIZE + 1)
+
+    def _kv_bytes_per_token(self) -> int:
+        config = self.model.config.get_text_config(decoder=True)
+        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        element = self.model.get_output_embeddings().weight.element_size()
+        return 2 * config.num_hidden_layers * heads * dim * element
+
+    def _measured_work_memory(self) -> int:
+        """Peak memory beyond the weights of a prefill at the step's token budget (text: the vision tower's
+        share comes out of the headroom VLM_GPU_MEMORY_UTILIZATION leaves), plus the sampler's at full rows."""
+        import torch
+
+        device = self.model.device
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        hidden = self.model.get_input_embeddings().weight.shape[1]
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        with torch.inference_mode():
+            embeds = torch.zeros(1, self.settings.max_batch_tokens, hidden, dtype=self.dtype, device=device)
+            hidden_states = self.model.get_decoder()(inputs_embeds=embeds, use_cache=False).last_hidden_state
+            self.model.get_output_embeddings()(hidden_states[:, -1:])
+            del embeds, hidden_states
+        peak = torch.cuda.max_memory_allocated(device) - before
+        torch.cuda.empty_cache()
+        sampler = 8 * self.settings.max_batch_size * vocab * 4  # float32 logits, probabilities, sort, noise
+        return peak + sampler
 
     def _switch_to_compiled(self) -> None:
         """At a step boundary: buckets whose compiled forward is ready decode with it from now on."""
         with self._wake:
             ready, self._newly_compiled = self._newly_compiled, []
-        for bucket, length in ready:
-            if self._decoder is not None and self._decoder.length == length:
+        for bucket in ready:
+            if self._decoder is not None:
                 self._decoder.use_forward(bucket, self._compiled_forward)
                 log.info("decoding %d-row steps with the compiled forward from now on", bucket)
 
-    def _compile_in_background(self, buckets: list[int], length: int) -> None:
-        """Compile a decoder's shapes in a background thread (from saved artifacts when they match);
+    def _compile_in_background(self, buckets: list[int]) -> None:
+        """Compile the decoder's row buckets in a background thread (from saved artifacts when they match);
         decoding goes on with CUDA graphs of the plain forward, and switches at a step boundary."""
         if self._compiled_forward is None:
             set_torch_cache_dirs(self.settings)
@@ -512,7 +692,7 @@ class Engine:
             options = {} if os.environ.get("TORCHINDUCTOR_COMPILE_THREADS") else {"options": {"compile_threads": 1}}
             self._compiled_forward = with_compiled_layers(model_view(self.model), **options)
             self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlm-compile")
-        future = self._compiler.submit(self._compile_shapes, buckets, length)
+        future = self._compiler.submit(self._compile_shapes, buckets)
         future.add_done_callback(
             lambda f: (
                 f.exception()
@@ -520,7 +700,7 @@ class Engine:
             )
         )
 
-    def _compile_shapes(self, buckets: list[int], length: int) -> None:
+    def _compile_shapes(self, buckets: list[int]) -> None:
         self._answered.wait(COMPILE_AFTER_FIRST_ANSWER_S)
         rows, interval = self.settings.max_batch_size, self.settings.sync_interval
         key = compile_cache_key(
@@ -530,19 +710,18 @@ class Engine:
             shapes={
                 "rows": rows,
                 "buckets": buckets,
-                "cache_len": length,
                 "interval": interval,
-                "compiled": "decoder layers",
+                "compiled": "decoder layers around paged attention",
             },
-        )  # older artifacts hold a whole model
+        )  # older artifacts hold other shapes
         switch_interval = sys.getswitchinterval()
         sys.setswitchinterval(0.0005)  # tracing holds the GIL: the engine thread takes it back within 0.5 ms, not 5
         try:
             loaded = load_compile_artifacts(self.settings, key)  # never raises: a bad file is skipped
             done = [
-                (bucket, length)
+                bucket
                 for bucket in buckets  # a second try: a CUDA graph capture may void the first
-                if self._compile_shape(bucket, length) or self._compile_shape(bucket, length)
+                if self._compile_shape(bucket) or self._compile_shape(bucket)
             ]
             if len(done) == len(buckets) and not loaded:
                 save_compile_artifacts(self.settings, key)
@@ -554,30 +733,25 @@ class Engine:
             self._newly_compiled.extend(done)
             self._wake.notify()
 
-    def _compile_shape(self, bucket: int, length: int) -> bool:
-        """Trace and compile one decode shape on a shadow decoder of the same shapes (own buffers),
-        so the engine's own state is never touched from this thread."""
+    def _compile_shape(self, bucket: int) -> bool:
+        """Trace and compile one decode shape on a shadow decoder of the same rows (own buffers and a small
+        pool of its own), so the engine's own state is never touched from this thread."""
         import torch
 
         started = time.perf_counter()
         try:
             with torch.inference_mode():
-                shadow = SlotDecoder(
-                    model_view(self.model),
-                    self.eos_ids,
-                    rows=self.settings.max_batch_size,
-                    length=length,
-                    use_graph=False,
-                    interval=self.settings.sync_interval,
-                )
                 params = GenerationParams(max_new_tokens=4, temperature=0.0, top_p=1.0, do_sample=False)
                 items = [GenerationRequest("chat", [Turn("user", ["warm up"])], params)] * bucket
                 inputs, _ = self.adapter.batch_inputs(self.processor, items, self.model.device, self.dtype)
-                shadow.shift(shadow.plan(inputs["input_ids"].shape[1], params.max_new_tokens))
+                blocks = bucket * -(-(inputs["input_ids"].shape[1] + 2) // BLOCK_SIZE) + 1
+                shadow = self._make_decoder(model_view(self.model), blocks=blocks, use_graph=False)
                 shadow.prefill(inputs, list(range(bucket)), [params] * bucket)
                 shadow.use_forward(bucket, self._compiled_forward)
+                for row in range(bucket):
+                    shadow.grow(row, shadow.lengths[row] + 2)
                 for _ in range(2):
-                    shadow._advance(bucket)
+                    shadow._advance(bucket, shadow.span(2))
                 torch.cuda.synchronize()
         except Exception:
             log.warning("compiling the %d-row decode step failed; it stays uncompiled", bucket, exc_info=True)

@@ -23,6 +23,8 @@ class Ticket:
         self.logprobs: list = []  # (logprob, top ids, top logprobs) per id, when the item asked for them
         self.matcher = None  # its grammar's state, when the item asked for structured output
         self.prompt_tokens, self.input_size = 0, None
+        self.admitted = 0  # its admission's number (the newest row is preempted first)
+        self.preemptions = 0  # times its row was taken for room in the KV cache
 
     def cancel(self) -> None:
         """Give up on the item: the engine drops it from the queue or frees its row at the next step."""

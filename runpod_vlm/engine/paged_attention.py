@@ -1,0 +1,91 @@
+"""Attention over the paged KV pool, as a transformers attention implementation of the text model.
+
+Outside a paged forward it is transformers' own SDPA (a prefill into a scratch cache). Inside one, each
+layer writes its new keys/values into the pool at the step's slots, gathers the slots each query row
+reads (only its own blocks, up to the step's length bucket) and runs SDPA with grouped-query heads.
+Hand-written: transformers' paged implementations repeat K/V per head (`paged|sdpa`) or need a
+flash-attn kernel that does not install from the registry (measured in bench/README.md)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+NAME = "vlm_paged"
+_active = threading.local()  # the paged step of this thread's forward (the compile thread runs its own)
+
+
+@dataclass
+class PagedStep:
+    """What one forward's attention reads: `slots` [tokens] where each new token's K/V goes (row-major
+    over query rows, then positions), `index` [query rows, length] the slots each row attends to,
+    `visible` [query rows, 1, query length, length] which of them it may see."""
+
+    keys: list  # per layer [pool slots, kv heads, head dim]
+    values: list
+    slots: Any
+    index: Any
+    visible: Any
+
+
+@contextlib.contextmanager
+def paged(step: PagedStep):
+    previous = getattr(_active, "step", None)
+    _active.step = step
+    try:
+        yield
+    finally:
+        _active.step = previous
+
+
+def _attention(module, query, key, value, attention_mask, scaling=None, **kwargs):
+    step = getattr(_active, "step", None)
+    if step is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    return _paged_attention(module.layer_idx, step, query, key, value, scaling)
+
+
+def _paged_attention(layer: int, step: PagedStep, query, key, value, scaling):
+    import torch
+
+    rows, heads, length, dim = query.shape
+    kv_heads = key.shape[1]
+    pool_keys, pool_values = step.keys[layer], step.values[layer]
+    pool_keys.index_copy_(0, step.slots, key.transpose(1, 2).reshape(-1, kv_heads, dim).to(pool_keys.dtype))
+    pool_values.index_copy_(0, step.slots, value.transpose(1, 2).reshape(-1, kv_heads, dim).to(pool_values.dtype))
+    keys = pool_keys[step.index].transpose(1, 2)  # [rows, kv heads, length, dim]
+    values = pool_values[step.index].transpose(1, 2)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        query, keys, values, attn_mask=step.visible, scale=scaling, enable_gqa=heads != kv_heads
+    )
+    return output.transpose(1, 2).contiguous(), None
+
+
+def _mask(*args, **kwargs):
+    """transformers' SDPA mask for a scratch-cache prefill; none in a paged forward (`visible` is the mask)."""
+    if getattr(_active, "step", None) is not None:
+        return None
+    from transformers.masking_utils import sdpa_mask
+
+    return sdpa_mask(*args, **kwargs)
+
+
+def use_paged_attention(model) -> bool:
+    """Make the text model attend through the pool (the vision tower keeps its own attention); False when
+    the model does not take it."""
+    import torch
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    # Run eagerly inside compiled decoder layers: the gather's length changes step to step (a recompile each).
+    AttentionInterface.register(NAME, torch.compiler.disable(_attention))
+    ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, _mask)
+    try:
+        model.set_attn_implementation({"text_config": NAME})
+    except Exception:
+        return False
+    return model.config.get_text_config(decoder=True)._attn_implementation == NAME

@@ -1,0 +1,122 @@
+"""The paged KV cache on real tiny models (CPU, fp32): blocks follow the tokens, long prompts enter in
+chunks, a full pool preempts and resumes, and every answer is exactly its solo `generate()` run."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+import handler
+from runpod_vlm.answers import generate_all
+from sample_images import data_uri, striped
+
+LONG_TEXT = " ".join(f"word{n}" for n in range(40))  # about 300 tokens: more than one chunk at a 256 budget
+
+
+def items_of(engine, jobs: list[dict]) -> list:
+    return [handler.read_job_item(job, engine.settings, engine.model_id, None)[1] for job in jobs]
+
+
+def solo_generate(engine, items) -> list:
+    """Each item alone through plain transformers `generate()` (the engine's one-at-a-time path)."""
+    return [engine._generate_with_generate(item) for item in items]
+
+
+def spy(monkeypatch, owner, name: str, events: list, label: str):
+    real = getattr(owner, name)
+
+    def recorded(*args, **kwargs):
+        events.append(label)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, recorded)
+
+
+def mixed_jobs(count: int) -> list[dict]:
+    jobs = []
+    for n in range(count):
+        question = f"What is {n}?" + (f" {LONG_TEXT}" if n % 3 == 0 else "")
+        jobs.append(
+            {
+                "task": "vqa",
+                "image_url": data_uri(striped((48 + 8 * n, 40))),
+                "question": question,
+                "max_new_tokens": (6, 150, 90, 40)[n % 4],
+                "min_new_tokens": (6, 150, 90, 40)[n % 4],
+            }
+        )
+    return jobs
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "llava"])
+def test_jobs_beyond_the_pool_preempt_and_resume_with_their_solo_tokens(family, tiny_model, serve, monkeypatch):
+    """Eight jobs of very different prompt and answer lengths, sent at once, through a pool that holds
+    about two of them: rows are preempted when blocks run out and resumed later, runs cross many block
+    boundaries, and every answer equals its solo generate(); no block is left held at the end."""
+    engine = serve(tiny_model(family), VLM_KV_CACHE_TOKENS="512", VLM_SYNC_INTERVAL="3", VLM_MAX_BATCH_TOKENS="1024")
+    items = items_of(engine, mixed_jobs(8))
+    solo = solo_generate(engine, items)
+    events: list = []
+    spy(monkeypatch, engine, "_preempt", events, "preempt")
+    assert generate_all(engine, items) == solo
+    assert "preempt" in events  # the pool was too small for all of them at once
+    pool = engine._current_decoder().pool
+    assert pool.free == pool.capacity and not engine._rows
+
+
+def test_a_long_prompt_enters_in_chunks_while_the_others_decode(tiny_model, serve, monkeypatch):
+    engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_TOKENS="256", VLM_SYNC_INTERVAL="2")
+    long_job = {"task": "vqa", "image_url": data_uri(striped((64, 48))), "question": LONG_TEXT + " " + LONG_TEXT}
+    short_jobs = [
+        {"messages": [{"role": "user", "content": f"Count to {n}."}], "max_new_tokens": 40, "min_new_tokens": 40}
+        for n in range(3)
+    ]
+    items = items_of(engine, [*short_jobs, dict(long_job, max_new_tokens=12, min_new_tokens=12)])
+    solo = solo_generate(engine, items)
+    assert solo[-1].prompt_tokens > 2 * 256  # three chunks at least
+    decoder = engine._current_decoder()
+    events: list = []
+    spy(monkeypatch, decoder, "prefill_chunk", events, "chunk")
+    spy(monkeypatch, decoder, "step", events, "step")
+    assert generate_all(engine, items) == solo
+    chunks = [n for n, event in enumerate(events) if event == "chunk"]
+    assert len(chunks) >= 3
+    assert all("step" in events[a:b] for a, b in zip(chunks, chunks[1:]))  # the short rows decoded in between
+    assert decoder.pool.free == decoder.pool.capacity
+
+
+def test_a_row_frees_its_blocks_at_its_own_end(tiny_model, serve):
+    """Room for two rows' tokens: a queued short job starts and finishes while a long one still runs."""
+    engine = serve(tiny_model("qwen2-vl"), VLM_KV_CACHE_TOKENS="480", VLM_SYNC_INTERVAL="2")
+    long_job = {"messages": [{"role": "user", "content": "Talk."}], "max_new_tokens": 300, "min_new_tokens": 300}
+    short = {"messages": [{"role": "user", "content": "Hi."}], "max_new_tokens": 4, "min_new_tokens": 4}
+    long_item, *short_items = items_of(engine, [long_job, short, short, short])
+    finished: list = []
+
+    async def run():
+        from runpod_vlm.answers import generate_one
+
+        async def one(name, item):
+            result = await generate_one(engine, item)
+            finished.append(name)
+            return result
+
+        return await asyncio.gather(one("long", long_item), *(one(f"short{n}", i) for n, i in enumerate(short_items)))
+
+    results = asyncio.run(run())
+    assert finished[-1] == "long" and all(r.completion_tokens for r in results)
+    assert results[1:] == solo_generate(engine, short_items)
+
+
+def test_a_request_the_whole_pool_cannot_hold_fails_alone_with_out_of_memory(tiny_model, serve):
+    engine = serve(tiny_model("qwen2-vl"), VLM_KV_CACHE_TOKENS="256", VLM_MAX_NEW_TOKENS="400")
+    short = {"messages": [{"role": "user", "content": "Short."}], "max_new_tokens": 3}
+    huge = {"messages": [{"role": "user", "content": "Long."}], "max_new_tokens": 300}
+    out = asyncio.run(handler.local_test_answer({"id": "j", "input": {"requests": [short, huge, short]}}))
+    first, failed, last = out["results"]
+    assert failed["code"] == "out_of_memory" and "the KV cache, which holds 256 tokens" in failed["error"]
+    assert failed["param"] == "requests[1]"
+    assert first == last and "error" not in first
+    pool = engine._current_decoder().pool
+    assert pool.free == pool.capacity
