@@ -1328,10 +1328,12 @@ def test_native_items_with_the_same_sampling_share_one_padded_batch(monkeypatch,
         "echo:short",
         "echo:a much longer question here",
     ]
-    (processor_call,) = hub.processor_calls
-    assert len(processor_call["text"]) == 3
-    assert [[im.size for im in images] for images in processor_call["images"]] == [[(16, 16)], [], [(20, 10), (30, 10)]]
-    prompts = processor_call["text"]
+    (prefill,) = hub.prefills  # one padded prefill for the three
+    prompts = prefill["prompts"]
+    assert [last_user_text(p) for p in prompts] == [TASK_PROMPTS["caption"], "short", "a much longer question here"]
+    # Each item was prepared alone, on the intake threads, with its own images.
+    images = {call["text"][0]: [im.size for im in (call["images"] or [[]])[0]] for call in hub.processor_calls}
+    assert [images[p] for p in prompts] == [[(16, 16)], [], [(20, 10), (30, 10)]]
     assert [r["usage"]["prompt_tokens"] for r in out["results"]] == [len(encode_text(p)) for p in prompts]
 
 
@@ -1403,8 +1405,8 @@ def test_greedy_and_sampled_items_share_one_batch_each_row_keeping_its_settings(
     a, b, c, d, e = (r["response"] for r in out["results"])
     assert (a, c, d) == ("echo:A", "echo:C", "echo:D")
     assert b != "echo:B" and e != "echo:E"
-    (processor_call,) = hub.processor_calls  # one batch for all five
-    assert [last_user_text(p) for p in processor_call["text"]] == ["A", "B", "C", "D", "E"]
+    (prefill,) = hub.prefills  # one batch for all five
+    assert [last_user_text(p) for p in prefill["prompts"]] == ["A", "B", "C", "D", "E"]
     assert not hub.generate_calls
 
 
@@ -1432,7 +1434,7 @@ def test_a_tiny_top_p_samples_like_greedy_and_a_wide_one_really_samples(monkeypa
         chat("greedy too"),
     )
     greedy, narrow, wide, greedy_too = (r["response"] for r in out["results"])
-    assert len(hub.processor_calls) == 1  # all four rows decoded together
+    assert len(hub.prefills) == 1  # all four rows decoded together
     assert greedy == "echo:greedy" and greedy_too == "echo:greedy too"
     assert narrow == "echo:narrow"
     assert wide != "echo:wide"
@@ -1448,7 +1450,7 @@ def test_min_new_tokens_is_per_row_in_a_mixed_batch(monkeypatch, hub):
         chat("d", do_sample=True, temperature=0.5, top_p=0.5, min_new_tokens=9),
     )
     a, b, c, d = out["results"]
-    assert len(hub.processor_calls) == 1  # one shared batch
+    assert len(hub.prefills) == 1  # one shared batch
     assert b["response"] == "echo:b" and b["usage"]["completion_tokens"] == 6
     assert c["response"] == "echo:c" and c["usage"]["completion_tokens"] == 6
     assert a["response"].startswith("echo:a") and a["usage"]["completion_tokens"] == 10
@@ -1526,7 +1528,7 @@ def test_each_item_keeps_its_own_max_new_tokens_in_a_shared_batch(monkeypatch, h
     assert first["response"] == "ech" and first["finish_reason"] == "length"
     assert first["usage"]["completion_tokens"] == 3
     assert second["response"] == "echo:bb" and second["finish_reason"] == "stop"
-    assert len(hub.processor_calls) == 1  # still one batch
+    assert len(hub.prefills) == 1  # still one batch
 
 
 def test_a_failing_item_does_not_sink_its_batch(monkeypatch, hub):

@@ -109,6 +109,7 @@ STUBBED_API = frozenset(
         "transformers.PreTrainedTokenizerBase.decode",
         "transformers.PreTrainedTokenizerBase.apply_chat_template",
         "transformers.PreTrainedTokenizerBase.eos_token_id",
+        "transformers.PreTrainedTokenizerBase.pad_token_id",
         "transformers.PreTrainedTokenizerBase.padding_side",
         # trust_remote_code model APIs
         "remote.MiniCPMV.chat",
@@ -783,6 +784,9 @@ def torch_cat(tensors, dim=0):
             tensors[0]._device,
             all(t.normalized for t in tensors),
         )
+    if dim == 0 and all(isinstance(t, FakeTensor) for t in tensors):  # batches, one after another
+        _same_device(*tensors)
+        return FakeTensor([row for t in tensors for row in t._data], tensors[0]._dtype, tensors[0]._device)
     if dim == 1 and all(isinstance(t, FakeTensor) for t in tensors):  # rows of tokens, lengthened
         _same_device(*tensors)
         rows = zip(*(t._data for t in tensors))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+import torch
 
 import handler
 from runpod_vlm.answers import generate_all
@@ -120,3 +121,31 @@ def test_a_request_the_whole_pool_cannot_hold_fails_alone_with_out_of_memory(tin
     assert first == last and "error" not in first
     pool = engine._current_decoder().pool
     assert pool.free == pool.capacity
+
+
+# The families whose processors batch images by concatenation; two mixed sizes in Pixtral's (mistral3) do not stack.
+STACKING = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl", "llava", "llava-next", "gemma3", "llava-onevision"]
+STACKING += ["internvl-hf", "glm4v", "llama4"]
+
+
+@pytest.mark.parametrize("family", [*STACKING, "mistral3", "smolvlm"])
+def test_items_prepared_alone_stack_into_the_processors_own_batch(family, tiny_model, serve):
+    """The intake prepares each item alone; their stack must be what the processor makes of them together,
+    or None (the group is then prepared together): Pixtral pads images of other sizes, Idefics3 lays them
+    out per item."""
+    engine = serve(tiny_model(family))
+    jobs = [
+        {"task": "vqa", "image_url": data_uri(striped((64, 48))), "question": "What is it?"},
+        {"messages": [{"role": "user", "content": "Only text, and a longer one than the others."}]},
+        {"task": "caption", "image_url": data_uri(striped((40, 72)))},
+    ]
+    items = items_of(engine, jobs)
+    alone = [engine.adapter.batch_inputs(engine.processor, [item], "cpu", engine.dtype)[0] for item in items]
+    together, _ = engine.adapter.batch_inputs(engine.processor, items, "cpu", engine.dtype)
+    stacked = engine.adapter.collate(engine.processor, alone)
+    if stacked is None:
+        assert family not in STACKING
+        return
+    assert sorted(stacked.keys()) == sorted(together.keys())
+    for name in together:
+        assert torch.equal(stacked[name], together[name]), name

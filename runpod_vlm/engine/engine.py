@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -93,8 +94,9 @@ class Engine:
         self._rows: dict[int, Ticket] = {}  # decoder row -> the item decoding there (engine thread only)
         self._chunking: Optional[tuple[Ticket, ChunkedPrefill]] = None  # a long prompt entering chunk by chunk
         self._admitted = 0  # admissions so far: a row's number orders preemption (the newest goes first)
-        self._tokens_per_item = 256.0  # a running mean of prompt lengths: how many items one prefill takes
         self._thread: Optional[threading.Thread] = None
+        self._intake: Optional[ThreadPoolExecutor] = None
+        self._first_intake, self._intake_warm = threading.Lock(), False
         self._decoder: Optional[PagedDecoder] = None
         self.grammars: Optional[Grammars] = None  # made at the first request for structured output
 
@@ -180,11 +182,46 @@ class Engine:
         tickets = [Ticket(item, listener, stream) for item, listener in zip(items, listeners)]
         if self.broken:
             return [ticket.fail(GPU_FAILURE) for ticket in tickets]
+        if self.continuous:
+            for ticket in tickets:
+                ticket.call = tickets[0]  # the items of one call are admitted together
+                ticket.prepared = self._intake_pool().submit(self._prepare, ticket.item)
+                ticket.prepared.add_done_callback(lambda _: self._notify())
         with self._wake:
             self._queue.extend(tickets)
             self._wake.notify()
             self._start_thread()
         return tickets
+
+    def _intake_pool(self) -> ThreadPoolExecutor:
+        """Threads that turn items into the model's inputs on the CPU while the GPU decodes. Threads, not
+        processes: the processors' image work runs in PIL, numpy and torch, which release the GIL, and
+        their tensors need no copying between processes."""
+        with self._wake:
+            if self._intake is None:
+                workers = max(1, min(8, (os.cpu_count() or 2) - 1))
+                self._intake = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="vlm-intake")
+            return self._intake
+
+    def _prepare(self, item: GenerationRequest):
+        """One item's inputs on the CPU and its first image's input size. The first call runs alone: a fast
+        tokenizer sets its padding state then, which concurrent calls would race for."""
+        with self._first_intake if not self._intake_warm else contextlib.nullcontext():
+            inputs, sizes = self.adapter.batch_inputs(self.processor, [item], "cpu", self.dtype)
+            self._intake_warm = True
+        return inputs, sizes[0]
+
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    def _idle(self) -> bool:
+        """Nothing to do until woken (call with `_wake` held): the queue's head and the items of its call not
+        yet prepared, none decoding."""
+        head = self._queue[0] if self._queue else None
+        mates = [t for t in self._queue[: self.settings.max_batch_size] if head is not None and t.call is head.call]
+        ready = head is not None and all(t.prepared is None or t.prepared.done() for t in mates)
+        return not ready and not self._rows and not self._chunking and not self._newly_compiled
 
     def _start_thread(self) -> None:
         """Start the engine thread once (call with `_wake` held)."""
@@ -202,8 +239,8 @@ class Engine:
     def _serve_forever(self) -> None:
         while True:
             with self._wake:
-                while not self._queue and not self._rows and not self._chunking and not self._newly_compiled:
-                    self._wake.wait()
+                while self._idle():
+                    self._wake.wait(None if self._stop_by is None else 0.05)
                 self._queue = [t for t in self._queue if not t.cancelled]
                 waiting = list(self._queue)
             try:
@@ -282,22 +319,38 @@ class Engine:
         return self._generation(item, ids, prompt_tokens, input_sizes[0], logprobs)
 
     def _admit(self, waiting: list[Ticket]) -> None:
-        """Prefill the waiting items at the queue's head that fit the step's token budget, the free rows and
+        """Prefill the prepared items at the queue's head that fit the step's token budget, the free rows and
         the free KV blocks (in arrival order: a long request is never passed over), and give them rows."""
         decoder = self._current_decoder()
         free = decoder.free_rows()
-        if not waiting or not free:
-            return
         if self._chunking is not None:  # the row of the prompt entering in chunks is not free
             free = [row for row in free if row != self._chunking[1].row]
-        by_budget = max(1, int(self.settings.max_batch_tokens // self._tokens_per_item))
-        size = min(len(free), by_budget, *(t.group_limit or len(free) for t in waiting[: len(free)]))
-        group = waiting[:size]
-        if any(t.ids for t in group):  # a preempted item resumes alone: its own tokens end its prompt
-            group = group[:1]
+        group, prepared = [], []
+        for ticket in waiting[: len(free)]:
+            if not ticket.prepared.done() and waiting[0].call is ticket.call:
+                return  # its call's items are admitted together
+            if not ticket.prepared.done() or len(group) == (ticket.group_limit or len(free)):
+                break
+            try:
+                inputs, size = ticket.prepared.result()
+            except Exception as error:
+                self._take([ticket])
+                if isinstance(error, RequestError):  # the family's adapter refused it
+                    ticket.finish(error)
+                else:
+                    log.error("could not prepare an item", exc_info=error)
+                    ticket.fail(GENERATION_FAILED)
+                continue
+            width = max([inputs["input_ids"].shape[1], *(p[0]["input_ids"].shape[1] for p in prepared)])
+            if group and ((len(group) + 1) * width > self.settings.max_batch_tokens or ticket.ids or group[0].ids):
+                break  # a padded prefill within the token budget; a preempted item resumes alone
+            group.append(ticket)
+            prepared.append((inputs, size))
+        if not group:
+            return
         self._take(group)
         try:
-            self._place(group, free)
+            self._place(group, free, prepared)
         except Exception as error:
             fatal = is_fatal_gpu_error(error)
             if fatal:
@@ -309,27 +362,29 @@ class Engine:
             for ticket in lost:
                 ticket.fail(GPU_FAILURE if fatal else GENERATION_FAILED)
 
-    def _place(self, group: list[Ticket], free: list[int]) -> None:
+    def _place(self, group: list[Ticket], free: list[int], prepared: list) -> None:
         import torch
 
         decoder = self._current_decoder()
-        group = self._with_grammars(group)
-        if not group:
+        kept = self._with_grammars(group)
+        if not kept:
             return
+        prepared = [p for t, p in zip(group, prepared) if t in kept]
+        group = kept
+        input_sizes = [size for _, size in prepared]
+        inputs = prepared[0][0] if len(group) == 1 else self.adapter.collate(self.processor, [p for p, _ in prepared])
         try:
-            items = [t.item for t in group]
-            inputs, input_sizes = self.adapter.batch_inputs(self.processor, items, self.model.device, self.dtype)
-        except Exception as error:
-            if len(group) > 1:  # find the bad item: each is prepared alone
+            if inputs is None:  # parts that do not stack: the group prepared together
+                inputs, input_sizes = self.adapter.batch_inputs(
+                    self.processor, [t.item for t in group], "cpu", self.dtype
+                )
+            inputs = type(inputs)({name: value for name, value in inputs.items()})  # a resumed item lengthens its own
+            inputs = inputs.to(self.model.device)
+        except Exception:
+            if len(group) > 1:
                 return self._requeue(group, limit=1)
-            if isinstance(error, RequestError):  # the family's adapter refused it
-                return group[0].finish(error)
             return self._admit_failed(group[0])
         prompt_tokens = inputs["attention_mask"].sum(dim=1).tolist()
-        self._tokens_per_item = (self._tokens_per_item + sum(prompt_tokens) / len(prompt_tokens)) / 2
-        width = inputs["input_ids"].shape[1]  # a padded batch runs this many tokens a row
-        if len(group) > 1 and len(group) * width > self.settings.max_batch_tokens:
-            return self._requeue(group, limit=max(1, self.settings.max_batch_tokens // width))
         errors = [self._context_error(t.item, n) or self._pool_error(t.item, n) for t, n in zip(group, prompt_tokens)]
         if any(errors):
             for ticket, error in zip(group, errors):

@@ -22,6 +22,8 @@ class Ticket:
         self.ids: list[int] = []
         self.logprobs: list = []  # (logprob, top ids, top logprobs) per id, when the item asked for them
         self.matcher = None  # its grammar's state, when the item asked for structured output
+        self.prepared = None  # a Future of its inputs on the CPU and input size (continuous batching)
+        self.call: Optional[Ticket] = None  # the first ticket of the submit call it came in
         self.prompt_tokens, self.input_size = 0, None
         self.admitted = 0  # its admission's number (the newest row is preempted first)
         self.preemptions = 0  # times its row was taken for room in the KV cache

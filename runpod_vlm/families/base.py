@@ -17,6 +17,9 @@ class FamilyAdapter:
     grounding: Optional[str] = None  # coordinate system of its boxes (see "parsing boxes"), or None
     grounding_template = "Locate {} in the image and give its bounding box as [x1, y1, x2, y2]."
     skip_modules: Optional[tuple[str, ...]] = None  # kept out of quantization; None: found by model type
+    # Whether the processor batches images by concatenating each item's in order (checked per family in
+    # tests/test_paged_engine.py): then items prepared alone stack into a batch. Idefics3 lays them out per item.
+    stacks_images = False
 
     def __init__(self, model_type: Optional[str] = None, **family):
         self.model_type = model_type
@@ -72,6 +75,38 @@ class FamilyAdapter:
         if "pixel_values" in inputs:
             inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
         return inputs, self.input_sizes(processor, inputs, items)
+
+    def collate(self, processor, parts: list):
+        """One left-padded batch of items each prepared alone (`batch_inputs` of one item): per-token tensors
+        padded on the left (input_ids with the pad token, the rest with 0), the others concatenated in
+        order, as the processor batches them; None when they do not stack (images padded across a batch, as
+        Pixtral's of different sizes): then the group is prepared together."""
+        import torch
+
+        if not self.stacks_images:
+            return None
+        width = max(part["input_ids"].shape[1] for part in parts)
+        pad = processor.tokenizer.pad_token_id or 0
+        batch = {}
+        for name in dict.fromkeys(name for part in parts for name in part.keys()):
+            present = [part for part in parts if name in part]
+            values = [part[name] for part in present]
+            if not all(hasattr(value, "shape") for value in values):
+                return None
+            if all(tuple(v.shape) == tuple(part["input_ids"].shape) for v, part in zip(values, present)):
+                if len(present) < len(parts):
+                    return None
+                fill = pad if name == "input_ids" else 0
+                values = [
+                    torch.cat([torch.tensor([[fill] * (width - v.shape[1])], dtype=v.dtype), v], dim=1)
+                    if v.shape[1] < width
+                    else v
+                    for v in values
+                ]
+            elif len({tuple(v.shape[1:]) for v in values}) > 1:
+                return None
+            batch[name] = torch.cat(values, dim=0)
+        return type(parts[0])(batch)
 
     def bounded_images(self, processor, item: GenerationRequest) -> list:
         """The item's images, each with a request's pixel bound (max_pixels, detail low) scaled down to it."""
