@@ -45,7 +45,14 @@ def main() -> None:
     from sample_images import data_uri, plain, striped
 
     folder = tiny_models.build("qwen2-vl", Path(tempfile.mkdtemp()) / "qwen2-vl")
-    os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", VLM_DTYPE="fp32", VLM_MAX_BATCH_SIZE="4")
+    # Two engines in one process: each with a small KV pool (the first one's is not freed when it is replaced).
+    os.environ.update(
+        VLM_MODEL=str(folder),
+        VLM_ALLOW_ANY="true",
+        VLM_DTYPE="fp32",
+        VLM_MAX_BATCH_SIZE="4",
+        VLM_KV_CACHE_TOKENS="65536",
+    )
     import handler
 
     requests = [
