@@ -142,6 +142,7 @@ def child(part: str, args) -> dict:
 
     out_file = Path(args.out) / f"paged-{part}.json"
     results: dict = {"part": part, "shape": shape, "cap_gb": cap_gb, "device": torch.cuda.get_device_name()}
+    results["command"] = " ".join(sys.argv)
 
     def save():
         out_file.write_text(json.dumps(results, indent=2))
@@ -158,10 +159,12 @@ def child(part: str, args) -> dict:
 
     def measure(name: str, run):
         torch.cuda.reset_peak_memory_stats()
+        before = dict(engine.timings)
         with BlocksInUse(engine) as blocks:
             value = run()
         if isinstance(value, dict):
             value.update(most_blocks_in_use=blocks.most, peak_memory_gb=torch.cuda.max_memory_allocated() / 1e9)
+            value["phases"] = {k: round(v - before.get(k, 0), 3) for k, v in engine.timings.items()}
         results[name] = value
         save()
         return value
@@ -245,14 +248,19 @@ def main() -> None:
     parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--quick", action="store_true", help="fewer jobs (a smoke run)")
+    parser.add_argument(
+        "--env", action="append", default=[], help="NAME=VALUE for the worker (e.g. VLM_PREPROCESS_ON_GPU=true)"
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    os.environ.update(dict(pair.split("=", 1) for pair in args.env))
     Path(args.out).mkdir(parents=True, exist_ok=True)
     if args.child:
         return print(json.dumps(child(args.child, args)))
     summary = {}
     for part in args.parts.split(","):
         command = [sys.executable, __file__, "--child", part, "--out", args.out, "--models", args.models]
+        command += [f"--env={pair}" for pair in args.env]
         done = subprocess.run(command + (["--quick"] if args.quick else []), text=True, capture_output=True)
         (Path(args.out) / f"paged-{part}.log").write_text(done.stderr[-200_000:])
         path = Path(args.out) / f"paged-{part}.json"

@@ -129,6 +129,7 @@ class Settings:
     min_pixels: pydantic.NonNegativeInt = 0  # Qwen processors' visual-token bounds; 0 keeps the model's own
     max_pixels: pydantic.NonNegativeInt = 0
     compile: bool = True  # torch.compile + CUDA graphs for decoding (CUDA only, never bitsandbytes)
+    preprocess_on_gpu: bool = False  # torchvision-backed processors resize on the GPU: faster; pixels differ slightly
     max_batch_tokens: Annotated[int, Field(ge=256)] = 8192  # prompt tokens per prefill; longer prompts go in chunks
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9  # of the GPU (or process cap): weights, KV, work
     kv_cache_tokens: pydantic.NonNegativeInt = 0  # the KV pool in tokens; 0: sized from free GPU memory (CPU: 32768)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
@@ -96,6 +97,7 @@ class Engine:
         self._admitted = 0  # admissions so far: a row's number orders preemption (the newest goes first)
         self._thread: Optional[threading.Thread] = None
         self._intake: Optional[ThreadPoolExecutor] = None
+        self.timings: collections.Counter = collections.Counter()  # seconds and counts by phase (benchmarks)
         self._first_intake, self._intake_warm = threading.Lock(), False
         self._decoder: Optional[PagedDecoder] = None
         self.grammars: Optional[Grammars] = None  # made at the first request for structured output
@@ -206,9 +208,15 @@ class Engine:
     def _prepare(self, item: GenerationRequest):
         """One item's inputs on the CPU and its first image's input size. The first call runs alone: a fast
         tokenizer sets its padding state then, which concurrent calls would race for."""
+        started = time.perf_counter()
+        on_gpu = self.settings.preprocess_on_gpu and str(self.model.device).startswith("cuda")
+        device = self.model.device if on_gpu else "cpu"
         with self._first_intake if not self._intake_warm else contextlib.nullcontext():
-            inputs, sizes = self.adapter.batch_inputs(self.processor, [item], "cpu", self.dtype)
+            inputs, sizes = self.adapter.batch_inputs(
+                self.processor, [item], device, self.dtype, image_device=device if on_gpu else None
+            )
             self._intake_warm = True
+        self.timings["intake_s"] += time.perf_counter() - started
         return inputs, sizes[0]
 
     def _notify(self) -> None:
@@ -409,6 +417,7 @@ class Engine:
                 self._chunking = (group[0], chunked)
                 return
         rows = free[: len(group)]
+        started = time.perf_counter()
         try:
             first = decoder.prefill(
                 inputs, rows, [t.item.params for t in group], self._grammar_masks(group), [len(t.ids) for t in group]
@@ -428,6 +437,8 @@ class Engine:
                 log.warning("a prefill of %d items failed; admitting them one by one", len(group), exc_info=True)
                 return self._requeue(group, limit=1)
             return self._admit_failed(group[0])
+        self.timings["prefill_s"] += time.perf_counter() - started
+        self.timings["prefills"] += 1
         logprobs = decoder.take_logprobs() or {}
         for ticket, row, token, prompt, size in zip(group, rows, first, prompt_tokens, input_sizes):
             ticket.prompt_tokens, ticket.input_size = prompt, size
@@ -481,6 +492,7 @@ class Engine:
         if decoder.pool.shortfall(chunked.row, end + min(ticket.item.params.max_new_tokens, decoder.interval)):
             if self._rows:
                 return  # blocks come back as rows finish (or are preempted before the next interval)
+        started = time.perf_counter()
         try:
             token = decoder.prefill_chunk(chunked, size, self._grammar_masks([ticket]))
         except Exception as error:
@@ -493,6 +505,7 @@ class Engine:
                 return ticket.finish(self._out_of_memory(ticket, ticket.prompt_tokens))
             log.exception("a chunked prefill failed")
             return ticket.fail(GENERATION_FAILED)
+        self.timings["chunk_s"] += time.perf_counter() - started
         if token is not None:
             self._chunking = None
             self._started(ticket, chunked.row, token, (decoder.take_logprobs() or {}).get(chunked.row))
@@ -516,7 +529,10 @@ class Engine:
         # A grammar's next mask depends on the token just chosen: constrained rows step one token at a time.
         steps = 1 if decoder.any_constrained else max(1, min(decoder.interval, remaining))
         self._make_room(decoder, steps)
+        started = time.perf_counter()
         tokens = decoder.step(steps)
+        self.timings["decode_s"] += time.perf_counter() - started
+        self.timings["decode_steps"] += steps
         logprobs = decoder.take_logprobs() or {}
         for row, ticket in list(self._rows.items()):
             self._accept(ticket, tokens[row], logprobs.get(row))

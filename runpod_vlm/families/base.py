@@ -57,8 +57,9 @@ class FamilyAdapter:
             for turn in turns
         ]
 
-    def batch_inputs(self, processor, items: list[GenerationRequest], device, dtype):
-        """Left-padded prompts and pixels on `device`, and per item its first image's input size (or None)."""
+    def batch_inputs(self, processor, items: list[GenerationRequest], device, dtype, image_device=None):
+        """Left-padded prompts and pixels on `device`, and per item its first image's input size (or None).
+        `image_device`: where a torchvision-backed image processor resizes and normalizes (the GPU's is faster)."""
         prompts = [
             processor.apply_chat_template(
                 self.chat_messages(self.request_turns(item)), tokenize=False, add_generation_prompt=True
@@ -68,6 +69,9 @@ class FamilyAdapter:
         kwargs: dict = {"text": prompts, "padding": True, "return_tensors": "pt"}
         if any(item.images for item in items):
             kwargs["images"] = [self.bounded_images(processor, item) for item in items]
+            backend = type(getattr(processor, "image_processor", None)).__mro__
+            if image_device is not None and any(c.__name__ == "TorchvisionBackend" for c in backend):
+                kwargs["device"] = image_device
         bos = getattr(processor.tokenizer, "bos_token", None)  # a template that writes BOS gets no second one
         if isinstance(bos, str) and prompts[0].startswith(bos):
             kwargs["add_special_tokens"] = False

@@ -77,7 +77,7 @@ class PaliGemmaAdapter(FamilyAdapter):
             )
         return prefix or text
 
-    def batch_inputs(self, processor, items, device, dtype):
+    def batch_inputs(self, processor, items, device, dtype, image_device=None):
         from PIL import Image
 
         # The model always reads an image: a text-only row (a chat, the engine's padding row) gets a black one.
