@@ -102,7 +102,7 @@ class FamilyAdapter:
                     return None
                 fill = pad if name == "input_ids" else 0
                 values = [
-                    torch.cat([torch.tensor([[fill] * (width - v.shape[1])], dtype=v.dtype), v], dim=1)
+                    torch.cat([torch.tensor([[fill] * (width - v.shape[1])], dtype=v.dtype, device=v.device), v], dim=1)
                     if v.shape[1] < width
                     else v
                     for v in values
