@@ -149,3 +149,21 @@ def test_items_prepared_alone_stack_into_the_processors_own_batch(family, tiny_m
     assert sorted(stacked.keys()) == sorted(together.keys())
     for name in together:
         assert torch.equal(stacked[name], together[name]), name
+
+
+def test_running_out_of_memory_in_a_long_prompts_vision_pass_fails_it_alone(tiny_model, serve, monkeypatch):
+    # On the H200 capped to 24 GB, the vision pass of a 16-image request (the first step of its chunked
+    # prefill) ran out of memory outside the out-of-memory path: generation_failed. Its neighbours go on.
+    engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_TOKENS="256")
+    decoder = engine._current_decoder()
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 208.00 MiB")
+
+    monkeypatch.setattr(decoder, "begin_chunks", out_of_memory)
+    long_job = {"task": "vqa", "image_url": data_uri(striped((64, 48))), "question": LONG_TEXT, "max_new_tokens": 4}
+    short = {"messages": [{"role": "user", "content": "Hi."}], "max_new_tokens": 4}
+    out = asyncio.run(handler.local_test_answer({"id": "j", "input": {"requests": [long_job, short]}}))
+    failed, answered = out["results"]
+    assert failed["code"] == "out_of_memory" and failed["param"] == "requests[0]"
+    assert "error" not in answered and decoder.pool.free == decoder.pool.capacity

@@ -413,7 +413,13 @@ class Engine:
         if room < len(group):  # wait for blocks: what fits first comes again as a smaller group
             return self._requeue(group, limit=room or None)
         if len(group) == 1 and lengths[0] > self.settings.max_batch_tokens:
-            chunked = decoder.begin_chunks(inputs, free[0], group[0].item.params, len(group[0].ids))
+            try:  # the vision pass of all its images at once
+                chunked = decoder.begin_chunks(inputs, free[0], group[0].item.params, len(group[0].ids))
+            except Exception as error:
+                if not is_out_of_memory(error):
+                    raise
+                torch.cuda.empty_cache()
+                return group[0].finish(self._out_of_memory(group[0], prompt_tokens[0]))
             if chunked is not None:
                 group[0].prompt_tokens, group[0].input_size = prompt_tokens[0], input_sizes[0]
                 self._chunking = (group[0], chunked)
