@@ -74,7 +74,7 @@ def main() -> None:
         tiny_models.build("qwen2-vl", folder, "qwen2-vl-2b", device="cuda", dtype="bf16")
         torch.cuda.empty_cache()
     os.environ.update(
-        VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", VLM_DTYPE="bf16", VLM_COMPILE="false", VLM_CACHE_LEN="8192"
+        VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", VLM_DTYPE="bf16", VLM_COMPILE="false", VLM_KV_CACHE_TOKENS="65536"
     )
     import handler
 

@@ -162,9 +162,10 @@ def decode_step_ms(handler, engine, rows: int, steps: int = 80) -> float:
     items = [GenerationRequest("caption", [Turn("user", [image, "Describe."])], params) for _ in range(rows)]
     with torch.inference_mode():
         inputs, _ = engine.adapter.batch_inputs(engine.processor, items, engine.model.device, engine.dtype)
-        decoder.shift(decoder.plan(inputs["input_ids"].shape[1], params.max_new_tokens))
         free = decoder.free_rows()[:rows]
         decoder.prefill(inputs, free, [params] * rows)
+        for row in free:  # the blocks of every step below
+            decoder.grow(row, decoder.lengths[row] + params.max_new_tokens)
         decoder.step(decoder.interval)  # graph capture if not yet
         torch.cuda.synchronize()
         started = time.perf_counter()
