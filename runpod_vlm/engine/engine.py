@@ -203,7 +203,6 @@ class Engine:
         with self._wake:
             if self._intake is None:
                 workers = max(1, min(2, (os.cpu_count() or 2) - 1))
-                sys.setswitchinterval(0.0005)  # the engine thread takes the GIL back within 0.5 ms, not 5
                 self._intake = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="vlm-intake")
             return self._intake
 
@@ -236,6 +235,9 @@ class Engine:
     def _start_thread(self) -> None:
         """Start the engine thread once (call with `_wake` held)."""
         if self._thread is None:
+            # Intake threads and the background compile hold the GIL between the engine thread's kernel
+            # launches: it takes the GIL back within 0.5 ms, not Python's 5 (a third of batch-1 speed while compiling).
+            sys.setswitchinterval(0.0005)
             self._thread = threading.Thread(target=self._serve, name="vlm-engine", daemon=True)
             self._thread.start()
 
@@ -793,19 +795,14 @@ class Engine:
                 "compiled": "decoder layers around paged attention",
             },
         )  # older artifacts hold other shapes
-        switch_interval = sys.getswitchinterval()
-        sys.setswitchinterval(0.0005)  # tracing holds the GIL: the engine thread takes it back within 0.5 ms, not 5
-        try:
-            loaded = load_compile_artifacts(self.settings, key)  # never raises: a bad file is skipped
-            done = [
-                bucket
-                for bucket in buckets  # a second try: a CUDA graph capture may void the first
-                if self._compile_shape(bucket) or self._compile_shape(bucket)
-            ]
-            if len(done) == len(buckets) and not loaded:
-                save_compile_artifacts(self.settings, key)
-        finally:
-            sys.setswitchinterval(switch_interval)
+        loaded = load_compile_artifacts(self.settings, key)  # never raises: a bad file is skipped
+        done = [
+            bucket
+            for bucket in buckets  # a second try: a CUDA graph capture may void the first
+            if self._compile_shape(bucket) or self._compile_shape(bucket)
+        ]
+        if len(done) == len(buckets) and not loaded:
+            save_compile_artifacts(self.settings, key)
         # All shapes switch at once: compiled code run while another shape is traced fails (process-wide state).
         with self._wake:
             self._compiled_shapes.update(done)
@@ -841,9 +838,9 @@ class Engine:
     def warm_up(self) -> None:
         """Start compiling the decode step in the background; the engine switches shape by shape."""
         if self.continuous and self.compile:
-            self._current_decoder()
             with self._wake:
                 self._start_thread()
+            self._current_decoder()
 
     def stop_after(self, grace: float) -> None:
         """Items still running `grace` seconds from now fail with `worker_stopping` (on SIGTERM)."""
