@@ -13,7 +13,9 @@ Imports point one way, down this list; no module imports one above it.
   fetch          the SSRF boundary: URL policy, pinned DNS, TLS, redirects, byte caps
   engine/        the model and its thread; knows nothing of RunPod jobs or request JSON
     engine       the facade: submit, warm_up, stop_after; admission, decoding, answers per item
-    decoder      continuous batching over one static KV cache; sampling; CUDA graphs
+    decoder      continuous batching over the paged KV cache; chunked prefill; sampling; CUDA graphs
+    blocks       the KV pool's blocks, handed to rows as their tokens grow
+    paged_attention  the text model's attention over the pool, each row reading its own blocks
     compile      the background-compiled decode step and the compile-artifact cache
     loading      weights source (RunPod's cache), dtype, quantization, model and processor
   families/      prompts and processor inputs as each model card writes them
