@@ -34,6 +34,7 @@ import pytest
 
 import handler
 import runpod_vlm.engine.engine as engine_module
+import runpod_vlm.engine.memory as memory_module
 from runpod_vlm import fetch, media
 from runpod_vlm.engine.blocks import BlockPool
 from runpod_vlm.engine.decoder import PagedDecoder, row_buckets
@@ -1844,8 +1845,8 @@ def hub(monkeypatch):
     monkeypatch.setattr(engine_module, "PagedDecoder", FakePagedDecoder)
     monkeypatch.setattr(engine_module, "use_paged_attention", lambda model: HUB.paged_attention)
     # GPU memory is asked of the fake torch.cuda; the work memory is measured on the GPU (bench/serving.py).
-    monkeypatch.setattr(engine_module.Engine, "_measured_work_memory", lambda self: HUB.work_memory)
-    monkeypatch.setattr(engine_module.Engine, "_kv_bytes_per_token", lambda self: HUB.kv_bytes_per_token)
+    monkeypatch.setattr(memory_module, "measured_work_memory", lambda model, settings, dtype: HUB.work_memory)
+    monkeypatch.setattr(memory_module, "kv_bytes_per_token", lambda model: HUB.kv_bytes_per_token)
     # The compile-artifact file is torch's (tests/test_compile_cache.py runs it for real): here the
     # engine's use of it is recorded.
     monkeypatch.setattr(engine_module, "compile_cache_key", lambda model_id, **parts: f"{model_id}:{parts['shapes']}")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import collections
-import contextlib
 import logging
 import os
 import sys
@@ -24,7 +23,9 @@ from runpod_vlm.engine.compile import (
 )
 from runpod_vlm.engine.decoder import ChunkedPrefill, PagedDecoder
 from runpod_vlm.engine.grammar import Grammars
+from runpod_vlm.engine.intake import Intake, with_generated
 from runpod_vlm.engine.loading import load_model
+from runpod_vlm.engine.memory import kv_pool_tokens
 from runpod_vlm.engine.paged_attention import use_paged_attention
 from runpod_vlm.engine.ticket import Ticket, logprob_entries
 from runpod_vlm.families.base import end_tokens
@@ -46,7 +47,6 @@ log = logging.getLogger("runpod-vlm")
 
 COMPILE_AFTER_FIRST_ANSWER_S = 10.0  # a new worker's first job is answered before the background compile slows it
 BLOCK_SIZE = 16  # tokens per KV block (vLLM's default): a row wastes at most 15 slots
-CPU_KV_CACHE_TOKENS = 32768
 
 
 def is_out_of_memory(error: Exception) -> bool:
@@ -60,18 +60,6 @@ def is_fatal_gpu_error(error: Exception) -> bool:
         type(error).__name__ == "AcceleratorError"
         or any(s in text for s in ("illegal memory access", "device-side assert", "ECC error", "unspecified launch"))
     )
-
-
-def with_generated(inputs, ids: list[int]) -> None:
-    """A one-item prompt's inputs followed by `ids` it had generated: text tokens, in every per-token tensor
-    (the attention mask, and e.g. Qwen's mm_token_type_ids, where 0 is text)."""
-    import torch
-
-    shape = tuple(inputs["input_ids"].shape)
-    for name, value in list(inputs.items()):
-        if isinstance(value, torch.Tensor) and tuple(value.shape) == shape:
-            tail = ids if name == "input_ids" else [int(name == "attention_mask")] * len(ids)
-            inputs[name] = torch.cat([value, torch.tensor([tail], dtype=value.dtype, device=value.device)], dim=1)
 
 
 class Engine:
@@ -96,9 +84,8 @@ class Engine:
         self._chunking: Optional[tuple[Ticket, ChunkedPrefill]] = None  # a long prompt entering chunk by chunk
         self._admitted = 0  # admissions so far: a row's number orders preemption (the newest goes first)
         self._thread: Optional[threading.Thread] = None
-        self._intake: Optional[ThreadPoolExecutor] = None
+        self._intake: Optional[Intake] = None
         self.timings: collections.Counter = collections.Counter()  # seconds and counts by phase (benchmarks)
-        self._first_intake, self._intake_warm = threading.Lock(), False
         self._decoder: Optional[PagedDecoder] = None
         self.grammars: Optional[Grammars] = None  # made at the first request for structured output
 
@@ -187,38 +174,20 @@ class Engine:
         if self.continuous:
             for ticket in tickets:
                 ticket.call = tickets[0]  # the items of one call are admitted together
-                ticket.prepared = self._intake_pool().submit(self._prepare, ticket.item)
-                ticket.prepared.add_done_callback(lambda _: self._notify())
+                ticket.prepared = self._intake_of().submit(ticket.item, self._notify)
         with self._wake:
             self._queue.extend(tickets)
             self._wake.notify()
             self._start_thread()
         return tickets
 
-    def _intake_pool(self) -> ThreadPoolExecutor:
-        """Threads that turn items into the model's inputs on the CPU while the GPU decodes. Threads, not
-        processes: the processors' image work runs in PIL, numpy and torch, which release the GIL, and
-        their tensors need no copying between processes. Two: with eight, the engine thread waited for the
-        GIL at every kernel launch of a prefill (500 ms a prefill of six 720p images on the H200)."""
+    def _intake_of(self) -> Intake:
         with self._wake:
             if self._intake is None:
-                workers = max(1, min(2, (os.cpu_count() or 2) - 1))
-                self._intake = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="vlm-intake")
+                on_gpu = self.settings.preprocess_on_gpu and str(self.model.device).startswith("cuda")
+                device = str(self.model.device) if on_gpu else "cpu"
+                self._intake = Intake(self.adapter, self.processor, self.dtype, device, self.timings)
             return self._intake
-
-    def _prepare(self, item: GenerationRequest):
-        """One item's inputs on the CPU and its first image's input size. The first call runs alone: a fast
-        tokenizer sets its padding state then, which concurrent calls would race for."""
-        started = time.perf_counter()
-        on_gpu = self.settings.preprocess_on_gpu and str(self.model.device).startswith("cuda")
-        device = self.model.device if on_gpu else "cpu"
-        with self._first_intake if not self._intake_warm else contextlib.nullcontext():
-            inputs, sizes = self.adapter.batch_inputs(
-                self.processor, [item], device, self.dtype, image_device=device if on_gpu else None
-            )
-            self._intake_warm = True
-        self.timings["intake_s"] += time.perf_counter() - started
-        return inputs, sizes[0]
 
     def _notify(self) -> None:
         with self._wake:
@@ -702,58 +671,7 @@ class Engine:
         )
 
     def _kv_pool_blocks(self) -> int:
-        """The pool's blocks: VLM_KV_CACHE_TOKENS, else what the GPU holds beside the weights and a step's
-        measured work memory, within VLM_GPU_MEMORY_UTILIZATION of the memory this process may use."""
-        import torch
-
-        tokens = self.settings.kv_cache_tokens
-        if not tokens and not str(self.model.device).startswith("cuda"):
-            tokens = CPU_KV_CACHE_TOKENS
-        if not tokens:
-            device = self.model.device
-            total = torch.cuda.get_device_properties(device).total_memory
-            fraction = min(self.settings.gpu_memory_utilization, torch.cuda.get_per_process_memory_fraction(device))
-            limit = total * fraction
-            limit = min(limit, torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device))
-            work = self._measured_work_memory()
-            free = limit - torch.cuda.memory_allocated(device) - work
-            tokens = max(0, int(free // self._kv_bytes_per_token()))
-            log.info(
-                "KV pool from GPU memory: limit %.1f GB, weights %.1f GB, measured work memory %.1f GB -> %d tokens",
-                limit / 1e9,
-                torch.cuda.memory_allocated(device) / 1e9,
-                work / 1e9,
-                tokens,
-            )
-        return max(2, tokens // BLOCK_SIZE + 1)
-
-    def _kv_bytes_per_token(self) -> int:
-        config = self.model.config.get_text_config(decoder=True)
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        element = self.model.get_output_embeddings().weight.element_size()
-        return 2 * config.num_hidden_layers * heads * dim * element
-
-    def _measured_work_memory(self) -> int:
-        """Peak memory beyond the weights of a prefill at the step's token budget (text: the vision tower's
-        share comes out of the headroom VLM_GPU_MEMORY_UTILIZATION leaves), plus the sampler's at full rows."""
-        import torch
-
-        device = self.model.device
-        vocab = self.model.get_output_embeddings().weight.shape[0]
-        hidden = self.model.get_input_embeddings().weight.shape[1]
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        before = torch.cuda.memory_allocated(device)
-        with torch.inference_mode():
-            embeds = torch.zeros(1, self.settings.max_batch_tokens, hidden, dtype=self.dtype, device=device)
-            hidden_states = self.model.get_decoder()(inputs_embeds=embeds, use_cache=False).last_hidden_state
-            self.model.get_output_embeddings()(hidden_states[:, -1:])
-            del embeds, hidden_states
-        peak = torch.cuda.max_memory_allocated(device) - before
-        torch.cuda.empty_cache()
-        sampler = 8 * self.settings.max_batch_size * vocab * 4  # float32 logits, probabilities, sort, noise
-        return peak + sampler
+        return max(2, kv_pool_tokens(self.model, self.settings, self.dtype) // BLOCK_SIZE + 1)
 
     def _switch_to_compiled(self) -> None:
         """At a step boundary: buckets whose compiled forward is ready decode with it from now on."""

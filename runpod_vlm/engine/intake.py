@@ -1,0 +1,58 @@
+"""Items turned into the model's inputs on threads while the GPU decodes."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from runpod_vlm.vocabulary import GenerationRequest
+
+
+class Intake:
+    """Threads that run each item's processor call alone (its `batch_inputs` of one item) and hand back
+    its inputs and first image's input size as a Future. Threads, not processes: the processors' image
+    work runs in PIL, numpy and torch, which release the GIL, and their tensors need no copying between
+    processes. Two: with eight, the engine thread waited for the GIL at every kernel launch of a prefill
+    (500 ms a prefill of six 720p images on the H200)."""
+
+    def __init__(self, adapter, processor, dtype, device: str, timings: collections.Counter):
+        """`device`: where the inputs go ("cpu", or the GPU for torchvision-backed image processing)."""
+        self.adapter, self.processor, self.dtype, self.device, self.timings = adapter, processor, dtype, device, timings
+        self._pool = ThreadPoolExecutor(
+            max_workers=max(1, min(2, (os.cpu_count() or 2) - 1)), thread_name_prefix="vlm-intake"
+        )
+        self._first, self._warm = threading.Lock(), False
+
+    def submit(self, item: GenerationRequest, when_done: Callable[[], None]) -> Future:
+        future = self._pool.submit(self._prepare, item)
+        future.add_done_callback(lambda _: when_done())
+        return future
+
+    def _prepare(self, item: GenerationRequest):
+        """The first call runs alone: a fast tokenizer sets its padding state then, which concurrent calls race for."""
+        started = time.perf_counter()
+        image_device = None if self.device == "cpu" else self.device
+        with self._first if not self._warm else contextlib.nullcontext():
+            inputs, sizes = self.adapter.batch_inputs(
+                self.processor, [item], self.device, self.dtype, image_device=image_device
+            )
+            self._warm = True
+        self.timings["intake_s"] += time.perf_counter() - started
+        return inputs, sizes[0]
+
+
+def with_generated(inputs, ids: list[int]) -> None:
+    """A one-item prompt's inputs followed by `ids` it had generated: text tokens, in every per-token tensor
+    (the attention mask, and e.g. Qwen's mm_token_type_ids, where 0 is text)."""
+    import torch
+
+    shape = tuple(inputs["input_ids"].shape)
+    for name, value in list(inputs.items()):
+        if isinstance(value, torch.Tensor) and tuple(value.shape) == shape:
+            tail = ids if name == "input_ids" else [int(name == "attention_mask")] * len(ids)
+            inputs[name] = torch.cat([value, torch.tensor([tail], dtype=value.dtype, device=value.device)], dim=1)

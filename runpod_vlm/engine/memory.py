@@ -1,0 +1,67 @@
+"""How many tokens the KV pool holds: a setting, or what the GPU has beside the weights and the work memory."""
+
+from __future__ import annotations
+
+import logging
+
+from runpod_vlm.settings import Settings
+
+log = logging.getLogger("runpod-vlm")
+
+CPU_KV_CACHE_TOKENS = 32768
+
+
+def kv_pool_tokens(model, settings: Settings, dtype) -> int:
+    """VLM_KV_CACHE_TOKENS, else what the GPU holds beside the weights and a step's measured work memory,
+    within VLM_GPU_MEMORY_UTILIZATION of the memory this process may use (its cap, when it has one)."""
+    import torch
+
+    if settings.kv_cache_tokens:
+        return settings.kv_cache_tokens
+    if not str(model.device).startswith("cuda"):
+        return CPU_KV_CACHE_TOKENS
+    device = model.device
+    total = torch.cuda.get_device_properties(device).total_memory
+    limit = total * min(settings.gpu_memory_utilization, torch.cuda.get_per_process_memory_fraction(device))
+    limit = min(limit, torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device))
+    work = measured_work_memory(model, settings, dtype)
+    weights = torch.cuda.memory_allocated(device)
+    tokens = max(0, int((limit - weights - work) // kv_bytes_per_token(model)))
+    log.info(
+        "KV pool from GPU memory: limit %.1f GB, weights %.1f GB, measured work memory %.1f GB -> %d tokens",
+        limit / 1e9,
+        weights / 1e9,
+        work / 1e9,
+        tokens,
+    )
+    return tokens
+
+
+def kv_bytes_per_token(model) -> int:
+    config = model.config.get_text_config(decoder=True)
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    element = model.get_output_embeddings().weight.element_size()
+    return 2 * config.num_hidden_layers * heads * dim * element
+
+
+def measured_work_memory(model, settings: Settings, dtype) -> int:
+    """Peak memory beyond the weights of a prefill at the step's token budget (text: the vision tower's
+    share comes out of the headroom VLM_GPU_MEMORY_UTILIZATION leaves), plus the sampler's at full rows."""
+    import torch
+
+    device = model.device
+    vocab = model.get_output_embeddings().weight.shape[0]
+    hidden = model.get_input_embeddings().weight.shape[1]
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    with torch.inference_mode():
+        embeds = torch.zeros(1, settings.max_batch_tokens, hidden, dtype=dtype, device=device)
+        hidden_states = model.get_decoder()(inputs_embeds=embeds, use_cache=False).last_hidden_state
+        model.get_output_embeddings()(hidden_states[:, -1:])
+        del embeds, hidden_states
+    peak = torch.cuda.max_memory_allocated(device) - before
+    torch.cuda.empty_cache()
+    sampler = 8 * settings.max_batch_size * vocab * 4  # float32 logits, probabilities, sort, noise
+    return peak + sampler
