@@ -16,6 +16,8 @@ Imports point one way, down this list; no module imports one above it.
     decoder      continuous batching over the paged KV cache; chunked prefill; sampling; CUDA graphs
     blocks       the KV pool's blocks, handed to rows as their tokens grow
     paged_attention  the text model's attention over the pool, each row reading its own blocks
+    intake       each item's processor call on threads while the GPU decodes
+    memory       the KV pool's size from GPU memory
     compile      the background-compiled decode step and the compile-artifact cache
     loading      weights source (RunPod's cache), dtype, quantization, model and processor
   families/      prompts and processor inputs as each model card writes them

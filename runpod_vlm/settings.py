@@ -116,7 +116,7 @@ class Settings:
     max_new_tokens: pydantic.PositiveInt = 2048  # the most a request may ask for; every field is VLM_<NAME>
     default_max_new_tokens: pydantic.PositiveInt = 256
     max_batch_size: pydantic.PositiveInt = 256  # rows decoding together (continuous batching), as the KV pool allows
-    max_concurrency: pydantic.PositiveInt = 32  # jobs this worker takes at once (RunPod concurrency_modifier)
+    max_concurrency: pydantic.PositiveInt = 256  # jobs this worker takes at once (RunPod concurrency_modifier)
     sync_interval: pydantic.PositiveInt = 8  # decode steps between looks at the tokens (admission, stops, streaming)
     stream_interval_ms: pydantic.NonNegativeInt = 50  # streamed jobs post at most this often
     load_at_boot: bool = True  # load and warm up before taking jobs; off: the first request loads

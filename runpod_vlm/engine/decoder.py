@@ -92,6 +92,7 @@ class PagedDecoder:
         self.buckets = row_buckets(rows)
         self.forwards = {bucket: model for bucket in self.buckets}  # `use_forward` swaps in compiled ones
         self.graphs: dict = {}  # (bucket, span, any sampled row, logprobs, constrained) -> CUDA graph of one step
+        self.graph_pool = None  # their shared memory pool (a graph each held its own: GBs at 256 rows)
         self.keys: list = []  # per layer [slots, kv heads, head dim]: made at the first prefill, from its shapes
         self.values: list = []
         vocab = model.get_output_embeddings().weight.shape[0]
@@ -500,7 +501,9 @@ class PagedDecoder:
             tensor.copy_(value)
         self.ring_index.zero_()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        if self.graph_pool is None:  # one memory pool for every graph: they never replay at once
+            self.graph_pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
             self._advance(bucket, span)
         for tensor, value in kept:
             tensor.copy_(value)
