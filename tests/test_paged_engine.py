@@ -4,6 +4,7 @@ chunks, a full pool preempts and resumes, and every answer is exactly its solo `
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 import torch
@@ -167,3 +168,27 @@ def test_running_out_of_memory_in_a_long_prompts_vision_pass_fails_it_alone(tiny
     failed, answered = out["results"]
     assert failed["code"] == "out_of_memory" and failed["param"] == "requests[0]"
     assert "error" not in answered and decoder.pool.free == decoder.pool.capacity
+
+
+def test_running_out_of_memory_while_pixels_move_to_the_gpu_splits_then_fails_the_item_alone(
+    tiny_model, serve, monkeypatch
+):
+    # A 7B worker at a 48 GB cap answered a 16-image request with generation_failed: the OOM was raised while
+    # the batch's pixel values moved to the GPU, outside the out-of-memory path.
+    from transformers import BatchFeature
+
+    serve(tiny_model("qwen2-vl"))
+    real_to = BatchFeature.to
+
+    def to(self, *args, **kwargs):  # on the engine thread, a batch with the image, or the image alone
+        if threading.current_thread().name == "vlm-engine" and "pixel_values" in self:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(BatchFeature, "to", to)
+    image = {"task": "vqa", "image_url": data_uri(striped((64, 48))), "question": "What?", "max_new_tokens": 3}
+    short = {"messages": [{"role": "user", "content": "Hi"}], "max_new_tokens": 3}
+    out = asyncio.run(handler.local_test_answer({"id": "j", "input": {"requests": [image, short]}}))
+    failed, answered = out["results"]
+    assert failed["code"] == "out_of_memory" and failed["param"] == "requests[0]", failed
+    assert "error" not in answered

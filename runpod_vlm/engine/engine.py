@@ -318,6 +318,8 @@ class Engine:
                 self._take([ticket])
                 if isinstance(error, RequestError):  # the family's adapter refused it
                     ticket.finish(error)
+                elif is_out_of_memory(error):  # its images processed on the GPU
+                    ticket.finish(self._out_of_memory(ticket, 0))
                 else:
                     log.error("could not prepare an item", exc_info=error)
                     ticket.fail(GENERATION_FAILED)
@@ -361,7 +363,12 @@ class Engine:
                 )
             inputs = type(inputs)({name: value for name, value in inputs.items()})  # a resumed item lengthens its own
             inputs = inputs.to(self.model.device)
-        except Exception:
+        except Exception as error:
+            if is_out_of_memory(error):  # the pixels moving to the GPU: halves, then the item alone fails
+                torch.cuda.empty_cache()
+                if len(group) > 1:
+                    return self._requeue(group, limit=len(group) // 2)
+                return group[0].finish(self._out_of_memory(group[0], group[0].prompt_tokens))
             if len(group) > 1:
                 return self._requeue(group, limit=1)
             return self._admit_failed(group[0])
