@@ -76,13 +76,24 @@ class PagedDecoder:
 
     pending_logprobs: Optional[dict] = None  # row -> (logprob, top ids, top logprobs) per new token
 
-    def __init__(self, model, eos_ids: set, rows: int, blocks: int, block_size: int, use_graph: bool, interval: int):
+    def __init__(
+        self,
+        model,
+        eos_ids: set,
+        rows: int,
+        blocks: int,
+        block_size: int,
+        use_graph: bool,
+        interval: int,
+        max_row_tokens: Optional[int] = None,
+    ):
+        """`max_row_tokens`: the most one row holds (the model's context), which bounds its block table."""
         import torch
 
         with torch.inference_mode():  # like every tensor made later, on the engine or compile thread
-            self._make_state(model, eos_ids, rows, blocks, block_size, use_graph, interval)
+            self._make_state(model, eos_ids, rows, blocks, block_size, use_graph, interval, max_row_tokens)
 
-    def _make_state(self, model, eos_ids, rows, blocks, block_size, use_graph, interval) -> None:
+    def _make_state(self, model, eos_ids, rows, blocks, block_size, use_graph, interval, max_row_tokens) -> None:
         import torch
 
         device = model.device
@@ -102,7 +113,8 @@ class PagedDecoder:
         self.mask_word, self.mask_bit = self.vocab_index // 32, self.vocab_index % 32  # a token's place in `allowed`
         penalty = getattr(model.generation_config, "repetition_penalty", None) or 1.0
         self.penalty = penalty if penalty != 1.0 else None
-        self.columns = self.pool.blocks_for(self.pool.capacity_tokens) + 1  # a block table's width
+        longest = min(self.pool.capacity_tokens, max_row_tokens or self.pool.capacity_tokens)
+        self.columns = self.pool.blocks_for(longest + interval) + 1  # a block table's width
         self.offsets = torch.arange(self.columns * block_size, device=device)
         zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         self.ring_index = zeros(1)
@@ -143,10 +155,10 @@ class PagedDecoder:
         return [row for row in range(self.rows) if row not in self.lengths]
 
     def grow(self, row, tokens: int) -> None:
-        """Give `row` (a busy row, or a prompt's key) the blocks for `tokens` tokens; raises PoolExhausted."""
+        """Give `row` the blocks for `tokens` tokens; raises PoolExhausted."""
         held = len(self.pool.table(row))
         new = self.pool.grow(row, tokens)
-        if new and isinstance(row, int):
+        if new:
             self.host_table[row, held : held + len(new)] = self.host_table.new_tensor(new)
             self.table[row, held : held + len(new)] = self.host_table[row, held : held + len(new)].to(self.table.device)
 

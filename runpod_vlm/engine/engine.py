@@ -675,6 +675,7 @@ class Engine:
             block_size=BLOCK_SIZE,
             use_graph=use_graph,
             interval=self.settings.sync_interval,
+            max_row_tokens=self.context_length,
         )
 
     def _kv_pool_blocks(self) -> int:
