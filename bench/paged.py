@@ -86,20 +86,9 @@ class BlocksInUse:
 
 async def outcomes(handler, jobs: list[dict]) -> list[dict]:
     """Each job's token count or error code, all sent at once."""
-    from runpod_vlm.answers import stream_generation
-    from runpod_vlm.vocabulary import RequestError
+    from oom import outcome
 
-    async def one(job):
-        settings, model_id = handler.served_model()
-        _, item = await asyncio.to_thread(handler.read_job_item, job["input"], settings, model_id, None)
-        result = None
-        async for event in stream_generation(handler.get_engine(), item):
-            result = event
-        if isinstance(result, RequestError):
-            return {"id": job["id"], "error": result.code}
-        return {"id": job["id"], "tokens": result.completion_tokens, "prompt_tokens": result.prompt_tokens}
-
-    return list(await asyncio.gather(*(one(job) for job in jobs)))
+    return list(await asyncio.gather(*(outcome(handler, job) for job in jobs)))
 
 
 def generate_peer(engine, jobs: list[dict]) -> dict:
