@@ -28,7 +28,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "tests"))
 
 import fake_backend
 import handler
-import runpod_vlm.engine.engine as engine_module
+import runpod_vlm.engine.background_compile as background_compile
 from fake_backend import (
     BF16,
     END,
@@ -1503,7 +1503,9 @@ def test_a_row_at_its_own_budget_counts_as_ended(monkeypatch, hub):
 def compiled_engine(monkeypatch, hub, **env):
     """The compiled (CUDA) path: a fake GPU, VLM_COMPILE on, the fake model echoing its question."""
     hub.reply, hub.cuda_available, hub.device = echo, True, "cuda:0"
-    monkeypatch.setattr(engine_module, "COMPILE_AFTER_FIRST_ANSWER_S", 0)  # compiles at once (one test checks the wait)
+    monkeypatch.setattr(
+        background_compile, "COMPILE_AFTER_FIRST_ANSWER_S", 0
+    )  # compiles at once (one test checks the wait)
     serve(monkeypatch, QWEN, **dict({"VLM_COMPILE": "true", "VLM_MAX_BATCH_SIZE": "16"}, **env))  # buckets 8 and 16
 
 
@@ -1660,26 +1662,32 @@ def test_a_prefill_holds_no_more_prompt_tokens_than_the_step_budget(monkeypatch,
 
 
 def test_a_long_prompt_enters_in_chunks_of_the_budget_while_the_others_decode(monkeypatch, hub):
-    hub.reply = lambda prompt: "long answer" if "z" in prompt else "s" * 40
+    hub.reply = lambda prompt: "long answer" if "z" in prompt else "s" * 150
     serve(monkeypatch, VLM_MAX_BATCH_TOKENS="256", VLM_SYNC_INTERVAL="2")
     engine = handler.get_engine()
-    events = []
-    for name in ("prefill_chunk", "step"):
-        real = getattr(FakePagedDecoder, name)
-        monkeypatch.setattr(
-            FakePagedDecoder,
-            name,
-            lambda self, *a, _real=real, _name=name, **k: events.append(_name) or _real(self, *a, **k),
-        )
+    settings, model_id = handler.served_model()
+    long_item = handler.read_job_item(chat("z" * 600), settings, model_id, None)[1]
+    events, answers, tickets = [], [], []
+    real_chunk, real_step = FakePagedDecoder.prefill_chunk, FakePagedDecoder.step
 
-    async def jobs():
-        short = [handler.local_test_answer({"id": f"s{n}", "input": chat(f"short {n}")}) for n in range(2)]
-        return await asyncio.gather(*short, handler.local_test_answer({"id": "long", "input": chat("z" * 600)}))
+    def step(self, steps):  # at the short rows' first step: the long prompt, prepared before it is admitted
+        events.append("step")
+        if not tickets:
+            tickets.append(engine.submit(long_item, answers.append))
+            tickets[0].prepared.result(timeout=10)
+        return real_step(self, steps)
 
-    *shorts, long = asyncio.run(jobs())
-    assert [s["response"] for s in shorts] == ["s" * 40] * 2 and long["response"] == "long answer"
+    monkeypatch.setattr(FakePagedDecoder, "step", step)
+    monkeypatch.setattr(
+        FakePagedDecoder, "prefill_chunk", lambda self, *a, **k: events.append("chunk") or real_chunk(self, *a, **k)
+    )
+    shorts = batch(chat("short 0", max_new_tokens=200), chat("short 1", max_new_tokens=200))
+    deadline = time.monotonic() + 10
+    while not answers and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [r["response"] for r in shorts["results"]] == ["s" * 150] * 2 and answers[0].text == "long answer"
     assert [size for _, size in hub.chunks][:2] == [256, 256] and len(hub.chunks) == 3
-    chunk_at = [n for n, event in enumerate(events) if event == "prefill_chunk"]
+    chunk_at = [n for n, event in enumerate(events) if event == "chunk"]
     assert all("step" in events[a:b] for a, b in zip(chunk_at, chunk_at[1:]))  # the short rows decoded between
     assert pool_of(engine).free == pool_of(engine).capacity
 
@@ -1904,7 +1912,7 @@ def test_a_shape_whose_compile_fails_once_is_compiled_on_a_second_try(monkeypatc
 def test_a_new_worker_answers_its_first_job_before_the_background_compile_starts(monkeypatch, hub):
     # On the H200 the compile running beside a new worker's first job made its answer 7-10 s later.
     compiled_engine(monkeypatch, hub)
-    monkeypatch.setattr(engine_module, "COMPILE_AFTER_FIRST_ANSWER_S", 30)
+    monkeypatch.setattr(background_compile, "COMPILE_AFTER_FIRST_ANSWER_S", 30)
     engine = handler.get_engine()
     engine.warm_up()
     assert not engine.wait_until_compiled(timeout=0.5) and not hub.compiled_steps  # waiting for a first answer

@@ -33,6 +33,7 @@ import urllib.request
 import pytest
 
 import handler
+import runpod_vlm.engine.background_compile as background_compile
 import runpod_vlm.engine.engine as engine_module
 import runpod_vlm.engine.memory as memory_module
 from runpod_vlm import fetch, media
@@ -1849,12 +1850,14 @@ def hub(monkeypatch):
     monkeypatch.setattr(memory_module, "kv_bytes_per_token", lambda model: HUB.kv_bytes_per_token)
     # The compile-artifact file is torch's (tests/test_compile_cache.py runs it for real): here the
     # engine's use of it is recorded.
-    monkeypatch.setattr(engine_module, "compile_cache_key", lambda model_id, **parts: f"{model_id}:{parts['shapes']}")
     monkeypatch.setattr(
-        engine_module, "load_compile_artifacts", lambda s, key: HUB.artifacts.append(("load", key)) or False
+        background_compile, "compile_cache_key", lambda model_id, **parts: f"{model_id}:{parts['shapes']}"
     )
     monkeypatch.setattr(
-        engine_module, "save_compile_artifacts", lambda settings, key: HUB.artifacts.append(("save", key))
+        background_compile, "load_compile_artifacts", lambda s, key: HUB.artifacts.append(("load", key)) or False
+    )
+    monkeypatch.setattr(
+        background_compile, "save_compile_artifacts", lambda settings, key: HUB.artifacts.append(("save", key))
     )
     yield HUB
     handler.reset_engine()

@@ -22,8 +22,8 @@ import pytest
 import torch
 
 import handler
+import runpod_vlm.engine.background_compile as background_compile
 import runpod_vlm.engine.compile as compile_module
-import runpod_vlm.engine.engine as engine_module
 from runpod_vlm.engine.compile import (
     COMPILE_ARTIFACTS_SUFFIX,
     compile_artifact_dirs,
@@ -555,9 +555,9 @@ def compile_in_background(engine, monkeypatch, buckets: list[int], backend) -> N
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, dynamic, **options: compile_(fn, dynamic=dynamic, backend=backend))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(engine_module, "COMPILE_AFTER_FIRST_ANSWER_S", 0)
-    monkeypatch.setattr(engine_module, "load_compile_artifacts", lambda *args: False)
-    monkeypatch.setattr(engine_module, "save_compile_artifacts", lambda *args: None)
+    monkeypatch.setattr(background_compile, "COMPILE_AFTER_FIRST_ANSWER_S", 0)
+    monkeypatch.setattr(background_compile, "load_compile_artifacts", lambda *args: False)
+    monkeypatch.setattr(background_compile, "save_compile_artifacts", lambda *args: None)
     engine._compile_in_background(buckets)
     engine._compiler.shutdown(wait=True)
 
@@ -705,7 +705,7 @@ def test_jobs_answered_while_the_step_compiles_and_after_get_their_eager_tokens(
         )
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
-    monkeypatch.setattr(engine_module, "COMPILE_AFTER_FIRST_ANSWER_S", 0)
+    monkeypatch.setattr(background_compile, "COMPILE_AFTER_FIRST_ANSWER_S", 0)
     engine.compile, engine._decoder = True, None  # the next decoder compiles its step in the background
     rounds = []
     while not engine.wait_until_compiled(0) and len(rounds) < 200:

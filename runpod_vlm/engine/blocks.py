@@ -5,6 +5,8 @@ from __future__ import annotations
 import collections
 from collections.abc import Hashable
 
+BLOCK_SIZE = 16  # tokens per KV block (vLLM's default): a row wastes at most 15 slots
+
 
 class BlockPool:
     """`blocks` blocks of `block_size` tokens. Block 0 is never handed out: idle decode rows write there.

@@ -1,0 +1,117 @@
+"""The engine's background compile: the decode step's decoder layers compiled one row bucket after the
+other on a thread of their own, from saved artifacts when they match, and switched to at a step boundary."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from runpod_vlm.engine.blocks import BLOCK_SIZE
+from runpod_vlm.engine.compile import (
+    compile_cache_key,
+    load_compile_artifacts,
+    model_view,
+    save_compile_artifacts,
+    set_torch_cache_dirs,
+    with_compiled_layers,
+)
+from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, Turn
+
+log = logging.getLogger("runpod-vlm")
+
+COMPILE_AFTER_FIRST_ANSWER_S = 10.0  # a new worker's first job is answered before the background compile slows it
+
+
+class BackgroundCompile:
+    """Part of Engine (its base): what the compile thread does, and the engine thread's switch to it."""
+
+    def _switch_to_compiled(self) -> None:
+        """At a step boundary: buckets whose compiled forward is ready decode with it from now on."""
+        with self._wake:
+            ready, self._newly_compiled = self._newly_compiled, []
+        for bucket in ready:
+            if self._decoder is not None:
+                self._decoder.use_forward(bucket, self._compiled_forward)
+                log.info("decoding %d-row steps with the compiled forward from now on", bucket)
+
+    def _compile_in_background(self, buckets: list[int]) -> None:
+        """Compile the decoder's row buckets in a background thread (from saved artifacts when they match);
+        decoding goes on with CUDA graphs of the plain forward, and switches at a step boundary."""
+        if self._compiled_forward is None:
+            set_torch_cache_dirs(self.settings)
+            # Inductor's kernel-compiling processes made prefills 12x slower, compiling no faster (bench/contention.py).
+            options = {} if os.environ.get("TORCHINDUCTOR_COMPILE_THREADS") else {"options": {"compile_threads": 1}}
+            self._compiled_forward = with_compiled_layers(model_view(self.model), **options)
+            self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlm-compile")
+        future = self._compiler.submit(self._compile_shapes, buckets)
+        future.add_done_callback(
+            lambda f: (
+                f.exception()
+                and log.error("background compilation failed; decoding stays uncompiled", exc_info=f.exception())
+            )
+        )
+
+    def _compile_shapes(self, buckets: list[int]) -> None:
+        self._answered.wait(COMPILE_AFTER_FIRST_ANSWER_S)
+        rows, interval = self.settings.max_batch_size, self.settings.sync_interval
+        key = compile_cache_key(
+            self.model_id,
+            config=self.model.config,
+            dtype=self.dtype,
+            shapes={
+                "rows": rows,
+                "buckets": buckets,
+                "interval": interval,
+                "compiled": "decoder layers around paged attention",
+            },
+        )  # older artifacts hold other shapes
+        loaded = load_compile_artifacts(self.settings, key)  # never raises: a bad file is skipped
+        done = [
+            bucket
+            for bucket in buckets  # a second try: a CUDA graph capture may void the first
+            if self._compile_shape(bucket) or self._compile_shape(bucket)
+        ]
+        if len(done) == len(buckets) and not loaded:
+            save_compile_artifacts(self.settings, key)
+        # All shapes switch at once: compiled code run while another shape is traced fails (process-wide state).
+        with self._wake:
+            self._compiled_shapes.update(done)
+            self._newly_compiled.extend(done)
+            self._wake.notify()
+
+    def _compile_shape(self, bucket: int) -> bool:
+        """Trace and compile one decode shape on a shadow decoder of the same rows (own buffers and a small
+        pool of its own), so the engine's own state is never touched from this thread."""
+        import torch
+
+        started = time.perf_counter()
+        try:
+            with torch.inference_mode():
+                params = GenerationParams(max_new_tokens=4, temperature=0.0, top_p=1.0, do_sample=False)
+                items = [GenerationRequest("chat", [Turn("user", ["warm up"])], params)] * bucket
+                inputs, _ = self.adapter.batch_inputs(self.processor, items, self.model.device, self.dtype)
+                blocks = bucket * -(-(inputs["input_ids"].shape[1] + 2) // BLOCK_SIZE) + 1
+                shadow = self._make_decoder(model_view(self.model), blocks=blocks, use_graph=False)
+                shadow.prefill(inputs, list(range(bucket)), [params] * bucket)
+                shadow.use_forward(bucket, self._compiled_forward)
+                for row in range(bucket):
+                    shadow.grow(row, shadow.lengths[row] + 2)
+                for _ in range(2):
+                    shadow._advance(bucket, shadow.span(2))
+                torch.cuda.synchronize()
+        except Exception:
+            log.warning("compiling the %d-row decode step failed; it stays uncompiled", bucket, exc_info=True)
+            return False
+        log.info("compiled the %d-row decode step in the background in %.1fs", bucket, time.perf_counter() - started)
+        return True
+
+    def wait_until_compiled(self, timeout: float) -> bool:
+        """Whether every shape of the current decoder decodes compiled (benchmarks, tests)."""
+        deadline = time.monotonic() + timeout
+        while not ((decoder := self._decoder) and decoder.steps_only_with(self._compiled_forward)):
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
