@@ -18,7 +18,8 @@ Imports point one way, down this list; no module imports one above it.
     paged_attention  the text model's attention over the pool, each row reading its own blocks
     intake       each item's processor call on threads while the GPU decodes
     memory       the KV pool's size from GPU memory
-    compile      the background-compiled decode step and the compile-artifact cache
+    background_compile  the compile thread: row buckets compiled one after the other, then switched to
+    compile      the regionally compiled decode step and the compile-artifact cache
     loading      weights source (RunPod's cache), dtype, quantization, model and processor
   families/      prompts and processor inputs as each model card writes them
     base         the cards' generic recipe (FamilyAdapter)
