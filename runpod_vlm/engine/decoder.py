@@ -9,6 +9,7 @@ import types
 from typing import Optional
 
 from runpod_vlm.engine.blocks import BlockPool
+from runpod_vlm.engine.memory import kv_layout
 from runpod_vlm.engine.paged_attention import PagedStep, paged
 from runpod_vlm.vocabulary import GenerationParams
 
@@ -119,7 +120,6 @@ class PagedDecoder:
         zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
         self.ring_index = zeros(1)
         self.table = zeros(rows, self.columns)  # block ids; 0 (never handed out) past a row's own
-        self.host_table = torch.zeros(rows, self.columns, dtype=torch.long)
         self.state = types.SimpleNamespace(
             token=zeros(rows, 1),
             length=zeros(rows),  # tokens in the row's blocks before its next step
@@ -146,21 +146,17 @@ class PagedDecoder:
 
     # ---- blocks -----------------------------------------------------------------------------
 
-    @property
-    def allocated(self) -> bool:
-        """Whether the KV pool exists yet (it is shaped from the first prefill's keys)."""
-        return bool(self.keys)
-
     def free_rows(self) -> list[int]:
         return [row for row in range(self.rows) if row not in self.lengths]
 
     def grow(self, row, tokens: int) -> None:
         """Give `row` the blocks for `tokens` tokens; raises PoolExhausted."""
+        import torch
+
         held = len(self.pool.table(row))
         new = self.pool.grow(row, tokens)
         if new:
-            self.host_table[row, held : held + len(new)] = self.host_table.new_tensor(new)
-            self.table[row, held : held + len(new)] = self.host_table[row, held : held + len(new)].to(self.table.device)
+            self.table[row, held : held + len(new)] = torch.tensor(new, device=self.table.device)
 
     def _slots(self, row, start: int, end: int):
         """The pool slots of a holder's tokens [start, end)."""
@@ -174,7 +170,6 @@ class PagedDecoder:
         """Free a row and its blocks: it may be given to a new item."""
         self.pool.release(row)
         self.lengths.pop(row, None)
-        self.host_table[row] = 0
         self.table[row] = 0
         self.state.busy[row] = 0
         self.state.length[row] = 0
@@ -257,19 +252,18 @@ class PagedDecoder:
         return ChunkedPrefill(row, embeds, positions, position_ids, inputs["input_ids"], params, prior)
 
     def prefill_chunk(self, chunked: ChunkedPrefill, size: int, allowed=None) -> Optional[int]:
-        """Run the next `size` tokens of a chunked prompt into its blocks (the caller grew them); at its
-        last chunk the row starts decoding and its first token is returned."""
+        """Run the next `size` tokens of a chunked prompt into its blocks; at its last chunk the row starts
+        decoding and its first token is returned."""
         import torch
 
         start, end = chunked.done, min(chunked.done + size, chunked.length)
         self.grow(chunked.row, end)
         if not self.keys:
             self._allocate_from_config(chunked.embeds)
-        slots = self._slots(chunked.row, start, end)
-        index = self._slots(chunked.row, 0, end)[None, :]
-        positions = torch.arange(end, device=slots.device)
+        index = self._slots(chunked.row, 0, end)
+        positions = torch.arange(end, device=index.device)
         visible = positions[None, :] <= positions[start:end, None]  # causal, after the earlier chunks
-        step = PagedStep(self.keys, self.values, slots, index, visible[None, None])
+        step = PagedStep(self.keys, self.values, index[start:end], index[None, :], visible[None, None])
         with paged(step):
             hidden = self.model.get_decoder()(
                 inputs_embeds=chunked.embeds[:, start:end],
@@ -288,11 +282,8 @@ class PagedDecoder:
     def _allocate_from_config(self, embeds) -> None:
         import torch
 
-        config = self.model.config.get_text_config(decoder=True)
-        heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        shape = (1, heads, 1, dim)
-        self._allocate([torch.empty(shape, dtype=embeds.dtype, device=embeds.device)] * config.num_hidden_layers)
+        layers, heads, dim = kv_layout(self.model)
+        self._allocate([torch.empty((1, heads, 1, dim), dtype=embeds.dtype, device=embeds.device)] * layers)
 
     def _start(self, rows, lengths, logits, last_position, input_ids, params, allowed, prior) -> list[int]:
         """Rows whose prompts are in their blocks: their settings and first tokens, chosen from `logits`."""

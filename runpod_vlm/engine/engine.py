@@ -306,7 +306,7 @@ class Engine(BackgroundCompile):
                 if isinstance(error, RequestError):  # the family's adapter refused it
                     ticket.finish(error)
                 elif is_out_of_memory(error):  # its images processed on the GPU
-                    ticket.finish(self._out_of_memory(ticket, 0))
+                    ticket.finish(self._out_of_memory(ticket.item, 0))
                 else:
                     log.error("could not prepare an item", exc_info=error)
                     ticket.fail(GENERATION_FAILED)
@@ -355,7 +355,7 @@ class Engine(BackgroundCompile):
                 torch.cuda.empty_cache()
                 if len(group) > 1:
                     return self._requeue(group, limit=len(group) // 2)
-                return group[0].finish(self._out_of_memory(group[0], group[0].prompt_tokens))
+                return group[0].finish(self._out_of_memory(group[0].item, group[0].prompt_tokens))
             if len(group) > 1:
                 return self._requeue(group, limit=1)
             return self._admit_failed(group[0])
@@ -384,7 +384,7 @@ class Engine(BackgroundCompile):
                 if not is_out_of_memory(error):
                     raise
                 torch.cuda.empty_cache()
-                return group[0].finish(self._out_of_memory(group[0], prompt_tokens[0]))
+                return group[0].finish(self._out_of_memory(group[0].item, prompt_tokens[0]))
             if chunked is not None:
                 group[0].prompt_tokens, group[0].input_size = prompt_tokens[0], input_sizes[0]
                 self._chunking = (group[0], chunked)
@@ -405,7 +405,7 @@ class Engine(BackgroundCompile):
                 if len(group) > 1:  # halves, down to single items
                     log.warning("a prefill of %d items ran out of GPU memory; retrying in halves", len(group))
                     return self._requeue(group, limit=len(group) // 2)
-                return group[0].finish(self._out_of_memory(group[0], prompt_tokens[0]))
+                return group[0].finish(self._out_of_memory(group[0].item, prompt_tokens[0]))
             if len(group) > 1:
                 log.warning("a prefill of %d items failed; admitting them one by one", len(group), exc_info=True)
                 return self._requeue(group, limit=1)
@@ -438,12 +438,11 @@ class Engine(BackgroundCompile):
         """A request the whole KV pool could not hold, even alone."""
         capacity = self._current_decoder().pool.capacity_tokens
         if prompt_tokens + item.params.max_new_tokens > capacity:
-            return self._out_of_memory_error(item, prompt_tokens, f"the KV cache, which holds {capacity} tokens")
+            return self._out_of_memory(item, prompt_tokens, f"the KV cache, which holds {capacity} tokens")
 
-    def _out_of_memory(self, ticket: Ticket, prompt_tokens: int) -> RequestError:
-        return self._out_of_memory_error(ticket.item, prompt_tokens, "the GPU's free memory")
-
-    def _out_of_memory_error(self, item: GenerationRequest, prompt_tokens: int, where: str) -> RequestError:
+    def _out_of_memory(
+        self, item: GenerationRequest, prompt_tokens: int, where="the GPU's free memory"
+    ) -> RequestError:
         return RequestError(
             "out_of_memory",
             f"this request ({prompt_tokens} prompt tokens with its {len(item.images)} images, and max_new_tokens "
@@ -475,7 +474,7 @@ class Engine(BackgroundCompile):
                 raise
             if is_out_of_memory(error):
                 torch.cuda.empty_cache()
-                return ticket.finish(self._out_of_memory(ticket, ticket.prompt_tokens))
+                return ticket.finish(self._out_of_memory(ticket.item, ticket.prompt_tokens))
             log.exception("a chunked prefill failed")
             return ticket.fail(GENERATION_FAILED)
         self.timings["chunk_s"] += time.perf_counter() - started
@@ -529,7 +528,6 @@ class Engine(BackgroundCompile):
         ticket = self._rows.pop(row)
         self._current_decoder().release(row)
         ticket.row = None
-        ticket.preemptions += 1
         log.info("KV cache full: request preempted after %d tokens (it resumes later)", len(ticket.ids))
         self._requeue([ticket])
 

@@ -37,12 +37,17 @@ def kv_pool_tokens(model, settings: Settings, dtype) -> int:
     return tokens
 
 
-def kv_bytes_per_token(model) -> int:
+def kv_layout(model) -> tuple[int, int, int]:
+    """The text model's KV cache per token: (layers, key/value heads, head dim), from its config."""
     config = model.config.get_text_config(decoder=True)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    element = model.get_output_embeddings().weight.element_size()
-    return 2 * config.num_hidden_layers * heads * dim * element
+    return config.num_hidden_layers, heads, dim
+
+
+def kv_bytes_per_token(model) -> int:
+    layers, heads, dim = kv_layout(model)
+    return 2 * layers * heads * dim * model.get_output_embeddings().weight.element_size()
 
 
 def measured_work_memory(model, settings: Settings, dtype) -> int:

@@ -26,7 +26,6 @@ class Ticket:
         self.call: Optional[Ticket] = None  # the first ticket of the submit call it came in
         self.prompt_tokens, self.input_size = 0, None
         self.admitted = 0  # its admission's number (the newest row is preempted first)
-        self.preemptions = 0  # times its row was taken for room in the KV cache
 
     def cancel(self) -> None:
         """Give up on the item: the engine drops it from the queue or frees its row at the next step."""
