@@ -3,8 +3,8 @@
 Outside a paged forward it is transformers' own SDPA (a prefill into a scratch cache). Inside one, each
 layer writes its new keys/values into the pool at the step's slots, gathers the slots each query row
 reads (only its own blocks, up to the step's length bucket) and runs SDPA with grouped-query heads.
-Hand-written: transformers' paged implementations repeat K/V per head (`paged|sdpa`) or need a
-flash-attn kernel that does not install from the registry (measured in bench/README.md)."""
+Hand-written: transformers' paged implementations repeat K/V per head (`paged|sdpa`: 708 tok/s for 64
+prompts on the H200, text only) or need a flash-attn kernel that does not install from the registry."""
 
 from __future__ import annotations
 
