@@ -6,7 +6,8 @@ the same worker with VLM_COMPILE=false, on a tiny random Qwen2-VL (fp32), throug
 Reports per request whether the compiled answer's tokens equal the eager one's, whether batched
 answers equal solo ones, the finish reasons, and graphs compiled during requests (should be 0); and,
 through the CUDA graphs, that a seeded sampled request draws the same tokens alone and batched, and
-that logprobs come out (compiled against eager).
+that logprobs come out (compiled against eager); and that the decode kernel gives the tokens of the
+gather + SDPA path it replaced (eager, both).
 """
 
 from __future__ import annotations
@@ -100,6 +101,11 @@ def main() -> None:
         }
 
     compiled, eager = answers(True), answers(False)
+    from runpod_vlm.engine import decode_kernel
+
+    kernel_used = decode_kernel.usable(handler.get_engine().model)
+    decode_kernel.usable = lambda model: False  # every decode step gathers its rows' slots for SDPA instead
+    gathered = answers(False)
     report = {
         "compiled_path_used": compiled["compiled"],
         "warm_up_s": compiled["warm_up_s"],
@@ -107,6 +113,11 @@ def main() -> None:
         "errors": [a for run in (compiled, eager) for a in run["solo"] + run["batched"] if "error" in a],
         "compiled_equals_eager": [
             c.get("response") == e.get("response") for c, e in zip(compiled["solo"], eager["solo"])
+        ],
+        "decode_kernel_used": kernel_used,
+        "kernel_equals_gather": [  # the greedy answers, solo then batched
+            k.get("response") == g.get("response")
+            for k, g in zip(eager["solo"] + eager["batched"][:-1], gathered["solo"] + gathered["batched"][:-1])
         ],
         "compiled_batched_equals_solo": [
             b.get("response") == s.get("response") for b, s in zip(compiled["batched"], compiled["solo"])

@@ -8,6 +8,7 @@ import time
 import types
 from typing import Optional
 
+from runpod_vlm.engine import decode_kernel
 from runpod_vlm.engine.blocks import BlockPool
 from runpod_vlm.engine.memory import kv_layout
 from runpod_vlm.engine.paged_attention import PagedStep, paged
@@ -68,8 +69,9 @@ class PagedDecoder:
     """Continuous-batching decoding state: up to `rows` sequences over a pool of KV blocks.
 
     A row holds the blocks of its own tokens (its block table); a decode step writes each row's new
-    key/value at its own next slot and attends to its own slots only, gathered up to a length bucket,
-    so a step has fixed shapes per (row bucket, length bucket) and replays as a CUDA graph. New prompts
+    key/value at its own next slot and attends to its own slots only: on the GPU through a kernel that
+    reads each row's blocks (a step has fixed shapes per row bucket and replays as a CUDA graph), else
+    gathered up to a length bucket (fixed shapes per row and length bucket). New prompts
     are prefilled as a left-padded batch into a scratch cache and copied into their blocks; a long one
     enters in chunks written straight into its blocks (`begin_chunks`/`prefill_chunk`). A step runs
     the smallest bucket of leading rows holding every busy row. Greedy rows give
@@ -104,6 +106,7 @@ class PagedDecoder:
         self.buckets = row_buckets(rows)
         self.forwards = {bucket: model for bucket in self.buckets}  # `use_forward` swaps in compiled ones
         self.graphs: dict = {}  # (bucket, span, any sampled row, logprobs, constrained) -> CUDA graph of one step
+        self.decode_kernel = decode_kernel.usable(model)  # else a step gathers each row's slots (span)
         self.graph_pool = None  # their shared memory pool (a graph each held its own: GBs at 256 rows)
         self.keys: list = []  # per layer [slots, kv heads, head dim]: made at the first prefill, from its shapes
         self.values: list = []
@@ -404,10 +407,14 @@ class PagedDecoder:
         block = table.gather(1, (length // self.block_size)[:, None])[:, 0]
         # An idle row writes block 0's first slot: its table may hold a prompt entering in chunks.
         slots = (block * self.block_size + length % self.block_size) * rows.busy
-        offsets = self.offsets[:span]
-        index = table[:, offsets // self.block_size] * self.block_size + offsets % self.block_size
-        visible = (offsets[None, :] <= length[:, None])[:, None, None, :]
-        with paged(PagedStep(self.keys, self.values, slots, index, visible)):
+        if self.decode_kernel:
+            step = PagedStep(self.keys, self.values, slots, table=table, seen=length + 1, block_size=self.block_size)
+        else:
+            offsets = self.offsets[:span]
+            index = table[:, offsets // self.block_size] * self.block_size + offsets % self.block_size
+            visible = (offsets[None, :] <= length[:, None])[:, None, None, :]
+            step = PagedStep(self.keys, self.values, slots, index, visible)
+        with paged(step):
             output = _beside_fx_traces(
                 self.forwards[bucket],
                 input_ids=rows.token,
@@ -435,7 +442,10 @@ class PagedDecoder:
         return next(b for b in self.buckets if b >= busy)
 
     def span(self, steps: int) -> int:
-        """The slots a step gathers per row: a length bucket holding every busy row's tokens after `steps` more."""
+        """The slots a step gathers per row: a length bucket holding every busy row's tokens after `steps` more
+        (0 with the decode kernel, which reads each row's own length)."""
+        if self.decode_kernel:
+            return 0
         longest = max(self.lengths.values(), default=0) + steps
         span = SPAN_BUCKETS_FROM
         while span < longest:

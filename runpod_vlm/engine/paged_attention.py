@@ -1,8 +1,9 @@
 """Attention over the paged KV pool, as a transformers attention implementation of the text model.
 
 Outside a paged forward it is transformers' own SDPA (a prefill into a scratch cache). Inside one, each
-layer writes its new keys/values into the pool at the step's slots, gathers the slots each query row
-reads (only its own blocks, up to the step's length bucket) and runs SDPA with grouped-query heads.
+layer writes its new keys/values into the pool at the step's slots, then attends: a decode step on the
+GPU through `decode_kernel` (each row reads its own blocks), a prompt chunk (and any step on the CPU) by
+gathering the slots each query row reads and running SDPA with grouped-query heads.
 Hand-written: transformers' paged implementations repeat K/V per head (`paged|sdpa`: 708 tok/s for 64
 prompts on the H200, text only) or need a flash-attn kernel that does not install from the registry."""
 
@@ -20,14 +21,19 @@ _active = threading.local()  # the paged step of this thread's forward (the comp
 @dataclass
 class PagedStep:
     """What one forward's attention reads: `slots` [tokens] where each new token's K/V goes (row-major
-    over query rows, then positions), `index` [query rows, length] the slots each row attends to,
-    `visible` [query rows, 1, query length, length] which of them it may see."""
+    over query rows, then positions); then either `index` [query rows, length] the slots each row attends
+    to and `visible` [query rows, 1, query length, length] which of them it may see, or (a decode step
+    through the kernel) `table` [rows, columns] each row's blocks and `seen` [rows] how many of its
+    tokens it attends to."""
 
     keys: list  # per layer [pool slots, kv heads, head dim]
     values: list
     slots: Any
-    index: Any
-    visible: Any
+    index: Any = None
+    visible: Any = None
+    table: Any = None
+    seen: Any = None
+    block_size: int = 0
 
 
 @contextlib.contextmanager
@@ -57,6 +63,12 @@ def _paged_attention(layer: int, step: PagedStep, query, key, value, scaling):
     pool_keys, pool_values = step.keys[layer], step.values[layer]
     pool_keys.index_copy_(0, step.slots, key.transpose(1, 2).reshape(-1, kv_heads, dim).to(pool_keys.dtype))
     pool_values.index_copy_(0, step.slots, value.transpose(1, 2).reshape(-1, kv_heads, dim).to(pool_values.dtype))
+    if step.index is None:
+        from runpod_vlm.engine.decode_kernel import paged_decode_attention
+
+        scale = dim**-0.5 if scaling is None else scaling
+        output = paged_decode_attention(query, pool_keys, pool_values, step.table, step.seen, step.block_size, scale)
+        return output.transpose(1, 2).contiguous(), None
     keys = pool_keys[step.index].transpose(1, 2)  # [rows, kv heads, length, dim]
     values = pool_values[step.index].transpose(1, 2)
     output = torch.nn.functional.scaled_dot_product_attention(
