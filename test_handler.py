@@ -1782,6 +1782,8 @@ def test_compiled_path_answers_like_the_eager_one(monkeypatch, hub):
     assert batch(*items)["results"] == eager
     # Internal, on purpose: which forward ran shows in no output; the fake decoder records it.
     assert hub.steps and all(compiled for _, _, compiled in hub.steps)
+    # Each bucket's CUDA graphs are recorded as it switches, not while a request waits on its first step.
+    assert sorted(hub.captured_ahead) == [(bucket, True) for bucket in handler.get_engine()._decoder.buckets]
 
 
 def test_compiled_path_is_never_used_with_bitsandbytes(monkeypatch, hub):

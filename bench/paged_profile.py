@@ -48,7 +48,7 @@ def main() -> None:
         return [GenerationRequest("caption", [Turn("user", [image, "Describe."])], params) for _ in range(n)]
 
     with torch.inference_mode():
-        for rows in (16, 64):
+        for rows in (1, 16, 64):
             inputs, _ = engine.adapter.batch_inputs(engine.processor, items(rows), engine.model.device, engine.dtype)
             torch.cuda.synchronize()
             t0 = time.perf_counter()

@@ -1145,6 +1145,7 @@ class Hub:
         self.artifacts = []  # ("load" | "save", key) of the compile-artifact file
         self.steps = []  # (bucket, steps, compiled forward?) of every decode interval
         self.compiled_steps = []  # the bucket of every step run with the compiled forward
+        self.captured_ahead = []  # (bucket, its forward is the compiled one) per graph capture asked ahead
 
     def respond(self, prompt: str) -> str:
         return self.reply(prompt) if callable(self.reply) else self.reply
@@ -1974,7 +1975,11 @@ class FakePagedDecoder(PagedDecoder):
         self.any_logprobs = self.any_constrained = False  # logprobs and grammars: tested on real tiny models
         self.answers: dict = {}  # row -> its script, tokens so far, params and seen tokens
         self.keys: list = []  # as the real one's: allocated by the first prefill that runs
+        self.decode_kernel = False  # as on the CPU
         HUB.decoders.append(self)
+
+    def capture_ahead(self, bucket):
+        HUB.captured_ahead.append((bucket, self.forwards[bucket] is not self.model))
 
     def grow(self, row, tokens):
         self.pool.grow(row, tokens)

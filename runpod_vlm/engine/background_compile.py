@@ -34,6 +34,7 @@ class BackgroundCompile:
         for bucket in ready:
             if self._decoder is not None:
                 self._decoder.use_forward(bucket, self._compiled_forward)
+                self._decoder.capture_ahead(bucket)
                 log.info("decoding %d-row steps with the compiled forward from now on", bucket)
 
     def _compile_in_background(self, buckets: list[int]) -> None:

@@ -494,6 +494,22 @@ class PagedDecoder:
         self.forwards[bucket] = forward
         self.graphs = {key: graph for key, graph in self.graphs.items() if key[0] != bucket}
 
+    def capture_ahead(self, bucket: int) -> None:
+        """Record `bucket`'s greedy and sampled steps now (at a step boundary), so that no request later waits
+        on their capture; only with the decode kernel, whose graphs hold rows of any length."""
+        if not (self.use_graph and self.decode_kernel and self.keys and self.position is not None):
+            return
+        flags = self.any_sample, self.any_logprobs, self.any_constrained
+        try:
+            for sample in (False, True):
+                self.any_sample, self.any_logprobs, self.any_constrained = sample, False, False
+                if self._graph_key(bucket, 0) not in self.graphs:
+                    self._capture(bucket, 0)
+        except Exception:  # captured again when a step needs it
+            log.warning("CUDA graph capture ahead of the %d-row steps failed", bucket, exc_info=True)
+        finally:
+            self.any_sample, self.any_logprobs, self.any_constrained = flags
+
     def _capture(self, bucket: int, span: int) -> None:
         """Record one step as a CUDA graph. The steps run to record it write each row's next slots (written
         again by the real steps before any reads them) or block 0's; what they advance is put back."""
