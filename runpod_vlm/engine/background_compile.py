@@ -14,7 +14,6 @@ from runpod_vlm.engine.compile import (
     load_compile_artifacts,
     model_view,
     save_compile_artifacts,
-    set_torch_cache_dirs,
     with_compiled_layers,
 )
 from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, Turn
@@ -40,11 +39,7 @@ class BackgroundCompile:
     def _compile_in_background(self, buckets: list[int]) -> None:
         """Compile the decoder's row buckets in a background thread (from saved artifacts when they match);
         decoding goes on with CUDA graphs of the plain forward, and switches at a step boundary."""
-        if self._compiled_forward is None:
-            set_torch_cache_dirs(self.settings)
-            # Inductor's kernel-compiling processes made prefills 12x slower, compiling no faster (bench/contention.py).
-            options = {} if os.environ.get("TORCHINDUCTOR_COMPILE_THREADS") else {"options": {"compile_threads": 1}}
-            self._compiled_forward = with_compiled_layers(model_view(self.model), **options)
+        if self._compiler is None:
             self._compiler = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlm-compile")
         future = self._compiler.submit(self._compile_shapes, buckets)
         future.add_done_callback(
@@ -56,6 +51,10 @@ class BackgroundCompile:
 
     def _compile_shapes(self, buckets: list[int]) -> None:
         self._answered.wait(COMPILE_AFTER_FIRST_ANSWER_S)
+        if self._compiled_forward is None:  # here, not on the engine thread: importing the compiler takes seconds
+            # Inductor's kernel-compiling processes made prefills 12x slower, compiling no faster (bench/contention.py).
+            options = {} if os.environ.get("TORCHINDUCTOR_COMPILE_THREADS") else {"options": {"compile_threads": 1}}
+            self._compiled_forward = with_compiled_layers(model_view(self.model), **options)
         rows, interval = self.settings.max_batch_size, self.settings.sync_interval
         key = compile_cache_key(
             self.model_id,

@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 from runpod_vlm.engine.background_compile import BackgroundCompile
 from runpod_vlm.engine.blocks import BLOCK_SIZE, PoolExhausted
+from runpod_vlm.engine.compile import set_torch_cache_dirs
 from runpod_vlm.engine.decoder import ChunkedPrefill, PagedDecoder
 from runpod_vlm.engine.grammar import Grammars
 from runpod_vlm.engine.intake import Intake, with_generated
@@ -59,6 +60,7 @@ class Engine(BackgroundCompile):
         self.model_id = settings.model
         self.quantize = quantize or settings.quantize
         self._compiled_forward = None
+        self._compiler = None  # the compile thread's executor
         self.broken = False  # a fatal GPU error happened: nothing more runs here
         self._stop_by: Optional[float] = None  # after SIGTERM: when the items still running fail
         self._compiled_shapes: set = set()  # row buckets compiled in the background
@@ -635,6 +637,7 @@ class Engine(BackgroundCompile):
     # ---- the decoder, its KV pool and its compiled step ----------------------------------------
 
     def _new_decoder(self) -> PagedDecoder:
+        set_torch_cache_dirs(self.settings)  # before the decode kernel or the compile builds anything
         decoder = self._make_decoder(self.model, self._kv_pool_blocks(), self.use_graphs)
         for bucket in decoder.buckets:
             if bucket in self._compiled_shapes:
