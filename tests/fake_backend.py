@@ -1808,9 +1808,10 @@ def build_stub_modules() -> dict:
         "torchvision.transforms": transforms,
         "torchvision.transforms.functional": functional,
         "transformers": transformers,
-        # Absent, as on a machine without them: importing either fails.
+        # Absent, as on a machine without them: importing any fails (Triton: the decode kernel is GPU-only).
         "qwen_vl_utils": None,
         "bitsandbytes": None,
+        "triton": None,
     }
 
 

@@ -192,3 +192,20 @@ def test_running_out_of_memory_while_pixels_move_to_the_gpu_splits_then_fails_th
     failed, answered = out["results"]
     assert failed["code"] == "out_of_memory" and failed["param"] == "requests[0]", failed
     assert "error" not in answered
+
+
+def test_no_cuda_graph_is_recorded_while_a_shape_compiles(tiny_model, serve, monkeypatch):
+    """The background compile's synchronizing benchmarks void a capture running beside them (and the
+    capture the compile): while the compile holds the lock, steps run without recording; after, they record."""
+    engine = serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="2")
+    from runpod_vlm.engine.decoder import PagedDecoder
+
+    recorded: list = []
+    monkeypatch.setattr(PagedDecoder, "_capture", lambda self, bucket, span: recorded.append(bucket))
+    engine._current_decoder().use_graph = True
+    job = {"messages": [{"role": "user", "content": "Hi."}], "max_new_tokens": 6, "min_new_tokens": 6}
+    with engine._capture_lock:
+        held = generate_all(engine, items_of(engine, [job]))
+    assert not recorded
+    assert generate_all(engine, items_of(engine, [job])) == held
+    assert recorded

@@ -88,7 +88,7 @@ class BackgroundCompile:
 
         started = time.perf_counter()
         try:
-            with torch.inference_mode():
+            with self._capture_lock, torch.inference_mode():
                 params = GenerationParams(max_new_tokens=4, temperature=0.0, top_p=1.0, do_sample=False)
                 items = [GenerationRequest("chat", [Turn("user", ["warm up"])], params)] * bucket
                 inputs, _ = self.adapter.batch_inputs(self.processor, items, self.model.device, self.dtype)

@@ -8,6 +8,13 @@ FlashInfer and flash-attn compile their kernels at run time with nvcc, which a w
 from __future__ import annotations
 
 import functools
+import logging
+import threading
+from concurrent.futures import Future
+
+from runpod_vlm.engine.blocks import BLOCK_SIZE
+
+log = logging.getLogger("runpod-vlm")
 
 SPLITS_TARGET = 2048  # programs a step aims at (rows x kv heads x splits): enough to fill an H200's 132 SMs
 TILE = 64  # tokens one program reads per iteration
@@ -18,7 +25,7 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["stride_table", "splits"])  # one build per model, whatever its rows
     def paged_decode(
         query,  # [rows, heads, dim]
         keys,  # [slots, kv heads, dim]
@@ -88,21 +95,67 @@ def _kernel():
     return paged_decode
 
 
-def usable(model) -> bool:
-    """Whether the kernel computes this model's decode attention as SDPA does: on CUDA with Triton, no
-    logit softcapping, grouped heads and a power-of-two head dim."""
-    from runpod_vlm.engine.memory import kv_layout
+_builds: dict[tuple, Future] = {}  # (heads, kv heads, head dim, dtype) -> whether the kernel built and ran
+_builds_lock = threading.Lock()
 
-    config = model.config.get_text_config(decoder=True)
-    _, kv_heads, dim = kv_layout(model)
-    return (
-        model.device.type == "cuda"
-        and getattr(config, "attn_logit_softcapping", None) is None
-        and config.num_attention_heads % kv_heads == 0
-        and dim >= 16
-        and dim & (dim - 1) == 0
-        and _triton_available()
-    )
+
+def usable(model) -> bool:
+    """Whether the kernel computes this model's decode attention as SDPA does (on CUDA with Triton, no logit
+    softcapping, grouped heads, a power-of-two head dim) and is built: waits for `build_ahead`'s build."""
+    if model.device.type != "cuda":
+        return False
+    return _build(model.config, model.get_output_embeddings().weight.dtype).result()
+
+
+def build_ahead(config, dtype) -> None:
+    """Start building the kernel for this model on a thread, while its weights load: Triton's first build
+    takes seconds, which would otherwise come before a new worker's first answer."""
+    _build(config, dtype)
+
+
+def _build(config, dtype) -> Future:
+    from runpod_vlm.engine.memory import config_kv_layout
+
+    if not _triton_available():
+        return _done(False)
+    text = config.get_text_config(decoder=True)
+    _, kv_heads, dim = config_kv_layout(config)
+    if getattr(text, "attn_logit_softcapping", None) is not None or text.num_attention_heads % kv_heads:
+        return _done(False)
+    if dim < 16 or dim & (dim - 1):
+        return _done(False)
+    key = (text.num_attention_heads, kv_heads, dim, dtype)
+    with _builds_lock:
+        if key in _builds:
+            return _builds[key]
+        _builds[key] = future = Future()
+    threading.Thread(target=_run_once, args=(key, future), name="vlm-kernel-build", daemon=True).start()
+    return future
+
+
+def _done(result: bool) -> Future:
+    future = Future()
+    future.set_result(result)
+    return future
+
+
+def _run_once(key: tuple, future: Future) -> None:
+    """Build the kernel by running it on a tiny pool with the model's strides (Triton builds per stride class)."""
+    import torch
+
+    heads, kv_heads, dim, dtype = key
+    try:
+        with torch.inference_mode():
+            keys = torch.randn(2 * BLOCK_SIZE, kv_heads, dim, device="cuda", dtype=dtype)
+            query = torch.randn(1, heads, 1, dim, device="cuda", dtype=dtype)
+            table = torch.tensor([[1, 0]], device="cuda")
+            seen = torch.tensor([5], device="cuda")
+            output = paged_decode_attention(query, keys, keys, table, seen, BLOCK_SIZE, dim**-0.5)
+            torch.cuda.synchronize()
+        future.set_result(bool(torch.isfinite(output).all()))
+    except Exception:  # the decode steps gather each row's slots instead
+        log.warning("the paged decode kernel did not build; decode steps gather instead", exc_info=True)
+        future.set_result(False)
 
 
 @functools.cache

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 import types
 from typing import Optional
@@ -78,6 +79,7 @@ class PagedDecoder:
     `model.generate(do_sample=False)`'s tokens, alone or beside others."""
 
     pending_logprobs: Optional[dict] = None  # row -> (logprob, top ids, top logprobs) per new token
+    capture_lock: Optional[threading.Lock] = None  # held by the background compile while it runs GPU work
 
     def __init__(
         self,
@@ -470,7 +472,7 @@ class PagedDecoder:
             self.pending_logprobs = {row: list(zip(*entries)) for row, entries in enumerate(per_row)}
         if self.use_graph and graph is None and self.lengths:
             try:
-                self._capture(bucket, span)
+                self._capture_unless_compiling(bucket, span)
             except Exception:  # still correct without the graph, only slower; tried again at later steps
                 self.capture_failures += 1
                 log.warning("CUDA graph capture failed (%d of 3 tries)", self.capture_failures, exc_info=True)
@@ -504,11 +506,23 @@ class PagedDecoder:
             for sample in (False, True):
                 self.any_sample, self.any_logprobs, self.any_constrained = sample, False, False
                 if self._graph_key(bucket, 0) not in self.graphs:
-                    self._capture(bucket, 0)
+                    self._capture_unless_compiling(bucket, 0)
         except Exception:  # captured again when a step needs it
             log.warning("CUDA graph capture ahead of the %d-row steps failed", bucket, exc_info=True)
         finally:
             self.any_sample, self.any_logprobs, self.any_constrained = flags
+
+    def _capture_unless_compiling(self, bucket: int, span: int) -> None:
+        """Record a step's graph unless the background compile holds the GPU: its synchronizing benchmarks
+        void a capture, and the capture its compile (tried again at a later step)."""
+        lock = self.capture_lock
+        if lock is not None and not lock.acquire(blocking=False):
+            return
+        try:
+            self._capture(bucket, span)
+        finally:
+            if lock is not None:
+                lock.release()
 
     def _capture(self, bucket: int, span: int) -> None:
         """Record one step as a CUDA graph. The steps run to record it write each row's next slots (written

@@ -61,6 +61,7 @@ class Engine(BackgroundCompile):
         self.quantize = quantize or settings.quantize
         self._compiled_forward = None
         self._compiler = None  # the compile thread's executor
+        self._capture_lock = threading.Lock()  # no CUDA graph is recorded while a shape compiles
         self.broken = False  # a fatal GPU error happened: nothing more runs here
         self._stop_by: Optional[float] = None  # after SIGTERM: when the items still running fail
         self._compiled_shapes: set = set()  # row buckets compiled in the background
@@ -655,7 +656,7 @@ class Engine(BackgroundCompile):
         return decoder
 
     def _make_decoder(self, model, blocks: int, use_graph: bool) -> PagedDecoder:
-        return PagedDecoder(
+        decoder = PagedDecoder(
             model,
             self.eos_ids,
             rows=self.settings.max_batch_size,
@@ -665,6 +666,8 @@ class Engine(BackgroundCompile):
             interval=self.settings.sync_interval,
             max_row_tokens=self.context_length,
         )
+        decoder.capture_lock = self._capture_lock
+        return decoder
 
     def _kv_pool_blocks(self) -> int:
         return max(2, kv_pool_tokens(self.model, self.settings, self.dtype) // BLOCK_SIZE + 1)

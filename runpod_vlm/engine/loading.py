@@ -8,6 +8,7 @@ import logging
 import os
 from typing import Any
 
+from runpod_vlm.engine import decode_kernel
 from runpod_vlm.families import adapter_for
 from runpod_vlm.families.base import FamilyAdapter
 from runpod_vlm.settings import CURATED_MODELS, Settings, SettingsError
@@ -107,6 +108,12 @@ def quantization_config(quantize: str, adapter: FamilyAdapter, dtype):
     return BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
 
 
+def _on_cuda(settings: Settings) -> bool:
+    import torch
+
+    return torch.cuda.is_available() and settings.device_map in ("auto", "cuda", "cuda:0")
+
+
 def load_model(settings: Settings, quantize: str) -> LoadedModel:
     """The model and processor of VLM_MODEL as its family's card loads them."""
     import transformers
@@ -121,6 +128,8 @@ def load_model(settings: Settings, quantize: str) -> LoadedModel:
             f"{settings.model} ({adapter.name}) needs its repository's code: set VLM_TRUST_REMOTE_CODE=true"
         )
     dtype = torch_dtype(settings.dtype)
+    if adapter.native and _on_cuda(settings):
+        decode_kernel.build_ahead(config, dtype)  # while the weights load
     # transformers 4.x (which the remote-code families need) calls the dtype `torch_dtype`.
     dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     load_kwargs = {dtype_key: dtype, "device_map": settings.device_map, "trust_remote_code": trust}

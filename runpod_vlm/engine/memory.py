@@ -39,7 +39,11 @@ def kv_pool_tokens(model, settings: Settings, dtype) -> int:
 
 def kv_layout(model) -> tuple[int, int, int]:
     """The text model's KV cache per token: (layers, key/value heads, head dim), from its config."""
-    config = model.config.get_text_config(decoder=True)
+    return config_kv_layout(model.config)
+
+
+def config_kv_layout(config) -> tuple[int, int, int]:
+    config = config.get_text_config(decoder=True)
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return config.num_hidden_layers, heads, dim
