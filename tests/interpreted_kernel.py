@@ -1,0 +1,90 @@
+"""The GPU decode kernel on the CPU, through Triton's interpreter: run as a process of its own, with
+TRITON_INTERPRET=1 set before Triton is imported (tests/test_decode_kernel.py starts it). Prints JSON.
+
+    python tests/interpreted_kernel.py kernel          # the kernel against gather + SDPA
+    python tests/interpreted_kernel.py engine FOLDER   # a tiny model's concurrent answers with it
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
+assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before Triton is imported"
+
+import torch  # noqa: E402
+
+from runpod_vlm.engine import decode_kernel  # noqa: E402
+
+BLOCK = 16
+
+
+def gathered(query, keys, values, table, seen):
+    offsets = torch.arange(table.shape[1] * BLOCK)
+    index = table[:, offsets // BLOCK] * BLOCK + offsets % BLOCK
+    visible = (offsets[None, :] < seen[:, None])[:, None, None, :]
+    k, v = keys[index].transpose(1, 2), values[index].transpose(1, 2)
+    return torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=visible, enable_gqa=True)
+
+
+def kernel_cases() -> list[dict]:
+    """Rows of 1 token (an idle row reads block 0's first slot) to several tiles, at 1, 4 and 32 splits,
+    with 2 and 3 query heads per KV head (3 is padded to the kernel's group of 16)."""
+    torch.manual_seed(0)
+    found = []
+    for heads, kv_heads in ((4, 2), (6, 2)):
+        for target in (1, 64, 512):
+            decode_kernel.SPLITS_TARGET = target
+            keys = torch.randn(96 * BLOCK, kv_heads, 16)
+            values = torch.randn_like(keys)
+            lengths = [1, 5, 16, 17, 64, 65, 300]
+            table = torch.zeros(len(lengths), 24, dtype=torch.long)
+            free = (torch.randperm(95) + 1).tolist()  # blocks scattered over the pool, 0 left out
+            for row, length in enumerate(lengths):
+                for column in range(-(-length // BLOCK)):
+                    table[row, column] = free.pop()
+            table[0, 0] = 0  # an idle row: block 0
+            seen = torch.tensor(lengths)
+            query = torch.randn(len(lengths), heads, 1, 16)
+            out = decode_kernel.paged_decode_attention(query, keys, values, table, seen, BLOCK, 16**-0.5)
+            splits = max(1, min(32, target // (len(lengths) * kv_heads)))
+            difference = float((out - gathered(query, keys, values, table, seen)).abs().max())
+            found.append({"heads": heads, "kv_heads": kv_heads, "splits": splits, "max_abs_diff": difference})
+    return found
+
+
+def engine_answers(folder: str) -> dict:
+    """Concurrent jobs of different lengths with every decode step through the kernel, and each alone
+    through generate()."""
+    os.environ.update(VLM_MODEL=folder, VLM_ALLOW_ANY="true", VLM_DEVICE_MAP="cpu", VLM_SYNC_INTERVAL="3")
+    decode_kernel.usable = lambda model: True
+    decode_kernel.SPLITS_TARGET = 32  # 2 splits at 8 rows: the merge runs, the interpreter stays quick
+    import handler
+    from runpod_vlm.answers import generate_all
+    from sample_images import data_uri, striped
+
+    engine = handler.get_engine()
+    jobs = [
+        {"task": "caption", "image_url": data_uri(striped((48, 40))), "max_new_tokens": 12, "min_new_tokens": 12},
+        {"messages": [{"role": "user", "content": "Hi."}], "max_new_tokens": 20, "min_new_tokens": 20},
+        {"task": "vqa", "image_url": data_uri(striped((64, 56))), "question": "What?", "max_new_tokens": 7},
+    ]
+    items = [handler.read_job_item(job, engine.settings, engine.model_id, None)[1] for job in jobs]
+    batched = generate_all(engine, items)
+    solo = [engine._generate_with_generate(item) for item in items]
+    return {
+        "kernel_used": engine._current_decoder().decode_kernel,
+        "equal": [b == s for b, s in zip(batched, solo)],
+        "tokens": [b.completion_tokens for b in batched],
+    }
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "kernel":
+        print(json.dumps(kernel_cases()))
+    else:
+        print(json.dumps(engine_answers(sys.argv[2])))
