@@ -170,6 +170,41 @@ def test_running_out_of_memory_in_a_long_prompts_vision_pass_fails_it_alone(tiny
     assert "error" not in answered and decoder.pool.free == decoder.pool.capacity
 
 
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl"])
+def test_a_long_prompt_whose_images_run_out_of_memory_at_once_is_encoded_one_image_at_a_time(
+    family, tiny_model, serve, monkeypatch
+):
+    # At a 24 GB cap the KV pool leaves less room than the vision pass of 16 large images at once needs.
+    engine = serve(tiny_model(family), VLM_MAX_BATCH_TOKENS="256")
+    job = {
+        "messages": [
+            {
+                "role": "user",
+                "content": [
+                    {"type": "image_url", "image_url": {"url": data_uri(striped((64, 48)))}},
+                    {"type": "image_url", "image_url": {"url": data_uri(striped((40, 72)))}},
+                    {"type": "text", "text": LONG_TEXT},
+                ],
+            }
+        ],
+        "max_new_tokens": 8,
+        "min_new_tokens": 8,
+    }
+    solo = solo_generate(engine, items_of(engine, [job]))
+    language = type(engine.model.model)
+    whole, passes = language.get_image_features, []
+
+    def at_most_one_image(self, pixel_values, image_grid_thw=None, **kwargs):
+        passes.append(len(image_grid_thw))
+        if len(image_grid_thw) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 3.00 GiB")
+        return whole(self, pixel_values, image_grid_thw, **kwargs)
+
+    monkeypatch.setattr(language, "get_image_features", at_most_one_image)
+    assert generate_all(engine, items_of(engine, [job])) == solo
+    assert passes == [2, 1, 1] and "get_image_features" not in vars(engine.model.model)
+
+
 def test_running_out_of_memory_while_pixels_move_to_the_gpu_splits_then_fails_the_item_alone(
     tiny_model, serve, monkeypatch
 ):

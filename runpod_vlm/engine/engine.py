@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import sys
 import threading
@@ -381,8 +382,8 @@ class Engine(BackgroundCompile):
         if room < len(group):  # wait for blocks: what fits first comes again as a smaller group
             return self._requeue(group, limit=room or None)
         if len(group) == 1 and lengths[0] > self.settings.max_batch_tokens:
-            try:  # the vision pass of all its images at once
-                chunked = decoder.begin_chunks(inputs, free[0], group[0].item.params, len(group[0].ids))
+            try:
+                chunked = self._begin_chunks(decoder, inputs, free[0], group[0])
             except Exception as error:
                 if not is_out_of_memory(error):
                     raise
@@ -420,6 +421,23 @@ class Engine(BackgroundCompile):
             ticket.prompt_tokens, ticket.input_size = prompt, size
             self._started(ticket, row, token, logprobs.get(row))
         self._next_grammar_masks()
+
+    def _begin_chunks(self, decoder: PagedDecoder, inputs, row: int, ticket: Ticket) -> Optional[ChunkedPrefill]:
+        """A long prompt's embeddings: the vision pass of all its images at once, else, out of memory, of
+        one image at a time where the family can (the KV pool leaves less room than many large images need)."""
+        import torch
+
+        begin = functools.partial(decoder.begin_chunks, inputs, row, ticket.item.params, len(ticket.ids))
+        try:
+            return begin()
+        except Exception as error:
+            one_at_a_time = self.adapter.images_one_at_a_time(self.model)
+            if not is_out_of_memory(error) or one_at_a_time is None:
+                raise
+        torch.cuda.empty_cache()
+        log.info("a long prompt's images ran out of memory at once: encoding them one at a time")
+        with one_at_a_time:
+            return begin()
 
     def _started(self, ticket: Ticket, row: int, token: int, logprobs) -> None:
         ticket.row, ticket.group_limit = row, None

@@ -35,6 +35,12 @@ class FamilyAdapter:
     def processor_kwargs(self, settings: Settings) -> dict:
         return {}
 
+    def images_one_at_a_time(self, model):
+        """A context in which the model's vision pass encodes one image at a time (the same embeddings in
+        less memory), or None where the family has no such split: a prompt whose images at once ran out of
+        memory is tried once more inside it."""
+        return None
+
     def after_load(self, model, processor, source: str) -> None:
         """What the card does to the loaded model and processor before they answer (Phi-4-multimodal)."""
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 
@@ -36,6 +37,14 @@ class QwenVLAdapter(FamilyAdapter):
         height, width = smart_resize(image.height, image.width, factor, min_pixels=low, max_pixels=max(high, low))
         return image if (width, height) == image.size else image.resize((width, height), Image.Resampling.BICUBIC)
 
+    def images_one_at_a_time(self, model):
+        """Qwen2-VL and Qwen2.5-VL encode each image on its own (attention within an image): their
+        `get_image_features` runs image by image and the embeddings are joined in order."""
+        language = getattr(model, "model", None)
+        if self.model_type not in ("qwen2_vl", "qwen2_5_vl") or not hasattr(language, "get_image_features"):
+            return None
+        return _image_by_image(language)
+
     def input_sizes(self, processor, inputs, items: list[GenerationRequest]) -> list:
         """Per item, (width, height) of its first image as resized: Qwen2.5-VL's boxes are in its pixels."""
         if "image_grid_thw" not in inputs:
@@ -44,6 +53,27 @@ class QwenVLAdapter(FamilyAdapter):
         grids = iter(inputs["image_grid_thw"].tolist())  # (frames, rows, columns) per image, in order
         firsts = [[next(grids) for _ in item.images][:1] for item in items]
         return [(first[0][2] * patch, first[0][1] * patch) if first else None for first in firsts]
+
+
+@contextlib.contextmanager
+def _image_by_image(model):
+    """`model.get_image_features(pixel_values, image_grid_thw)` called once per image while inside."""
+    whole = model.get_image_features
+
+    def one_at_a_time(pixel_values, image_grid_thw=None, **kwargs):
+        patches = image_grid_thw.prod(-1).tolist()  # each image's rows of pixel_values
+        outputs = [
+            whole(pixels, grid[None], **kwargs) for pixels, grid in zip(pixel_values.split(patches), image_grid_thw)
+        ]
+        joined = outputs[0]
+        joined.pooler_output = tuple(embeds for output in outputs for embeds in output.pooler_output)
+        return joined
+
+    model.get_image_features = one_at_a_time
+    try:
+        yield
+    finally:
+        del model.get_image_features  # the class's own again
 
 
 class PaliGemmaAdapter(FamilyAdapter):
