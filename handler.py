@@ -5,6 +5,7 @@ The path of a request (the parts live in runpod_vlm/, whose __init__ maps them):
   handler(job)                 an async generator, one asyncio task per job
     read_request               runpod_vlm.request: fields checked, turns built
     read_images                runpod_vlm.media: images fetched and decoded under the media policy
+    read_videos                runpod_vlm.video: videos fetched, probed, and the card's frames decoded
     Engine.submit              runpod_vlm.engine: the engine thread batches it with other jobs' items
     generate_one / stream_chunks / format_output
                                runpod_vlm.answers: the engine's events back to the job, output fields
@@ -35,6 +36,7 @@ from runpod_vlm.openai_route import openai_answers
 from runpod_vlm.request import read_request
 from runpod_vlm.responses_route import responses_answers
 from runpod_vlm.settings import Settings, SettingsError
+from runpod_vlm.video import read_videos
 from runpod_vlm.vocabulary import RequestError, as_request_error, join_param
 
 log = logging.getLogger("runpod-vlm")
@@ -87,9 +89,10 @@ def served_model() -> tuple[Settings, str]:
 
 
 def read_job_item(raw: Any, settings: Settings, model_id: str, param: Optional[str] = None):
-    """A request read and its images fetched and decoded (blocks: call off the event loop)."""
+    """A request read and its images and videos fetched and decoded (blocks: call off the event loop)."""
     request, item = read_request(raw, settings, model_id, param)
     read_images(item, settings)
+    read_videos(item, settings)
     return request, item
 
 

@@ -954,8 +954,17 @@ def test_text_over_the_limit(monkeypatch, hub):
         ([{"role": "user", "content": 5}], "messages[0].content"),
         ([{"role": "user", "content": []}], "messages[0].content"),
         ([{"role": "user", "content": ["hi"]}], "messages[0].content[0]"),
-        ([{"role": "user", "content": [{"type": "video", "video": "x"}]}], "messages[0].content[0].type"),
+        ([{"role": "user", "content": [{"type": "input_audio", "input_audio": "x"}]}], "messages[0].content[0].type"),
         ([{"role": "user", "content": [{"text": "no type"}]}], "messages[0].content[0].type"),
+        ([{"role": "user", "content": [{"type": "video_url"}]}], "messages[0].content[0].video_url"),
+        (
+            [
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": [{"type": "video_url", "video_url": "IMG"}]},
+                {"role": "user", "content": "and?"},
+            ],
+            "messages[1].content",
+        ),
         ([{"role": "user", "content": [{"type": "text"}]}], "messages[0].content[0].text"),
         ([{"role": "user", "content": [{"type": "text", "text": 5}]}], "messages[0].content[0].text"),
         ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], "messages[1].role"),
@@ -980,6 +989,20 @@ def test_bad_messages_name_the_field(monkeypatch, hub, messages, param):
     out = call({"messages": messages})
     assert_error(out, param, "invalid_request")
     assert not hub.models
+
+
+def test_a_video_is_read_before_any_model_work_and_bad_bytes_name_the_field(monkeypatch, hub):
+    serve(monkeypatch)
+    content = [{"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + b64(b"not a video" * 40)}}]
+    out = call({"messages": [{"role": "user", "content": content}]})
+    assert_error(out, "messages[0].content[0].video_url.url", "invalid_video")
+    content = [{"type": "video_url", "video_url": "https://example.com/clip.mp4"}] * 3
+    assert_error(
+        call({"messages": [{"role": "user", "content": content}]}),
+        "messages[0].content[2].video_url",
+        "too_many_videos",
+    )
+    assert not hub.models and not hub.processor_calls
 
 
 def test_too_many_messages(monkeypatch):

@@ -17,6 +17,7 @@ from runpod_vlm.grounding import grounding_fields
 from runpod_vlm.media import read_images
 from runpod_vlm.request import check_text_length, pydantic_error, read_request, required_text
 from runpod_vlm.settings import Settings
+from runpod_vlm.video import read_videos
 from runpod_vlm.vocabulary import GenerationRequest, RequestError, as_request_error
 
 if TYPE_CHECKING:
@@ -156,6 +157,7 @@ def openai_item(body: ChatCompletionBody, settings: Settings, model_id: str) -> 
         if not item.images:
             raise RequestError("missing_image", "the grounding task needs an image in the messages", "messages")
     read_images(item, settings)
+    read_videos(item, settings)
     return item
 
 

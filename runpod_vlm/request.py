@@ -16,6 +16,7 @@ from runpod_vlm.vocabulary import (
     ImageSpec,
     RequestError,
     Turn,
+    VideoSpec,
     cut_text,
     join_param,
 )
@@ -214,7 +215,8 @@ def parse_messages(messages: Any, settings: Settings, param: str) -> list[Turn]:
         else:
             raise RequestError("invalid_request", "must be a string or a non-empty list of blocks", f"{where}.content")
         if role != "user" and any(not isinstance(p, str) for p in parts):
-            raise RequestError("invalid_request", "images are allowed in user messages only", f"{where}.content")
+            message = "images and videos are allowed in user messages only"
+            raise RequestError("invalid_request", message, f"{where}.content")
         turns.append(Turn(role, parts))
     if turns[-1].role != "user":
         raise RequestError("invalid_request", "the last message must come from the user", f"{where}.role")
@@ -236,7 +238,11 @@ def _parse_block(block: Any, where: str):
         if detail not in (None, "auto", "high", "low"):
             raise RequestError("invalid_request", "must be auto, high or low", f"{where}.{kind}.detail")
         return ImageSpec(block[kind], f"{where}.{kind}", LOW_DETAIL_PIXELS if detail == "low" else None)
-    raise RequestError("invalid_request", "type must be text, image_url or image", f"{where}.type")
+    if kind in ("video_url", "video"):
+        if kind not in block:
+            raise RequestError("invalid_request", f"a {kind} block needs '{kind}'", f"{where}.{kind}")
+        return VideoSpec(block[kind], f"{where}.{kind}")
+    raise RequestError("invalid_request", "type must be text, image_url, image or video_url", f"{where}.type")
 
 
 def check_text_length(item: GenerationRequest, settings: Settings, param: Optional[str]) -> None:

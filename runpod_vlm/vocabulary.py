@@ -91,7 +91,11 @@ class GenerationRequest:
 
     @property
     def images(self) -> list:
-        return [p for t in self.turns for p in t.parts if not isinstance(p, str)]
+        return [p for t in self.turns for p in t.parts if not isinstance(p, (str, Video, VideoSpec))]
+
+    @property
+    def videos(self) -> list:
+        return [p for t in self.turns for p in t.parts if isinstance(p, (Video, VideoSpec))]
 
 
 @dataclasses.dataclass
@@ -128,6 +132,26 @@ class ImageSpec:
     spec: Any
     param: str
     max_pixels: Optional[int] = None  # the request's bound on its resized size (OpenAI's detail: low), if any
+
+
+@dataclasses.dataclass
+class VideoSpec:
+    """A video named by a request and not yet fetched or decoded; `param` is where it was given."""
+
+    spec: Any
+    param: str
+
+
+@dataclasses.dataclass
+class Video:
+    """A decoded video: the frames its card samples (RGB images, in order) at `indices` of its `total`
+    frames, played at `fps`; `param` is where the request gave it."""
+
+    frames: list
+    fps: float
+    total: int
+    indices: list
+    param: str
 
 
 def finish_reason(ids: list[int], eos: set, max_new_tokens: int) -> str:

@@ -49,7 +49,7 @@ QWEN_SPECIAL = [
 ]
 LLAVA_SPECIAL = ["<unk>", "<s>", "</s>", "<image>", "<pad>"]
 
-# Qwen2-VL-*-Instruct's template, less the video and vision-id branches.
+# Qwen2-VL-*-Instruct's template, less the vision-id branches.
 QWEN_TEMPLATE = (
     "{% for message in messages %}"
     "{% if loop.first and message['role'] != 'system' %}"
@@ -59,6 +59,7 @@ QWEN_TEMPLATE = (
     "{% else %}{% for content in message['content'] %}"
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
     "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif content['type'] == 'video' or 'video' in content %}<|vision_start|><|video_pad|><|vision_end|>"
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
     "{% endfor %}<|im_end|>\n{% endif %}"
     "{% endfor %}"

@@ -162,12 +162,19 @@ class Engine(BackgroundCompile):
         tickets = [Ticket(item, listener, stream) for item, listener in zip(items, listeners)]
         if self.broken:
             return [ticket.fail(GPU_FAILURE) for ticket in tickets]
+        for ticket in tickets:
+            if ticket.item.videos and not self.adapter.takes_video(self.model_type):
+                message = f"this model ({self.adapter.name}) takes no video; send images"
+                ticket.finish(RequestError("unsupported_video", message, ticket.item.videos[0].param))
+        queued = [ticket for ticket in tickets if not ticket.done]
+        if not queued:
+            return tickets
         if self.continuous:
-            for ticket in tickets:
-                ticket.call = tickets[0]  # the items of one call are admitted together
+            for ticket in queued:
+                ticket.call = queued[0]  # the items of one call are admitted together
                 ticket.prepared = self._intake_of().submit(ticket.item, self._notify)
         with self._wake:
-            self._queue.extend(tickets)
+            self._queue.extend(queued)
             self._wake.notify()
             self._start_thread()
         return tickets

@@ -6,7 +6,7 @@ import functools
 from typing import Optional
 
 from runpod_vlm.settings import Settings, SettingsError
-from runpod_vlm.vocabulary import GenerationRequest, Turn
+from runpod_vlm.vocabulary import GenerationRequest, Turn, Video
 
 
 class FamilyAdapter:
@@ -52,16 +52,22 @@ class FamilyAdapter:
         return [*before, Turn(last.role, [*last.parts, self.grounding_template.format(item.grounding_target)])]
 
     def chat_messages(self, turns: list[Turn]) -> list[dict]:
-        """Turns as processors' chat templates take them: images become {"type": "image"}."""
-        return [
-            {
-                "role": turn.role,
-                "content": [
-                    {"type": "text", "text": p} if isinstance(p, str) else {"type": "image"} for p in turn.parts
-                ],
-            }
-            for turn in turns
-        ]
+        """Turns as processors' chat templates take them: images become {"type": "image"}, videos {"type": "video"}."""
+
+        def block(part) -> dict:
+            if isinstance(part, str):
+                return {"type": "text", "text": part}
+            return {"type": "video" if isinstance(part, Video) else "image"}
+
+        return [{"role": turn.role, "content": [block(p) for p in turn.parts]} for turn in turns]
+
+    def takes_video(self, model_type: Optional[str]) -> bool:
+        """Whether this family's card feeds videos to its processor, as `video_inputs` does here."""
+        return False
+
+    def video_inputs(self, processor, items: list[GenerationRequest]) -> dict:
+        """The processor's video arguments for the items' videos, prepared as the card prepares them."""
+        raise NotImplementedError
 
     def batch_inputs(self, processor, items: list[GenerationRequest], device, dtype, image_device=None):
         """Left-padded prompts and pixels on `device`, and per item its first image's input size (or None).
@@ -78,12 +84,15 @@ class FamilyAdapter:
             backend = type(getattr(processor, "image_processor", None)).__mro__
             if image_device is not None and any(c.__name__ == "TorchvisionBackend" for c in backend):
                 kwargs["device"] = image_device
+        if any(item.videos for item in items):
+            kwargs.update(self.video_inputs(processor, items))
         bos = getattr(processor.tokenizer, "bos_token", None)  # a template that writes BOS gets no second one
         if isinstance(bos, str) and prompts[0].startswith(bos):
             kwargs["add_special_tokens"] = False
         inputs = processor(**kwargs).to(device)
-        if "pixel_values" in inputs:
-            inputs["pixel_values"] = inputs["pixel_values"].to(dtype)
+        for name in ("pixel_values", "pixel_values_videos"):
+            if name in inputs:
+                inputs[name] = inputs[name].to(dtype)
         return inputs, self.input_sizes(processor, inputs, items)
 
     def collate(self, processor, parts: list):

@@ -45,6 +45,21 @@ class QwenVLAdapter(FamilyAdapter):
             return None
         return _image_by_image(language)
 
+    def takes_video(self, model_type) -> bool:
+        return model_type in ("qwen2_vl", "qwen2_5_vl")  # Qwen3-VL's card adds frame timestamps: not yet
+
+    def video_inputs(self, processor, items: list[GenerationRequest]) -> dict:
+        """Each video's sampled frames resized as the card's qwen-vl-utils resizes a decoded video, and for
+        Qwen2.5-VL where they were sampled: its temporal positions follow the sampled rate (the card's
+        `video_kwargs` fps, which transformers 5 reads from each video's metadata)."""
+        videos = [video for item in items for video in item.videos]
+        kwargs: dict = {"videos": [_card_resized(video, processor.video_processor.patch_size) for video in videos]}
+        if self.model_type == "qwen2_5_vl":
+            kwargs["video_metadata"] = [
+                {"fps": video.fps, "frames_indices": video.indices, "total_num_frames": video.total} for video in videos
+            ]
+        return kwargs
+
     def input_sizes(self, processor, inputs, items: list[GenerationRequest]) -> list:
         """Per item, (width, height) of its first image as resized: Qwen2.5-VL's boxes are in its pixels."""
         if "image_grid_thw" not in inputs:
@@ -53,6 +68,24 @@ class QwenVLAdapter(FamilyAdapter):
         grids = iter(inputs["image_grid_thw"].tolist())  # (frames, rows, columns) per image, in order
         firsts = [[next(grids) for _ in item.images][:1] for item in items]
         return [(first[0][2] * patch, first[0][1] * patch) if first else None for first in firsts]
+
+
+def _card_resized(video, patch_size: int):
+    """Frames [T, C, H, W] resized as qwen-vl-utils' fetch_video resizes a video it decoded (its path for a
+    list of frames resizes each as an image first, which a file's frames do not go through)."""
+    import numpy as np
+    import torch
+    from qwen_vl_utils import vision_process as qwen
+    from torchvision.transforms import InterpolationMode, functional
+
+    frames = torch.stack([torch.from_numpy(np.asarray(frame).transpose(2, 0, 1).copy()) for frame in video.frames])
+    factor = patch_size * qwen.SPATIAL_MERGE_SIZE
+    low = qwen.VIDEO_MIN_TOKEN_NUM * factor * factor
+    total = qwen.MODEL_SEQ_LEN * factor * factor * 0.9
+    high = min(qwen.VIDEO_MAX_TOKEN_NUM * factor * factor, total / len(frames) * qwen.FRAME_FACTOR)
+    high = max(high, int(low * 1.05))
+    height, width = qwen.smart_resize(frames.shape[2], frames.shape[3], factor=factor, min_pixels=low, max_pixels=high)
+    return functional.resize(frames, [height, width], interpolation=InterpolationMode.BICUBIC, antialias=True).float()
 
 
 @contextlib.contextmanager

@@ -1,0 +1,109 @@
+"""Videos from strangers: fetched under the media policy like images, probed before any frame is decoded
+(duration, frame size), then decoded with PyAV, keeping only the frames the Qwen cards sample.
+
+The sampling is qwen-vl-utils' own (`smart_nframes`: 2 frames a second, 4 to 768, an even count, spread
+evenly over the whole video), capped by VLM_MAX_VIDEO_FRAMES; each family resizes the frames as its
+card does when the batch is made (families/native.py)."""
+
+from __future__ import annotations
+
+import io
+import time
+from typing import Optional
+
+from runpod_vlm.media import MAX_PARALLEL_FETCHES, image_bytes, image_source
+from runpod_vlm.settings import Settings
+from runpod_vlm.vocabulary import GenerationRequest, RequestError, Video, VideoSpec
+
+DECODE_SLACK = 1.1  # a stream may hold this many times the frames its header counts before it is refused
+
+
+def read_videos(item: GenerationRequest, settings: Settings) -> None:
+    """Fetch and decode an item's videos in place, in order; the count is checked before any fetch."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pending = [(turn, k) for turn in item.turns for k, part in enumerate(turn.parts) if isinstance(part, VideoSpec)]
+    if len(pending) > settings.max_videos:
+        turn, k = pending[settings.max_videos]
+        raise RequestError("too_many_videos", f"at most {settings.max_videos} videos per request", turn.parts[k].param)
+    if not pending:
+        return
+    policy = settings.media
+    sources = [image_source(turn.parts[k].spec, turn.parts[k].param) for turn, k in pending]
+    deadline = time.monotonic() + policy.fetch_deadline
+    with ThreadPoolExecutor(min(MAX_PARALLEL_FETCHES, len(sources)), thread_name_prefix="vlm-fetch") as pool:
+        fetched = [pool.submit(image_bytes, text, policy, where, deadline) for text, where in sources]
+        for (turn, k), future, (_, where) in zip(pending, fetched, sources):
+            turn.parts[k] = decode_video(future.result(), settings, turn.parts[k].param, where)
+
+
+def decode_video(data: bytes, settings: Settings, param: str, where: Optional[str] = None) -> Video:
+    """Bytes -> the frames the card samples, as RGB images. `where`: the field holding the bytes (….url)."""
+    import av
+
+    where = where or param
+    policy = settings.media
+    try:
+        container = av.open(io.BytesIO(data), mode="r")
+    except Exception:  # av's errors name FFmpeg internals: a fixed message instead
+        raise RequestError("invalid_video", "the data is not a video this worker can read", where) from None
+    with container:
+        if not container.streams.video:
+            raise RequestError("invalid_video", "the file holds no video stream", where)
+        stream = container.streams.video[0]
+        width, height = stream.codec_context.width, stream.codec_context.height
+        _check_frame_size(width, height, policy, where)
+        fps = float(stream.average_rate or stream.guessed_rate or 0)
+        if fps <= 0:
+            raise RequestError("invalid_video", "the video has no frame rate", where)
+        if stream.duration is not None:
+            seconds = float(stream.duration * stream.time_base)
+        elif container.duration is not None:
+            seconds = container.duration / av.time_base
+        else:
+            seconds = (stream.frames or 0) / fps
+        if seconds > settings.max_video_seconds:
+            message = f"the video lasts {seconds:.0f}s, over {settings.max_video_seconds:g}s"
+            raise RequestError("video_too_long", message, param)
+        total = stream.frames or round(seconds * fps)
+        if total < 2:
+            raise RequestError("invalid_video", "the video has fewer than 2 frames", where)
+        indices = sampled_frames(total, fps, settings.max_video_frames)
+        wanted, frames = set(indices), {}
+        limit = int(settings.max_video_seconds * fps * DECODE_SLACK) + 16
+        stream.thread_type = "AUTO"
+        try:
+            for index, frame in enumerate(container.decode(stream)):
+                if index >= limit:
+                    raise RequestError("video_too_long", f"the video is over {settings.max_video_seconds:g}s", param)
+                if index in wanted:
+                    _check_frame_size(frame.width, frame.height, policy, where)
+                    frames[index] = frame.to_image()
+                if index >= indices[-1]:
+                    break
+        except RequestError:
+            raise
+        except Exception:
+            raise RequestError("invalid_video", "the video is truncated or corrupt", where) from None
+    if len(frames) < len(indices):
+        raise RequestError("invalid_video", "the video ends before the frames its header counts", where)
+    return Video([frames[i] for i in indices], fps, total, indices, param)
+
+
+def sampled_frames(total: int, fps: float, max_frames: int) -> list[int]:
+    """The frame indices the Qwen cards take from a video of `total` frames at `fps` (qwen-vl-utils'
+    smart_nframes, then an even spread over the whole video, as its readers do)."""
+    import torch
+    from qwen_vl_utils.vision_process import FPS_MAX_FRAMES, smart_nframes
+
+    count = smart_nframes({"max_frames": min(FPS_MAX_FRAMES, max_frames, total)}, total_frames=total, video_fps=fps)
+    return torch.linspace(0, total - 1, count).round().long().tolist()
+
+
+def _check_frame_size(width: int, height: int, policy, where: str) -> None:
+    if width * height > policy.max_image_pixels:
+        message = f"the video's frames are {width}x{height}, over {policy.max_image_pixels} pixels"
+        raise RequestError("video_too_large", message, where)
+    if min(width, height) < policy.min_image_side:
+        message = f"the video's frames are {width}x{height}; each side must be at least {policy.min_image_side}"
+        raise RequestError("video_too_small", message, where)

@@ -1,0 +1,165 @@
+"""Video input on real tiny models (CPU): a clip made here with PyAV gives the tokens of the Qwen cards'
+recipe (qwen-vl-utils' process_vision_info, the processor, generate), alone and beside an image job;
+hostile videos are refused naming the field; families without video refuse it clearly."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+
+import pytest
+import torch
+
+import handler
+from runpod_vlm.answers import generate_all
+from sample_images import data_uri, striped
+
+av = pytest.importorskip("av")
+qwen_vl_utils = pytest.importorskip("qwen_vl_utils")
+NEW_TOKENS = 6
+
+
+def clip(seconds: float = 2.0, fps: int = 8, size=(64, 48)) -> bytes:
+    """An MPEG-4 clip whose frames differ (a bar moving across stripes)."""
+    import numpy as np
+
+    out = io.BytesIO()
+    with av.open(out, mode="w", format="mp4") as container:
+        stream = container.add_stream("mpeg4", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
+        for n in range(int(seconds * fps)):
+            pixels = np.zeros((size[1], size[0], 3), dtype=np.uint8)
+            pixels[:, :, 1] = (np.arange(size[0]) * 4 % 256)[None, :]
+            pixels[:, (n * 5) % size[0] : (n * 5) % size[0] + 6, 0] = 255
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return out.getvalue()
+
+
+def video_uri(data: bytes) -> str:
+    return "data:video/mp4;base64," + base64.b64encode(data).decode()
+
+
+def video_job(data: bytes, question: str = "What happens?") -> dict:
+    content = [{"type": "video_url", "video_url": {"url": video_uri(data)}}, {"type": "text", "text": question}]
+    return {"messages": [{"role": "user", "content": content}], "max_new_tokens": NEW_TOKENS}
+
+
+def decoded_whole(path: str) -> tuple:
+    """What qwen-vl-utils' torchvision reader returned before torchvision dropped read_video: every frame
+    (T, C, H, W uint8), then the card's own sampling of them."""
+    import numpy as np
+
+    with av.open(path) as container:
+        stream = container.streams.video[0]
+        fps = float(stream.average_rate)
+        video = torch.stack(
+            [torch.from_numpy(np.asarray(f.to_image()).transpose(2, 0, 1).copy()) for f in container.decode(stream)]
+        )
+    return video, fps
+
+
+def card_recipe(folder, data: bytes, question: str, monkeypatch, tmp_path) -> tuple[int, list[int]]:
+    """The Qwen2-VL / Qwen2.5-VL card: process_vision_info over the messages (the file read whole, then
+    sampled and resized by qwen-vl-utils), the processor with the card's video_kwargs, greedy generate."""
+    import transformers
+    from qwen_vl_utils import vision_process
+
+    def read_whole(ele):
+        video, fps = decoded_whole(ele["video"])
+        total = video.shape[0]
+        nframes = vision_process.smart_nframes(ele, total_frames=total, video_fps=fps)
+        idx = torch.linspace(0, total - 1, nframes).round().long()
+        metadata = {"fps": fps, "frames_indices": idx, "total_num_frames": total, "video_backend": "torchvision"}
+        return video[idx], metadata, nframes / total * fps
+
+    monkeypatch.setitem(vision_process.VIDEO_READER_BACKENDS, "torchvision", read_whole)
+    monkeypatch.setattr(vision_process, "get_video_reader_backend", lambda: "torchvision")
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(data)
+    messages = [
+        {"role": "user", "content": [{"type": "video", "video": str(path)}, {"type": "text", "text": question}]}
+    ]
+    model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+    text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    images, videos, _ = vision_process.process_vision_info(
+        messages, return_video_kwargs=True, return_video_metadata=True
+    )
+    videos, metadata = zip(*videos)
+    # The Qwen2.5-VL card's video_kwargs (fps per video) is what transformers 5 reads from each video's
+    # metadata (a list of fps is refused there); the Qwen2-VL card passes none.
+    extra = {"video_metadata": list(metadata)} if model.config.model_type == "qwen2_5_vl" else {}
+    inputs = processor(text=[text], images=images, videos=list(videos), padding=True, return_tensors="pt", **extra)
+    with torch.inference_mode():
+        output = model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    prompt = inputs["input_ids"].shape[1]
+    return prompt, output[0, prompt:].tolist()
+
+
+def answer(job: dict) -> dict:
+    return asyncio.run(handler.local_test_answer({"id": "v", "input": job}))
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl"])
+def test_a_video_gets_the_tokens_of_the_cards_recipe_alone_and_beside_an_image_job(
+    family, tiny_model, serve, monkeypatch, tmp_path
+):
+    engine = serve(tiny_model(family))
+    data = clip()
+    prompt, reference = card_recipe(tiny_model(family), data, "What happens?", monkeypatch, tmp_path)
+    expected = engine.tokenizer.decode(reference, skip_special_tokens=True).strip()
+    job = dict(video_job(data), min_new_tokens=NEW_TOKENS)
+    alone = answer(job)
+    assert alone["response"] == expected and alone["usage"]["prompt_tokens"] == prompt, alone
+    image_job = {"task": "caption", "image_url": data_uri(striped((48, 40))), "max_new_tokens": 4}
+    items = [handler.read_job_item(j, engine.settings, engine.model_id)[1] for j in (image_job, job)]
+    beside = generate_all(engine, items)
+    assert beside[1].text == expected and beside[1].prompt_tokens == prompt
+
+
+def test_videos_the_worker_cannot_take_are_refused_naming_the_field(tiny_model, serve, monkeypatch):
+    serve(tiny_model("qwen2-vl"))
+    where = "messages[0].content[0].video_url"
+    garbage = answer(video_job(b"\x00\x01not a video at all" * 50))
+    assert (garbage["code"], garbage["param"]) == ("invalid_video", where + ".url"), garbage
+    internal = {
+        "messages": [{"role": "user", "content": [{"type": "video_url", "video_url": "http://10.0.0.1/v.mp4"}]}]
+    }
+    blocked = answer(internal)
+    assert blocked["code"] == "blocked_url" and blocked["param"] == where, blocked
+    monkeypatch.setenv("VLM_MAX_VIDEO_SECONDS", "1")
+    serve(tiny_model("qwen2-vl"), VLM_MAX_VIDEO_SECONDS="1")
+    long = answer(video_job(clip(seconds=3)))
+    assert (long["code"], long["param"]) == ("video_too_long", where), long
+    serve(tiny_model("qwen2-vl"), VLM_MAX_IMAGE_PIXELS="1000")
+    wide = answer(video_job(clip(size=(64, 48))))
+    assert (wide["code"], wide["param"]) == ("video_too_large", where + ".url"), wide
+    serve(tiny_model("qwen2-vl"), VLM_MAX_VIDEOS="1")
+    two = video_job(clip())
+    two["messages"][0]["content"].insert(0, two["messages"][0]["content"][0])
+    many = answer(two)
+    assert (many["code"], many["param"]) == ("too_many_videos", "messages[0].content[1].video_url"), many
+
+
+def test_a_family_without_video_refuses_it_and_answers_its_neighbours(tiny_model, serve):
+    engine = serve(tiny_model("llava"))
+    video = handler.read_job_item(video_job(clip()), engine.settings, engine.model_id, "requests[0]")[1]
+    image_job = {"task": "caption", "image_url": data_uri(striped())}
+    image = handler.read_job_item(image_job, engine.settings, engine.model_id)
+    refused, answered = generate_all(engine, [video, image[1]])
+    assert refused.code == "unsupported_video" and refused.param == "requests[0].messages[0].content[0].video_url"
+    assert answered.text is not None
+
+
+def test_the_openai_route_takes_a_video_url_part(tiny_model, serve):
+    engine = serve(tiny_model("qwen2-vl"))
+    job = video_job(clip())
+    body = {"model": engine.model_id, "messages": job["messages"], "max_tokens": NEW_TOKENS, "temperature": 0}
+    out = answer({"openai_route": "/v1/chat/completions", "openai_input": body})
+    native = answer(job)
+    assert out["choices"][0]["message"]["content"] == native["response"], out
+    assert out["usage"]["prompt_tokens"] == native["usage"]["prompt_tokens"]
