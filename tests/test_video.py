@@ -62,7 +62,7 @@ def decoded_whole(path: str) -> tuple:
     return video, fps
 
 
-def card_recipe(folder, data: bytes, question: str, monkeypatch, tmp_path) -> tuple[int, list[int]]:
+def card_recipe(folder, data: bytes, question: str, monkeypatch, tmp_path) -> tuple[dict, list[int]]:
     """The Qwen2-VL / Qwen2.5-VL card: process_vision_info over the messages (the file read whole, then
     sampled and resized by qwen-vl-utils), the processor with the card's video_kwargs, greedy generate."""
     import transformers
@@ -86,33 +86,45 @@ def card_recipe(folder, data: bytes, question: str, monkeypatch, tmp_path) -> tu
     model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
     processor = transformers.AutoProcessor.from_pretrained(folder)
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    images, videos, _ = vision_process.process_vision_info(
-        messages, return_video_kwargs=True, return_video_metadata=True
+    kind = model.config.model_type
+    images, videos, video_kwargs = vision_process.process_vision_info(
+        messages,
+        return_video_kwargs=True,
+        return_video_metadata=True,
+        image_patch_size=16 if kind == "qwen3_vl" else 14,
     )
     videos, metadata = zip(*videos)
     # The Qwen2.5-VL card's video_kwargs (fps per video) is what transformers 5 reads from each video's
-    # metadata (a list of fps is refused there); the Qwen2-VL card passes none.
-    extra = {"video_metadata": list(metadata)} if model.config.model_type == "qwen2_5_vl" else {}
+    # metadata (a list of fps is refused there); the Qwen2-VL card passes none; Qwen3-VL's passes the
+    # metadata and do_resize=False.
+    extra = {"video_metadata": list(metadata), **video_kwargs} if kind != "qwen2_vl" else {}
+    if kind == "qwen3_vl":
+        extra["do_resize"] = False
     inputs = processor(text=[text], images=images, videos=list(videos), padding=True, return_tensors="pt", **extra)
     with torch.inference_mode():
         output = model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
-    prompt = inputs["input_ids"].shape[1]
-    return prompt, output[0, prompt:].tolist()
+    return inputs, output[0, inputs["input_ids"].shape[1] :].tolist()
 
 
 def answer(job: dict) -> dict:
     return asyncio.run(handler.local_test_answer({"id": "v", "input": job}))
 
 
-@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl"])
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
 def test_a_video_gets_the_tokens_of_the_cards_recipe_alone_and_beside_an_image_job(
     family, tiny_model, serve, monkeypatch, tmp_path
 ):
     engine = serve(tiny_model(family))
     data = clip()
-    prompt, reference = card_recipe(tiny_model(family), data, "What happens?", monkeypatch, tmp_path)
+    card, reference = card_recipe(tiny_model(family), data, "What happens?", monkeypatch, tmp_path)
     expected = engine.tokenizer.decode(reference, skip_special_tokens=True).strip()
     job = dict(video_job(data), min_new_tokens=NEW_TOKENS)
+    item = handler.read_job_item(job, engine.settings, engine.model_id)[1]
+    ours, _ = engine.adapter.batch_inputs(engine.processor, [item], "cpu", torch.float32)
+    for name in ("input_ids", "video_grid_thw", "pixel_values_videos", "second_per_grid_ts"):
+        if name in card:  # the prompt (Qwen3-VL's frame timestamps in it), the frames' pixels, their grids
+            assert torch.equal(torch.as_tensor(ours[name]), torch.as_tensor(card[name])), name
+    prompt = card["input_ids"].shape[1]
     alone = answer(job)
     assert alone["response"] == expected and alone["usage"]["prompt_tokens"] == prompt, alone
     image_job = {"task": "caption", "image_url": data_uri(striped((48, 40))), "max_new_tokens": 4}

@@ -46,18 +46,21 @@ class QwenVLAdapter(FamilyAdapter):
         return _image_by_image(language)
 
     def takes_video(self, model_type) -> bool:
-        return model_type in ("qwen2_vl", "qwen2_5_vl")  # Qwen3-VL's card adds frame timestamps: not yet
+        return model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
     def video_inputs(self, processor, items: list[GenerationRequest]) -> dict:
-        """Each video's sampled frames resized as the card's qwen-vl-utils resizes a decoded video, and for
-        Qwen2.5-VL where they were sampled: its temporal positions follow the sampled rate (the card's
-        `video_kwargs` fps, which transformers 5 reads from each video's metadata)."""
+        """As the cards' qwen-vl-utils prepares videos: each one's sampled frames resized as it resizes a
+        decoded video and, for Qwen2.5-VL and Qwen3-VL, where they were sampled (their temporal positions,
+        and Qwen3-VL's timestamps, follow it: the cards' video_kwargs and video_metadata)."""
         videos = [video for item in items for video in item.videos]
-        kwargs: dict = {"videos": [_card_resized(video, processor.video_processor.patch_size) for video in videos]}
-        if self.model_type == "qwen2_5_vl":
+        patch = processor.video_processor.patch_size
+        kwargs: dict = {"videos": [_card_resized(video, patch) for video in videos], "do_sample_frames": False}
+        if self.model_type in ("qwen2_5_vl", "qwen3_vl"):
             kwargs["video_metadata"] = [
                 {"fps": video.fps, "frames_indices": video.indices, "total_num_frames": video.total} for video in videos
             ]
+        if self.model_type == "qwen3_vl":  # its card's do_resize=False: the frames are already resized
+            kwargs["videos_kwargs"] = {"do_resize": False}
         return kwargs
 
     def input_sizes(self, processor, inputs, items: list[GenerationRequest]) -> list:
