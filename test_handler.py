@@ -1608,6 +1608,48 @@ def test_batch_without_a_job_id(monkeypatch):
 # =================================================================================================
 
 
+class Embeds:
+    """Stands in for a tensor of `size` bytes."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def nelement(self) -> int:
+        return self.size
+
+    def element_size(self) -> int:
+        return 1
+
+
+def test_the_image_cache_keeps_the_most_recently_used_within_its_bytes():
+    from runpod_vlm.engine.image_cache import ImageEmbeddingCache
+
+    cache = ImageEmbeddingCache(max_bytes=250)
+    a, b, c = Embeds(100), Embeds(100), Embeds(100)
+    cache.put("a", a)
+    cache.put("b", b)
+    assert cache.get("a") is a  # now the most recent: b goes first
+    cache.put("c", c)
+    assert (cache.get("b"), cache.get("a"), cache.get("c")) == (None, a, c)
+    assert (cache.hits, cache.misses, cache.held, len(cache)) == (3, 1, 200, 2)
+    cache.put("huge", Embeds(251))  # larger than the whole cache: not kept, nothing evicted for it
+    assert cache.get("huge") is None and len(cache) == 2
+    cache.put("a", Embeds(150))  # replaced: its old bytes are given back first
+    assert cache.held == 250 and cache.get("c") is c
+
+
+def test_an_images_cache_key_is_its_pixels_and_the_bound_on_its_size():
+    from runpod_vlm.media import image_key
+
+    image = plain((200, 30, 40), (32, 24))
+    same = plain((200, 30, 40), (32, 24))
+    assert image_key(image, None) == image_key(same, None)
+    assert image_key(image, None) != image_key(image, 512 * 512)  # detail: low, or a request's max_pixels
+    same.putpixel((0, 0), (1, 2, 3))
+    assert image_key(image, None) != image_key(same, None)
+    assert image_key(image.convert("L"), None) != image_key(image, None)
+
+
 def test_the_block_pool_hands_out_whole_blocks_all_or_nothing_and_reuses_freed_ones_last():
     pool = BlockPool(blocks=5, block_size=16)  # block 0 is kept for idle rows: 4 to hand out
     assert (pool.capacity, pool.capacity_tokens, pool.free) == (4, 64, 4)
@@ -1627,13 +1669,14 @@ def test_the_kv_pool_takes_what_the_weights_and_a_measured_step_leave_of_the_gpu
     hub.cuda_available, hub.device = True, "cuda:0"
     hub.gpu_memory, hub.gpu_used, hub.work_memory = 80 * 2**30, 16 * 2**30, 4 * 2**30
     serve(monkeypatch, QWEN, VLM_COMPILE="false")
-    left = 0.9 * 80 * 2**30 - 16 * 2**30 - 4 * 2**30  # VLM_GPU_MEMORY_UTILIZATION 0.9
+    images = 512 * 2**20  # VLM_IMAGE_CACHE_MB's default
+    left = 0.9 * 80 * 2**30 - 16 * 2**30 - 4 * 2**30 - images  # VLM_GPU_MEMORY_UTILIZATION 0.9
     tokens = handler.get_engine()._current_decoder().pool.capacity_tokens
     assert tokens == int(left // hub.kv_bytes_per_token) // 16 * 16
     handler.reset_engine()
     hub.memory_fraction = 0.3  # a process capped to 24 GB of the 80 (torch.cuda.set_per_process_memory_fraction)
     capped = handler.get_engine()._current_decoder().pool.capacity_tokens
-    assert capped == int((0.3 * 80 * 2**30 - 20 * 2**30) // hub.kv_bytes_per_token) // 16 * 16
+    assert capped == int((0.3 * 80 * 2**30 - 20 * 2**30 - images) // hub.kv_bytes_per_token) // 16 * 16
     handler.reset_engine()
     monkeypatch.setenv("VLM_KV_CACHE_TOKENS", "1000")
     assert handler.get_engine()._current_decoder().pool.capacity_tokens == 992  # whole blocks

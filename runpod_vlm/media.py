@@ -53,9 +53,20 @@ def read_images(item: GenerationRequest, settings: Settings) -> None:
                 raise
             used += image.width * image.height
             item.image_max_pixels.append(turn.parts[k].max_pixels)
+            item.image_keys.append(image_key(image, turn.parts[k].max_pixels))
             turn.parts[k] = image
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
+
+
+def image_key(image, max_pixels: Optional[int]) -> bytes:
+    """An image's identity for the vision-embedding cache: its decoded pixels and the request's bound on
+    its size (which changes what the encoder sees)."""
+    import hashlib
+
+    digest = hashlib.blake2b(image.tobytes(), digest_size=16)
+    digest.update(f"{image.mode} {image.size} {max_pixels}".encode())
+    return digest.digest()
 
 
 def image_source(spec: Any, param: str) -> tuple[str, str]:

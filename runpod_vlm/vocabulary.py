@@ -88,6 +88,7 @@ class GenerationRequest:
     annotate: bool = False  # grounding: return the image with its boxes drawn
     param: Optional[str] = None  # where the request sits in the job, e.g. "requests[3]"
     image_max_pixels: list = dataclasses.field(default_factory=list)  # per image, in order: a bound, or None
+    image_keys: list = dataclasses.field(default_factory=list)  # per image, in order: its embedding cache key
 
     @property
     def images(self) -> list:

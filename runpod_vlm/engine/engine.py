@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import sys
@@ -16,6 +17,7 @@ from runpod_vlm.engine.blocks import BLOCK_SIZE, PoolExhausted
 from runpod_vlm.engine.compile import set_torch_cache_dirs
 from runpod_vlm.engine.decoder import ChunkedPrefill, PagedDecoder
 from runpod_vlm.engine.grammar import Grammars
+from runpod_vlm.engine.image_cache import ImageEmbeddingCache
 from runpod_vlm.engine.intake import Intake, with_generated
 from runpod_vlm.engine.loading import load_model
 from runpod_vlm.engine.memory import kv_pool_tokens
@@ -69,6 +71,7 @@ class Engine(BackgroundCompile):
         self._newly_compiled: list = []  # ... ready, not yet switched to by the engine thread
         self._answered = threading.Event()  # set at the first answer; the background compile waits for it
         self._load()
+        self.image_cache = ImageEmbeddingCache(settings.image_cache_mb * 2**20) if settings.image_cache_mb else None
         self._wake = threading.Condition()  # guards the queue; the engine thread waits on it
         self._queue: list[Ticket] = []  # submitted, not yet given a row, in arrival order
         self._rows: dict[int, Ticket] = {}  # decoder row -> the item decoding there (engine thread only)
@@ -390,7 +393,8 @@ class Engine(BackgroundCompile):
             return self._requeue(group, limit=room or None)
         if len(group) == 1 and lengths[0] > self.settings.max_batch_tokens:
             try:
-                chunked = self._begin_chunks(decoder, inputs, free[0], group[0])
+                with self._images_cached(group):
+                    chunked = self._begin_chunks(decoder, inputs, free[0], group[0])
             except Exception as error:
                 if not is_out_of_memory(error):
                     raise
@@ -403,9 +407,14 @@ class Engine(BackgroundCompile):
         rows = free[: len(group)]
         started = time.perf_counter()
         try:
-            first = decoder.prefill(
-                inputs, rows, [t.item.params for t in group], self._grammar_masks(group), [len(t.ids) for t in group]
-            )
+            with self._images_cached(group):
+                first = decoder.prefill(
+                    inputs,
+                    rows,
+                    [t.item.params for t in group],
+                    self._grammar_masks(group),
+                    [len(t.ids) for t in group],
+                )
         except Exception as error:
             for row in rows:
                 decoder.release(row)
@@ -428,6 +437,16 @@ class Engine(BackgroundCompile):
             ticket.prompt_tokens, ticket.input_size = prompt, size
             self._started(ticket, row, token, logprobs.get(row))
         self._next_grammar_masks()
+
+    def _images_cached(self, group: list[Ticket]):
+        """Where the family can, the group's images already encoded come from the embedding cache."""
+        keys = [key for ticket in group for key in ticket.item.image_keys]
+        cached = (
+            self.adapter.cached_images(self.model, self.image_cache, keys)
+            if self.image_cache is not None and keys
+            else None
+        )
+        return cached or contextlib.nullcontext()
 
     def _begin_chunks(self, decoder: PagedDecoder, inputs, row: int, ticket: Ticket) -> Optional[ChunkedPrefill]:
         """A long prompt's embeddings: the vision pass of all its images at once, else, out of memory, of

@@ -26,12 +26,15 @@ def kv_pool_tokens(model, settings: Settings, dtype) -> int:
     limit = min(limit, torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device))
     work = measured_work_memory(model, settings, dtype)
     weights = torch.cuda.memory_allocated(device)
-    tokens = max(0, int((limit - weights - work) // kv_bytes_per_token(model)))
+    images = settings.image_cache_mb * 2**20
+    tokens = max(0, int((limit - weights - work - images) // kv_bytes_per_token(model)))
     log.info(
-        "KV pool from GPU memory: limit %.1f GB, weights %.1f GB, measured work memory %.1f GB -> %d tokens",
+        "KV pool from GPU memory: limit %.1f GB, weights %.1f GB, measured work memory %.1f GB, image cache "
+        "%.1f GB -> %d tokens",
         limit / 1e9,
         weights / 1e9,
         work / 1e9,
+        images / 1e9,
         tokens,
     )
     return tokens

@@ -41,6 +41,12 @@ class FamilyAdapter:
         memory is tried once more inside it."""
         return None
 
+    def cached_images(self, model, cache, keys: list):
+        """A context in which the model's vision pass takes the embeddings of images already in `cache` (an
+        ImageEmbeddingCache) and keeps the others', for a forward whose images have `keys`; None where
+        the family has none."""
+        return None
+
     def after_load(self, model, processor, source: str) -> None:
         """What the card does to the loaded model and processor before they answer (Phi-4-multimodal)."""
 

@@ -45,6 +45,13 @@ class QwenVLAdapter(FamilyAdapter):
             return None
         return _image_by_image(language)
 
+    def cached_images(self, model, cache, keys: list):
+        """Qwen2-VL and Qwen2.5-VL: their `get_image_features` answers from `cache` where it can."""
+        language = getattr(model, "model", None)
+        if self.model_type not in ("qwen2_vl", "qwen2_5_vl") or not hasattr(language, "get_image_features"):
+            return None
+        return _cached(language, cache, keys)
+
     def takes_video(self, model_type) -> bool:
         return model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
@@ -92,24 +99,67 @@ def _card_resized(video, patch_size: int):
 
 
 @contextlib.contextmanager
-def _image_by_image(model):
-    """`model.get_image_features(pixel_values, image_grid_thw)` called once per image while inside."""
-    whole = model.get_image_features
-
-    def one_at_a_time(pixel_values, image_grid_thw=None, **kwargs):
-        patches = image_grid_thw.prod(-1).tolist()  # each image's rows of pixel_values
-        outputs = [
-            whole(pixels, grid[None], **kwargs) for pixels, grid in zip(pixel_values.split(patches), image_grid_thw)
-        ]
-        joined = outputs[0]
-        joined.pooler_output = tuple(embeds for output in outputs for embeds in output.pooler_output)
-        return joined
-
-    model.get_image_features = one_at_a_time
+def _patched(module, name: str, replacement):
+    """`module.name` is `replacement(the current one)` while inside; what it was after."""
+    before = vars(module).get(name)
+    setattr(module, name, replacement(getattr(module, name)))
     try:
         yield
     finally:
-        del model.get_image_features  # the class's own again
+        if before is None:
+            delattr(module, name)  # the class's own again
+        else:
+            setattr(module, name, before)
+
+
+def _image_by_image(model):
+    """`model.get_image_features(pixel_values, image_grid_thw)` called once per image while inside."""
+
+    def one_at_a_time(whole):
+        def features(pixel_values, image_grid_thw=None, **kwargs):
+            patches = image_grid_thw.prod(-1).tolist()  # each image's rows of pixel_values
+            outputs = [
+                whole(pixels, grid[None], **kwargs) for pixels, grid in zip(pixel_values.split(patches), image_grid_thw)
+            ]
+            joined = outputs[0]
+            joined.pooler_output = tuple(embeds for output in outputs for embeds in output.pooler_output)
+            return joined
+
+        return features
+
+    return _patched(model, "get_image_features", one_at_a_time)
+
+
+def _cached(model, cache, keys: list):
+    """`model.get_image_features` for a forward whose images have `keys` (in order): each image found in
+    `cache` skips the vision encoder, the others are encoded together and kept."""
+    from transformers.modeling_outputs import BaseModelOutputWithPooling
+
+    def from_cache(whole):
+        def features(pixel_values, image_grid_thw=None, **kwargs):
+            patches = image_grid_thw.prod(-1).tolist()
+            if len(patches) != len(keys):  # not this forward's images
+                return whole(pixel_values, image_grid_thw, **kwargs)
+            found = {key: cache.get(key) for key in dict.fromkeys(keys)}
+            missing = [key for key, embeds in found.items() if embeds is None]
+            if missing:
+                import torch
+
+                first = {key: keys.index(key) for key in missing}  # one encoding per distinct image
+                pieces = pixel_values.split(patches)
+                encoded = whole(
+                    torch.cat([pieces[first[key]] for key in missing]),
+                    image_grid_thw[[first[key] for key in missing]],
+                    **kwargs,
+                )
+                for key, embeds in zip(missing, encoded.pooler_output):
+                    found[key] = embeds.clone()  # not a view that would keep the whole batch's output
+                    cache.put(key, found[key])
+            return BaseModelOutputWithPooling(pooler_output=tuple(found[key] for key in keys))
+
+        return features
+
+    return _patched(model, "get_image_features", from_cache)
 
 
 class PaliGemmaAdapter(FamilyAdapter):
