@@ -1,0 +1,302 @@
+"""Admission: the prepared items at the queue's head placed into the paged decoder (one padded prefill
+within the token budget, or a long prompt in chunks), blocks grown before each decode interval, the
+newest row preempted when they run out, and every way a placement runs out of memory."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import time
+from typing import Optional
+
+from runpod_vlm.engine.blocks import PoolExhausted
+from runpod_vlm.engine.decoder import ChunkedPrefill, PagedDecoder
+from runpod_vlm.engine.gpu_errors import is_fatal_gpu_error, is_out_of_memory
+from runpod_vlm.engine.intake import with_generated
+from runpod_vlm.engine.ticket import Ticket
+from runpod_vlm.vocabulary import GENERATION_FAILED, GPU_FAILURE, GenerationRequest, RequestError
+
+log = logging.getLogger("runpod-vlm")
+
+
+class Admission:
+    """Part of Engine (its base): what the engine thread does to start items and to keep their rows in blocks."""
+
+    def _admit(self, waiting: list[Ticket]) -> None:
+        """Prefill the prepared items at the queue's head that fit the step's token budget, the free rows and
+        the free KV blocks (in arrival order: a long request is never passed over), and give them rows."""
+        decoder = self._current_decoder()
+        free = decoder.free_rows()
+        if self._chunking is not None:  # the row of the prompt entering in chunks is not free
+            free = [row for row in free if row != self._chunking[1].row]
+        group, prepared = [], []
+        for ticket in waiting[: len(free)]:
+            if not ticket.prepared.done() and waiting[0].call is ticket.call:
+                return  # its call's items are admitted together
+            if not ticket.prepared.done() or len(group) == (ticket.group_limit or len(free)):
+                break
+            try:
+                inputs, size = ticket.prepared.result()
+            except Exception as error:
+                self._take([ticket])
+                if isinstance(error, RequestError):  # the family's adapter refused it
+                    ticket.finish(error)
+                elif is_out_of_memory(error):  # its images processed on the GPU
+                    ticket.finish(self._out_of_memory(ticket.item, 0))
+                else:
+                    log.error("could not prepare an item", exc_info=error)
+                    ticket.fail(GENERATION_FAILED)
+                continue
+            width = max([inputs["input_ids"].shape[1], *(p[0]["input_ids"].shape[1] for p in prepared)])
+            if group and ((len(group) + 1) * width > self.settings.max_batch_tokens or ticket.ids or group[0].ids):
+                break  # a padded prefill within the token budget; a preempted item resumes alone
+            group.append(ticket)
+            prepared.append((inputs, size))
+        if not group:
+            return
+        self._take(group)
+        try:
+            self._place(group, free, prepared)
+        except Exception as error:
+            fatal = is_fatal_gpu_error(error)
+            if fatal:
+                self._gpu_failed()
+            else:
+                log.exception("could not admit %d items", len(group))
+            with self._wake:
+                lost = [t for t in group if t.row is None and t not in self._queue and not t.done]
+            for ticket in lost:
+                ticket.fail(GPU_FAILURE if fatal else GENERATION_FAILED)
+
+    def _place(self, group: list[Ticket], free: list[int], prepared: list) -> None:
+        import torch
+
+        decoder = self._current_decoder()
+        kept = self._with_grammars(group)
+        if not kept:
+            return
+        prepared = [p for t, p in zip(group, prepared) if t in kept]
+        group = kept
+        input_sizes = [size for _, size in prepared]
+        inputs = prepared[0][0] if len(group) == 1 else self.adapter.collate(self.processor, [p for p, _ in prepared])
+        try:
+            if inputs is None:  # parts that do not stack: the group prepared together
+                inputs, input_sizes = self.adapter.batch_inputs(
+                    self.processor, [t.item for t in group], "cpu", self.dtype
+                )
+            inputs = type(inputs)({name: value for name, value in inputs.items()})  # a resumed item lengthens its own
+            inputs = inputs.to(self.model.device)
+        except Exception as error:
+            if is_out_of_memory(error):  # the pixels moving to the GPU: halves, then the item alone fails
+                torch.cuda.empty_cache()
+                if len(group) > 1:
+                    return self._requeue(group, limit=len(group) // 2)
+                return group[0].finish(self._out_of_memory(group[0].item, group[0].prompt_tokens))
+            if len(group) > 1:
+                return self._requeue(group, limit=1)
+            return self._admit_failed(group[0])
+        prompt_tokens = inputs["attention_mask"].sum(dim=1).tolist()
+        errors = [self._context_error(t.item, n) or self._pool_error(t.item, n) for t, n in zip(group, prompt_tokens)]
+        if any(errors):
+            for ticket, error in zip(group, errors):
+                if error:
+                    ticket.finish(error)
+            self._requeue([t for t, e in zip(group, errors) if not e])
+            return
+        window = self.max_slots
+        if window is not None and any(n + t.item.params.max_new_tokens > window for t, n in zip(group, prompt_tokens)):
+            # past a sliding window: generate() handles it alone
+            return self._requeue(group, limit=1) if len(group) > 1 else self._run_alone(group[0])
+        if group[0].ids:  # resumed: the tokens it had generated follow its prompt
+            with_generated(inputs, group[0].ids)
+        lengths = inputs["attention_mask"].sum(dim=1).tolist()
+        room = self._rows_that_fit(decoder, lengths, [t.item.params.max_new_tokens for t in group])
+        if room < len(group):  # wait for blocks: what fits first comes again as a smaller group
+            return self._requeue(group, limit=room or None)
+        if len(group) == 1 and lengths[0] > self.settings.max_batch_tokens:
+            try:
+                with self._images_cached(group):
+                    chunked = self._begin_chunks(decoder, inputs, free[0], group[0])
+            except Exception as error:
+                if not is_out_of_memory(error):
+                    raise
+                torch.cuda.empty_cache()
+                return group[0].finish(self._out_of_memory(group[0].item, prompt_tokens[0]))
+            if chunked is not None:
+                group[0].prompt_tokens, group[0].input_size = prompt_tokens[0], input_sizes[0]
+                self._chunking = (group[0], chunked)
+                return
+        rows = free[: len(group)]
+        started = time.perf_counter()
+        try:
+            with self._images_cached(group):
+                first = decoder.prefill(
+                    inputs,
+                    rows,
+                    [t.item.params for t in group],
+                    self._grammar_masks(group),
+                    [len(t.ids) for t in group],
+                )
+        except Exception as error:
+            for row in rows:
+                decoder.release(row)
+            if is_fatal_gpu_error(error):
+                raise
+            if is_out_of_memory(error):
+                torch.cuda.empty_cache()
+                if len(group) > 1:  # halves, down to single items
+                    log.warning("a prefill of %d items ran out of GPU memory; retrying in halves", len(group))
+                    return self._requeue(group, limit=len(group) // 2)
+                return group[0].finish(self._out_of_memory(group[0].item, prompt_tokens[0]))
+            if len(group) > 1:
+                log.warning("a prefill of %d items failed; admitting them one by one", len(group), exc_info=True)
+                return self._requeue(group, limit=1)
+            return self._admit_failed(group[0])
+        self.timings["prefill_s"] += time.perf_counter() - started
+        self.timings["prefills"] += 1
+        logprobs = decoder.take_logprobs() or {}
+        for ticket, row, token, prompt, size in zip(group, rows, first, prompt_tokens, input_sizes):
+            ticket.prompt_tokens, ticket.input_size = prompt, size
+            self._started(ticket, row, token, logprobs.get(row))
+        self._next_grammar_masks()
+
+    def _images_cached(self, group: list[Ticket]):
+        """Where the family can, the group's images already encoded come from the embedding cache."""
+        keys = [key for ticket in group for key in ticket.item.image_keys]
+        cached = (
+            self.adapter.cached_images(self.model, self.image_cache, keys)
+            if self.image_cache is not None and keys
+            else None
+        )
+        return cached or contextlib.nullcontext()
+
+    def _begin_chunks(self, decoder: PagedDecoder, inputs, row: int, ticket: Ticket) -> Optional[ChunkedPrefill]:
+        """A long prompt's embeddings: the vision pass of all its images at once, else, out of memory, of
+        one image at a time where the family can (the KV pool leaves less room than many large images need)."""
+        import torch
+
+        begin = functools.partial(decoder.begin_chunks, inputs, row, ticket.item.params, len(ticket.ids))
+        try:
+            return begin()
+        except Exception as error:
+            one_at_a_time = self.adapter.images_one_at_a_time(self.model)
+            if not is_out_of_memory(error) or one_at_a_time is None:
+                raise
+        torch.cuda.empty_cache()
+        log.info("a long prompt's images ran out of memory at once: encoding them one at a time")
+        with one_at_a_time:
+            return begin()
+
+    def _started(self, ticket: Ticket, row: int, token: int, logprobs) -> None:
+        ticket.row, ticket.group_limit = row, None
+        self._admitted += 1
+        ticket.admitted = self._admitted
+        self._rows[row] = ticket
+        self._accept(ticket, [token], logprobs)
+
+    def _rows_that_fit(self, decoder: PagedDecoder, lengths: list[int], max_new: list[int]) -> int:
+        """How many of a group's leading items the free blocks hold, each with its prompt and first interval."""
+        needed = 0
+        for n, (length, new) in enumerate(zip(lengths, max_new)):
+            needed += decoder.pool.blocks_for(length + min(new, decoder.interval))
+            if needed > decoder.pool.free:
+                return n
+        return len(lengths)
+
+    def _pool_error(self, item: GenerationRequest, prompt_tokens: int) -> Optional[RequestError]:
+        """A request the whole KV pool could not hold, even alone."""
+        capacity = self._current_decoder().pool.capacity_tokens
+        if prompt_tokens + item.params.max_new_tokens > capacity:
+            return self._out_of_memory(item, prompt_tokens, f"the KV cache, which holds {capacity} tokens")
+
+    def _out_of_memory(
+        self, item: GenerationRequest, prompt_tokens: int, where="the GPU's free memory"
+    ) -> RequestError:
+        return RequestError(
+            "out_of_memory",
+            f"this request ({prompt_tokens} prompt tokens with its {len(item.images)} images, and max_new_tokens "
+            f"{item.params.max_new_tokens}) does not fit in {where}",
+            item.param,
+        )
+
+    def _prefill_next_chunk(self) -> None:
+        """The next chunk of the prompt entering in pieces (at most the step's token budget)."""
+        import torch
+
+        ticket, chunked = self._chunking
+        decoder = self._current_decoder()
+        if ticket.cancelled:
+            self._chunking = None
+            return decoder.release(chunked.row)
+        size = self.settings.max_batch_tokens
+        end = min(chunked.done + size, chunked.length)
+        if decoder.pool.shortfall(chunked.row, end + min(ticket.item.params.max_new_tokens, decoder.interval)):
+            if self._rows:
+                return  # blocks come back as rows finish (or are preempted before the next interval)
+        started = time.perf_counter()
+        try:
+            token = decoder.prefill_chunk(chunked, size, self._grammar_masks([ticket]))
+        except Exception as error:
+            self._chunking = None
+            decoder.release(chunked.row)
+            if is_fatal_gpu_error(error):
+                raise
+            if is_out_of_memory(error):
+                torch.cuda.empty_cache()
+                return ticket.finish(self._out_of_memory(ticket.item, ticket.prompt_tokens))
+            log.exception("a chunked prefill failed")
+            return ticket.fail(GENERATION_FAILED)
+        self.timings["chunk_s"] += time.perf_counter() - started
+        if token is not None:
+            self._chunking = None
+            self._started(ticket, chunked.row, token, (decoder.take_logprobs() or {}).get(chunked.row))
+            self._next_grammar_masks()
+
+    def _requeue(self, tickets: list[Ticket], limit: Optional[int] = None) -> None:
+        """Back to the front of the queue; `limit`: admitted in groups of at most that many."""
+        with self._wake:
+            for ticket in reversed(tickets):
+                if limit:
+                    ticket.group_limit = min(limit, ticket.group_limit or limit)
+                self._queue.insert(0, ticket)
+
+    def _admit_failed(self, ticket: Ticket) -> None:
+        log.exception("could not prepare an item")
+        ticket.fail(GENERATION_FAILED)
+
+    def _decode_interval(self) -> None:
+        decoder = self._current_decoder()
+        remaining = max(t.item.params.max_new_tokens - len(t.ids) for t in self._rows.values())
+        # A grammar's next mask depends on the token just chosen: constrained rows step one token at a time.
+        steps = 1 if decoder.any_constrained else max(1, min(decoder.interval, remaining))
+        self._make_room(decoder, steps)
+        started = time.perf_counter()
+        tokens = decoder.step(steps)
+        self.timings["decode_s"] += time.perf_counter() - started
+        self.timings["decode_steps"] += steps
+        logprobs = decoder.take_logprobs() or {}
+        for row, ticket in list(self._rows.items()):
+            self._accept(ticket, tokens[row], logprobs.get(row))
+        self._next_grammar_masks()
+
+    def _make_room(self, decoder: PagedDecoder, steps: int) -> None:
+        """Blocks for every row's next `steps` tokens; while too few are free, the newest row is preempted:
+        its blocks freed, it goes back to the queue's front and is later prefilled again with the tokens it
+        had (recompute: a prefill costs less than copying blocks to the host and back)."""
+        for row in sorted(self._rows, key=lambda r: self._rows[r].admitted):
+            while row in self._rows:
+                ticket, length = self._rows[row], decoder.lengths[row]
+                last = length + ticket.item.params.max_new_tokens - len(ticket.ids)  # slots it writes, at most
+                try:
+                    decoder.grow(row, min(length + steps, last))
+                    break
+                except PoolExhausted:
+                    self._preempt(max(self._rows, key=lambda r: self._rows[r].admitted))
+
+    def _preempt(self, row: int) -> None:
+        ticket = self._rows.pop(row)
+        self._current_decoder().release(row)
+        ticket.row = None
+        log.info("KV cache full: request preempted after %d tokens (it resumes later)", len(ticket.ids))
+        self._requeue([ticket])
