@@ -209,13 +209,7 @@ def decode_image(data: bytes, policy: MediaPolicy, param: str):
     except Exception:  # UnidentifiedImageError and the plugins' own errors alike
         raise RequestError("invalid_image_format", f"the data is not a {allowed} image", param) from None
     with image:
-        width, height = image.size
-        if width * height > policy.max_image_pixels:
-            message = f"the image is {width}x{height}, over {policy.max_image_pixels} pixels"
-            raise RequestError("image_too_large", message, param)
-        if min(width, height) < policy.min_image_side:
-            message = f"the image is {width}x{height}; each side must be at least {policy.min_image_side} pixels"
-            raise RequestError("image_too_small", message, param)
+        check_dimensions(*image.size, policy, param)
         try:
             image.load()  # frame 0 of an animation
             oriented = image
@@ -228,6 +222,17 @@ def decode_image(data: bytes, policy: MediaPolicy, param: str):
             raise RequestError("image_too_large", "the image is too large to decode", param) from None
         except Exception:
             raise RequestError("invalid_image_format", "the image is truncated or corrupt", param) from None
+
+
+def check_dimensions(width: int, height: int, policy: MediaPolicy, param: str, kind: str = "image") -> None:
+    """An image's (or a video frame's) size within the pixel cap and the smallest side."""
+    subject = "the image is" if kind == "image" else f"the {kind}'s frames are"
+    if width * height > policy.max_image_pixels:
+        message = f"{subject} {width}x{height}, over {policy.max_image_pixels} pixels"
+        raise RequestError(f"{kind}_too_large", message, param)
+    if min(width, height) < policy.min_image_side:
+        message = f"{subject} {width}x{height}; each side must be at least {policy.min_image_side} pixels"
+        raise RequestError(f"{kind}_too_small", message, param)
 
 
 def _to_rgb(image):

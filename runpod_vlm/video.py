@@ -11,7 +11,7 @@ import io
 import time
 from typing import Optional
 
-from runpod_vlm.media import MAX_PARALLEL_FETCHES, image_bytes, image_source
+from runpod_vlm.media import MAX_PARALLEL_FETCHES, check_dimensions, image_bytes, image_source
 from runpod_vlm.settings import Settings
 from runpod_vlm.vocabulary import GenerationRequest, RequestError, Video, VideoSpec
 
@@ -52,7 +52,7 @@ def decode_video(data: bytes, settings: Settings, param: str, where: Optional[st
             raise RequestError("invalid_video", "the file holds no video stream", where)
         stream = container.streams.video[0]
         width, height = stream.codec_context.width, stream.codec_context.height
-        _check_frame_size(width, height, policy, where)
+        check_dimensions(width, height, policy, where, "video")
         fps = float(stream.average_rate or stream.guessed_rate or 0)
         if fps <= 0:
             raise RequestError("invalid_video", "the video has no frame rate", where)
@@ -77,7 +77,7 @@ def decode_video(data: bytes, settings: Settings, param: str, where: Optional[st
                 if index >= limit:
                     raise RequestError("video_too_long", f"the video is over {settings.max_video_seconds:g}s", param)
                 if index in wanted:
-                    _check_frame_size(frame.width, frame.height, policy, where)
+                    check_dimensions(frame.width, frame.height, policy, where, "video")
                     frames[index] = frame.to_image()
                 if index >= indices[-1]:
                     break
@@ -98,12 +98,3 @@ def sampled_frames(total: int, fps: float, max_frames: int) -> list[int]:
 
     count = smart_nframes({"max_frames": min(FPS_MAX_FRAMES, max_frames, total)}, total_frames=total, video_fps=fps)
     return torch.linspace(0, total - 1, count).round().long().tolist()
-
-
-def _check_frame_size(width: int, height: int, policy, where: str) -> None:
-    if width * height > policy.max_image_pixels:
-        message = f"the video's frames are {width}x{height}, over {policy.max_image_pixels} pixels"
-        raise RequestError("video_too_large", message, where)
-    if min(width, height) < policy.min_image_side:
-        message = f"the video's frames are {width}x{height}; each side must be at least {policy.min_image_side}"
-        raise RequestError("video_too_small", message, where)
