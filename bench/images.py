@@ -1,0 +1,111 @@
+"""Issue 22's benchmark: new images at GPU speed and images sent again, through the handler's path, at
+DEFAULT settings (the image-embedding cache on), random weights at Qwen2-VL-2B shapes on the GPU:
+
+    python bench/images.py --out OUT            # GPU
+    python bench/images.py --out OUT --tiny     # a tiny fp32 model on the CPU: checks the script runs
+
+- prefill_64: 64 jobs of one new 448x448 image and max_new_tokens 1 sent at once: new images a second
+  (target >= 200), with the engine's phases (intake, prefill);
+- repeated_image: one job, then the same job again (its image's embedding cached): time to first token
+  of the hit against the miss, median of 5 pairs of fresh images (target <= 30%);
+- chat_4_turns: a 4-turn chat whose first turn holds 2 images, every later request resending them in
+  its history: each turn's time to first token, and turns 2-4 against turn 1 (target <= 40%);
+- the cache's hits and misses over the run.
+Results go to OUT/images.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
+
+from serving import QUESTIONS, data_uri, run_job  # noqa: E402
+
+
+def job(name: str, images: list[str], tokens: int, history: list | None = None, question: str = QUESTIONS[0]) -> dict:
+    content = [{"type": "image_url", "image_url": {"url": url}} for url in images]
+    messages = [*(history or []), {"role": "user", "content": [*content, {"type": "text", "text": question}]}]
+    return {"id": name, "input": {"messages": messages, "max_new_tokens": tokens, "min_new_tokens": tokens}}
+
+
+async def at_once(handler, jobs: list[dict]) -> list[dict]:
+    return list(await asyncio.gather(*(run_job(handler, j) for j in jobs)))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
+    parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on the CPU (a smoke run)")
+    args = parser.parse_args()
+    import logging
+
+    import tiny_models
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.tiny:
+        folder = tiny_models.build("qwen2-vl", Path(args.models) / "qwen2-vl-tiny")
+        os.environ.update(VLM_DEVICE_MAP="cpu", VLM_DTYPE="fp32")
+        size, count, tokens = 64, 8, 4
+    else:
+        folder = Path(args.models) / "qwen2-vl-2b"
+        if not (folder / "config.json").exists():
+            tiny_models.build("qwen2-vl", folder, "qwen2-vl-2b", device="cuda", dtype="bf16")
+        os.environ.update(VLM_DTYPE="bf16")
+        size, count, tokens = 448, 64, 16
+    os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", VLM_STREAM_INTERVAL_MS="0")
+    import handler
+
+    engine = handler.get_engine()
+    engine.warm_up()
+    compiled = engine.wait_until_compiled(600) if not args.tiny else None
+    results: dict = {"command": " ".join(sys.argv), "engine": engine.describe(), "compiled": compiled}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def save():
+        (out / "images.json").write_text(json.dumps(results, indent=2))
+
+    asyncio.run(run_job(handler, job("warm", [data_uri(size, size, 9999)], 1)))
+
+    before = dict(engine.timings)
+    started = time.perf_counter()
+    asyncio.run(at_once(handler, [job(f"p{i}", [data_uri(size, size, i)], 1) for i in range(count)]))
+    seconds = time.perf_counter() - started
+    phases = {k: round(v - before.get(k, 0), 3) for k, v in engine.timings.items()}
+    results["prefill_64"] = {"jobs": count, "seconds": seconds, "images_per_s": count / seconds, "phases": phases}
+    save()
+
+    pairs = []
+    for n in range(5):
+        same = job(f"r{n}", [data_uri(size, size, 5000 + n)], tokens)
+        miss, hit = (asyncio.run(run_job(handler, same))["ttft_s"] for _ in range(2))
+        pairs.append((miss, hit))
+    miss, hit = statistics.median(m for m, _ in pairs), statistics.median(h for _, h in pairs)
+    results["repeated_image"] = {"ttft_miss_s": miss, "ttft_hit_s": hit, "hit_vs_miss": hit / miss}
+    save()
+
+    images, history, turns = [data_uri(size, size, 7000), data_uri(size, size, 7001)], [], []
+    for turn in range(4):  # the images come in the first turn; every later request resends them in its history
+        this = job(f"c{turn}", images if turn == 0 else [], tokens, history, QUESTIONS[turn % len(QUESTIONS)])
+        turns.append(asyncio.run(run_job(handler, this))["ttft_s"])
+        history = this["input"]["messages"] + [{"role": "assistant", "content": f"Answer {turn}."}]
+    later = statistics.mean(turns[1:])
+    results["chat_4_turns"] = {"ttft_s": turns, "turns_2_4_vs_1": later / turns[0]}
+    cache = engine.image_cache
+    results["image_cache"] = None if cache is None else {"hits": cache.hits, "misses": cache.misses, "held": cache.held}
+    save()
+    print(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
