@@ -37,20 +37,22 @@ class QwenVLAdapter(FamilyAdapter):
         height, width = smart_resize(image.height, image.width, factor, min_pixels=low, max_pixels=max(high, low))
         return image if (width, height) == image.size else image.resize((width, height), Image.Resampling.BICUBIC)
 
-    def images_one_at_a_time(self, model):
-        """Qwen2-VL and Qwen2.5-VL encode each image on its own (attention within an image): their
-        `get_image_features` runs image by image and the embeddings are joined in order."""
+    def _image_encoding_model(self, model):
+        """Qwen2-VL's and Qwen2.5-VL's inner model, whose `get_image_features` returns one embedding per image
+        (Qwen3-VL's returns its deepstack features too); None for the others."""
         language = getattr(model, "model", None)
-        if self.model_type not in ("qwen2_vl", "qwen2_5_vl") or not hasattr(language, "get_image_features"):
-            return None
-        return _image_by_image(language)
+        ours = self.model_type in ("qwen2_vl", "qwen2_5_vl") and hasattr(language, "get_image_features")
+        return language if ours else None
+
+    def images_one_at_a_time(self, model):
+        """Each image is encoded on its own (attention within an image): image by image, joined in order."""
+        language = self._image_encoding_model(model)
+        return None if language is None else _image_by_image(language)
 
     def cached_images(self, model, cache, keys: list):
-        """Qwen2-VL and Qwen2.5-VL: their `get_image_features` answers from `cache` where it can."""
-        language = getattr(model, "model", None)
-        if self.model_type not in ("qwen2_vl", "qwen2_5_vl") or not hasattr(language, "get_image_features"):
-            return None
-        return _cached(language, cache, keys)
+        """The vision pass answers from `cache` where it can."""
+        language = self._image_encoding_model(model)
+        return None if language is None else _cached(language, cache, keys)
 
     def takes_video(self, model_type) -> bool:
         return model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
