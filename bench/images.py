@@ -28,17 +28,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
 
-from serving import QUESTIONS, data_uri, run_job  # noqa: E402
+from serving import QUESTIONS, concurrent_records, data_uri, run_job  # noqa: E402
 
 
 def job(name: str, images: list[str], tokens: int, history: list | None = None, question: str = QUESTIONS[0]) -> dict:
     content = [{"type": "image_url", "image_url": {"url": url}} for url in images]
     messages = [*(history or []), {"role": "user", "content": [*content, {"type": "text", "text": question}]}]
     return {"id": name, "input": {"messages": messages, "max_new_tokens": tokens, "min_new_tokens": tokens}}
-
-
-async def at_once(handler, jobs: list[dict]) -> list[dict]:
-    return list(await asyncio.gather(*(run_job(handler, j) for j in jobs)))
 
 
 def main() -> None:
@@ -79,7 +75,7 @@ def main() -> None:
 
     before = dict(engine.timings)
     started = time.perf_counter()
-    asyncio.run(at_once(handler, [job(f"p{i}", [data_uri(size, size, i)], 1) for i in range(count)]))
+    asyncio.run(concurrent_records(handler, [job(f"p{i}", [data_uri(size, size, i)], 1) for i in range(count)]))
     seconds = time.perf_counter() - started
     phases = {k: round(v - before.get(k, 0), 3) for k, v in engine.timings.items()}
     results["prefill_64"] = {"jobs": count, "seconds": seconds, "images_per_s": count / seconds, "phases": phases}

@@ -9,6 +9,7 @@ import dataclasses
 import io
 import os
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
@@ -23,24 +24,14 @@ IMAGE_FORMATS = ("JPEG", "PNG", "WEBP", "GIF", "BMP", "TIFF")
 def read_images(item: GenerationRequest, settings: Settings) -> None:
     """Fetch (side by side, under one deadline) and decode an item's images in place, in order: the count
     is checked before any fetch, the pixel budget before each decode; the first failure in order is raised."""
-    import concurrent.futures
-
     pending = [(turn, k) for turn in item.turns for k, part in enumerate(turn.parts) if isinstance(part, ImageSpec)]
     if len(pending) > settings.max_images:
         turn, k = pending[settings.max_images]
         raise RequestError("too_many_images", f"at most {settings.max_images} images per request", turn.parts[k].param)
     policy, used = settings.media, 0
     sources = [image_source(turn.parts[k].spec, turn.parts[k].param) for turn, k in pending]
-    deadline = time.monotonic() + policy.fetch_deadline
-    pool = ThreadPoolExecutor(MAX_PARALLEL_FETCHES, thread_name_prefix="vlm-fetch")  # threads start as needed
-    try:
-        futures = [pool.submit(image_bytes, text, policy, where, deadline) for text, where in sources]
-        for (turn, k), future, (_, where) in zip(pending, futures, sources):
-            try:  # each fetch stops itself at the deadline; the margin only guards against a stuck thread
-                data = future.result(timeout=max(deadline - time.monotonic(), 0) + 2)
-            except concurrent.futures.TimeoutError:
-                message = f"the request's images took over {policy.fetch_deadline:g}s to download"
-                raise RequestError("fetch_timeout", message, where) from None
+    with contextlib.closing(fetched(sources, policy, "images")) as arriving:
+        for (turn, k), data, (_, where) in zip(pending, arriving, sources):
             remaining = settings.max_total_pixels - used  # decoded as soon as it and those before it arrived
             narrowed = remaining < policy.max_image_pixels
             budget = dataclasses.replace(policy, max_image_pixels=max(remaining, 1)) if narrowed else policy
@@ -55,6 +46,23 @@ def read_images(item: GenerationRequest, settings: Settings) -> None:
             item.image_max_pixels.append(turn.parts[k].max_pixels)
             item.image_keys.append(image_key(image, turn.parts[k].max_pixels))
             turn.parts[k] = image
+
+
+def fetched(sources: list[tuple[str, str]], policy: MediaPolicy, what: str) -> Iterator[bytes]:
+    """The bytes of each (spec text, field) in order, fetched side by side under one deadline (`what` names
+    them in the timeout's message); the fetches still running are cancelled when the iteration is closed."""
+    import concurrent.futures
+
+    deadline = time.monotonic() + policy.fetch_deadline
+    pool = ThreadPoolExecutor(MAX_PARALLEL_FETCHES, thread_name_prefix="vlm-fetch")  # threads start as needed
+    try:
+        futures = [pool.submit(image_bytes, text, policy, where, deadline) for text, where in sources]
+        for future, (_, where) in zip(futures, sources):
+            try:  # each fetch stops itself at the deadline; the margin only guards against a stuck thread
+                yield future.result(timeout=max(deadline - time.monotonic(), 0) + 2)
+            except concurrent.futures.TimeoutError:
+                message = f"the request's {what} took over {policy.fetch_deadline:g}s to download"
+                raise RequestError("fetch_timeout", message, where) from None
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
 

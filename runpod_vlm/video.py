@@ -7,11 +7,11 @@ card does when the batch is made (families/native.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import io
-import time
 from typing import Optional
 
-from runpod_vlm.media import MAX_PARALLEL_FETCHES, check_dimensions, image_bytes, image_source
+from runpod_vlm.media import check_dimensions, fetched, image_source
 from runpod_vlm.settings import Settings
 from runpod_vlm.vocabulary import GenerationRequest, RequestError, Video, VideoSpec
 
@@ -19,22 +19,16 @@ DECODE_SLACK = 1.1  # a stream may hold this many times the frames its header co
 
 
 def read_videos(item: GenerationRequest, settings: Settings) -> None:
-    """Fetch and decode an item's videos in place, in order; the count is checked before any fetch."""
-    from concurrent.futures import ThreadPoolExecutor
-
+    """Fetch (side by side, under one deadline) and decode an item's videos in place, in order; the count
+    is checked before any fetch."""
     pending = [(turn, k) for turn in item.turns for k, part in enumerate(turn.parts) if isinstance(part, VideoSpec)]
     if len(pending) > settings.max_videos:
         turn, k = pending[settings.max_videos]
         raise RequestError("too_many_videos", f"at most {settings.max_videos} videos per request", turn.parts[k].param)
-    if not pending:
-        return
-    policy = settings.media
     sources = [image_source(turn.parts[k].spec, turn.parts[k].param) for turn, k in pending]
-    deadline = time.monotonic() + policy.fetch_deadline
-    with ThreadPoolExecutor(min(MAX_PARALLEL_FETCHES, len(sources)), thread_name_prefix="vlm-fetch") as pool:
-        fetched = [pool.submit(image_bytes, text, policy, where, deadline) for text, where in sources]
-        for (turn, k), future, (_, where) in zip(pending, fetched, sources):
-            turn.parts[k] = decode_video(future.result(), settings, turn.parts[k].param, where)
+    with contextlib.closing(fetched(sources, settings.media, "videos")) as arriving:
+        for (turn, k), data, (_, where) in zip(pending, arriving, sources):
+            turn.parts[k] = decode_video(data, settings, turn.parts[k].param, where)
 
 
 def decode_video(data: bytes, settings: Settings, param: str, where: Optional[str] = None) -> Video:
