@@ -545,8 +545,11 @@ class PagedDecoder:
         self.ring_index.zero_()
         graph = torch.cuda.CUDAGraph()
         if self.graph_pool is None:  # one memory pool for every graph: they never replay at once
-            self.graph_pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self.graph_pool, capture_error_mode="thread_local"):
+            # A MemPool, not a bare graph_pool_handle(): it holds the pool open, so that capturing into it
+            # after every graph in it was dropped (a bucket switching to the compiled forward) does not
+            # trip the allocator's `use_count > 0` assert, as it did on a fresh H200.
+            self.graph_pool = torch.cuda.MemPool()
+        with torch.cuda.graph(graph, pool=self.graph_pool.id, capture_error_mode="thread_local"):
             self._advance(bucket, span)
         for tensor, value in kept:
             tensor.copy_(value)
