@@ -124,7 +124,7 @@ class Settings:
     max_batch_requests: pydantic.PositiveInt = 64  # items in one {"requests": [...]} call
     max_images: pydantic.PositiveInt = 16  # per request
     max_total_pixels: pydantic.PositiveInt = 64_000_000  # decoded pixels per request, all images together
-    max_videos: pydantic.PositiveInt = 2  # per request (the Qwen2-VL, Qwen2.5-VL and Qwen3-VL families)
+    max_videos: pydantic.PositiveInt = 2  # per request (the families that take video: README)
     max_video_seconds: Annotated[float, Field(gt=0)] = 120.0  # frames up to the last sampled one are all decoded
     max_video_frames: Annotated[int, Field(ge=2)] = 32  # frames sampled from one video (the card's rule, capped)
     max_text_chars: pydantic.PositiveInt = 32_000  # all text of a request together

@@ -145,14 +145,25 @@ class VideoSpec:
 
 @dataclasses.dataclass
 class Video:
-    """A decoded video: the frames its card samples (RGB images, in order) at `indices` of its `total`
-    frames, played at `fps`; `param` is where the request gave it."""
+    """A fetched video whose header was checked: `total` frames at `fps`, `width` x `height`; `param` is where
+    the request gave it, `where` the field holding its bytes, `limits` what decoding may meet (video.VideoLimits).
+    `frames` (RGB images) at `indices` once the family has decoded the ones its card samples."""
 
-    frames: list
+    data: bytes = dataclasses.field(repr=False)
     fps: float
     total: int
-    indices: list
+    width: int
+    height: int
     param: str
+    where: str
+    limits: Any = dataclasses.field(repr=False)
+    frames: Optional[list] = dataclasses.field(default=None, repr=False)
+    indices: Optional[list] = None
+
+    @property
+    def seconds(self) -> float:
+        """Its length as transformers' video readers count it (frames over rate)."""
+        return self.total / self.fps
 
 
 def finish_reason(ids: list[int], eos: set, max_new_tokens: int) -> str:

@@ -1,5 +1,6 @@
-"""Video input on real tiny models (CPU): a clip made here with PyAV gives the tokens of the Qwen cards'
-recipe (qwen-vl-utils' process_vision_info, the processor, generate), alone and beside an image job;
+"""Video input on real tiny models (CPU): a clip made here with PyAV gives the tokens of each card's
+recipe, alone and beside an image job: the Qwen cards' qwen-vl-utils process_vision_info, and SmolVLM2's
+and LLaVA-OneVision's apply_chat_template over the video file (read by transformers' own PyAV reader);
 hostile videos are refused naming the field; families without video refuse it clearly."""
 
 from __future__ import annotations
@@ -20,12 +21,24 @@ qwen_vl_utils = pytest.importorskip("qwen_vl_utils")
 NEW_TOKENS = 6
 
 
-def clip(seconds: float = 2.0, fps: int = 8, size=(64, 48)) -> bytes:
-    """An MPEG-4 clip whose frames differ (a bar moving across stripes)."""
+def clip(seconds: float = 2.0, fps: int = 8, size=(64, 48), faststart: bool = False) -> bytes:
+    """An MPEG-4 clip whose frames differ (a bar moving across stripes); `faststart`: its header first (as
+    streamed files have it), so that a cut-off file still opens."""
+    import tempfile
+
+    if faststart:  # FFmpeg moves the header by rereading the file: a named one
+        with tempfile.NamedTemporaryFile(suffix=".mp4") as named:
+            clip_into(named.name, seconds, fps, size, {"movflags": "faststart"})
+            return named.read()
+    out = io.BytesIO()
+    clip_into(out, seconds, fps, size, {})
+    return out.getvalue()
+
+
+def clip_into(out, seconds: float, fps: int, size, options: dict) -> None:
     import numpy as np
 
-    out = io.BytesIO()
-    with av.open(out, mode="w", format="mp4") as container:
+    with av.open(out, mode="w", format="mp4", options=options) as container:
         stream = container.add_stream("mpeg4", rate=fps)
         stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
         for n in range(int(seconds * fps)):
@@ -36,7 +49,6 @@ def clip(seconds: float = 2.0, fps: int = 8, size=(64, 48)) -> bytes:
                 container.mux(packet)
         for packet in stream.encode():
             container.mux(packet)
-    return out.getvalue()
 
 
 def video_uri(data: bytes) -> str:
@@ -133,6 +145,60 @@ def test_a_video_gets_the_tokens_of_the_cards_recipe_alone_and_beside_an_image_j
     assert beside[1].text == expected and beside[1].prompt_tokens == prompt
 
 
+def processor_card_recipe(folder, data: bytes, question: str, tmp_path, **processor_kwargs) -> tuple[dict, list[int]]:
+    """The SmolVLM2 and LLaVA-OneVision cards: apply_chat_template over a video file (the processor samples
+    its frames; its reader made PyAV, as torchcodec is not installed here), greedy generate."""
+    import transformers
+    from transformers.video_utils import load_video
+
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(data)
+    processor = transformers.AutoProcessor.from_pretrained(folder)
+
+    def fetch_videos(urls, sample_indices_fn=None):  # its own fetch_videos, with backend="pyav"
+        if isinstance(urls, list):
+            return list(zip(*[fetch_videos(url, sample_indices_fn) for url in urls]))
+        return load_video(urls, backend="pyav", sample_indices_fn=sample_indices_fn)
+
+    processor.video_processor.fetch_videos = fetch_videos
+    content = [{"type": "video", "path": str(path)}, {"type": "text", "text": question}]
+    inputs = processor.apply_chat_template(
+        [{"role": "user", "content": content}], add_generation_prompt=True, tokenize=True, return_dict=True,
+        return_tensors="pt", **processor_kwargs,
+    )  # fmt: skip
+    model = transformers.AutoModelForImageTextToText.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        output = model.generate(**inputs, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    return inputs, output[0, inputs["input_ids"].shape[1] :].tolist()
+
+
+@pytest.mark.parametrize(("family", "card_kwargs"), [("smolvlm", {}), ("llava-onevision", {"num_frames": 8})])
+def test_a_video_gets_the_tokens_of_apply_chat_template_over_the_file(family, card_kwargs, tiny_model, serve, tmp_path):
+    engine = serve(tiny_model(family))
+    data = clip(seconds=3)  # SmolVLM2 takes a frame a second (3), LLaVA-OneVision's card 8
+    card, reference = processor_card_recipe(tiny_model(family), data, "What happens?", tmp_path, **card_kwargs)
+    job = dict(video_job(data), min_new_tokens=NEW_TOKENS)
+    item = handler.read_job_item(job, engine.settings, engine.model_id)[1]
+    ours, _ = engine.adapter.batch_inputs(engine.processor, [item], "cpu", torch.float32)
+    assert set(ours) == set(card)
+    for name in card:  # the prompt (SmolVLM2's frame timestamps in it) and the frames' pixels
+        assert torch.equal(ours[name], card[name]), name
+    expected = engine.tokenizer.decode(reference, skip_special_tokens=True).strip()
+    assert answer(job)["response"] == expected
+    image_job = {"task": "caption", "image_url": data_uri(striped((48, 40))), "max_new_tokens": 4}
+    items = [handler.read_job_item(j, engine.settings, engine.model_id)[1] for j in (image_job, job)]
+    beside = generate_all(engine, items)
+    assert beside[1].text == expected and beside[1].prompt_tokens == card["input_ids"].shape[1]
+
+
+def test_the_frame_cap_bounds_the_frames_a_processor_samples(tiny_model, serve):
+    engine = serve(tiny_model("llava-onevision"), VLM_MAX_VIDEO_FRAMES="4")
+    item = handler.read_job_item(video_job(clip(seconds=3)), engine.settings, engine.model_id)[1]
+    inputs, _ = engine.adapter.batch_inputs(engine.processor, [item], "cpu", torch.float32)
+    assert inputs["pixel_values_videos"].shape[1] == 4  # the card's 8, capped
+    assert item.videos[0].indices == [0, 6, 12, 18]  # spread over the clip's 24 frames
+
+
 def test_videos_the_worker_cannot_take_are_refused_naming_the_field(tiny_model, serve, monkeypatch):
     serve(tiny_model("qwen2-vl"))
     where = "messages[0].content[0].video_url"
@@ -155,6 +221,17 @@ def test_videos_the_worker_cannot_take_are_refused_naming_the_field(tiny_model, 
     two["messages"][0]["content"].insert(0, two["messages"][0]["content"][0])
     many = answer(two)
     assert (many["code"], many["param"]) == ("too_many_videos", "messages[0].content[1].video_url"), many
+
+
+def test_a_video_cut_short_after_its_header_fails_alone_naming_the_field(tiny_model, serve):
+    engine = serve(tiny_model("llava-onevision"))
+    whole = clip(seconds=3, faststart=True)
+    cut = handler.read_job_item(video_job(whole[: len(whole) // 2]), engine.settings, engine.model_id, "requests[0]")
+    image_job = {"task": "caption", "image_url": data_uri(striped()), "max_new_tokens": 4}
+    image = handler.read_job_item(image_job, engine.settings, engine.model_id)[1]
+    refused, answered = generate_all(engine, [cut[1], image])  # the header passed when read: frames fail later
+    assert (refused.code, refused.param) == ("invalid_video", "requests[0].messages[0].content[0].video_url.url")
+    assert answered.text is not None
 
 
 def test_a_family_without_video_refuses_it_and_answers_its_neighbours(tiny_model, serve):

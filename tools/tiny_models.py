@@ -434,11 +434,12 @@ def _gemma3_parts(family: str, shape: str):
 
 
 ONEVISION_SPECIAL = QWEN_SPECIAL + ["<image>", "<video>"]
-# llava-hf/llava-onevision-qwen2-*-ov-hf: ChatML, every image of a turn first, then its text.
+# llava-hf/llava-onevision-qwen2-*-ov-hf: ChatML, every image of a turn first, then its videos, then its text.
 ONEVISION_TEMPLATE = (
     "{% for message in messages %}"
     "{{ '<|im_start|>' + message['role'] + '\n' }}"
     "{% for content in message['content'] | selectattr('type', 'equalto', 'image') %}{{ '<image>' }}{% endfor %}"
+    "{% for content in message['content'] | selectattr('type', 'equalto', 'video') %}{{ '<video>' }}{% endfor %}"
     "{% for content in message['content'] | selectattr('type', 'equalto', 'text') %}"
     "{{ '\n' + content['text'] }}{% endfor %}"
     "{{ '<|im_end|>\n' }}"
@@ -561,12 +562,13 @@ SMOLVLM_SPECIAL = [
     "<global-img>",
     "<video>",
 ]
-# HuggingFaceTB/SmolVLM-*-Instruct: starts with <|im_start|>, which is also the tokenizer's BOS.
+# HuggingFaceTB/SmolVLM2-*-Instruct: starts with <|im_start|>, which is also the tokenizer's BOS.
 SMOLVLM_TEMPLATE = (
     "<|im_start|>{% for message in messages %}{{ message['role'] | capitalize }}"
     "{% if message['content'][0]['type'] == 'image' %}{{ ':' }}{% else %}{{ ': ' }}{% endif %}"
     "{% for line in message['content'] %}"
-    "{% if line['type'] == 'text' %}{{ line['text'] }}{% elif line['type'] == 'image' %}{{ '<image>' }}{% endif %}"
+    "{% if line['type'] == 'text' %}{{ line['text'] }}{% elif line['type'] == 'image' %}{{ '<image>' }}"
+    "{% elif line['type'] == 'video' %}{{ '<video>' }}{% endif %}"
     "{% endfor %}<end_of_utterance>\n{% endfor %}"
     "{% if add_generation_prompt %}{{ 'Assistant:' }}{% endif %}"
 )
@@ -612,7 +614,10 @@ def _smolvlm_parts(family: str, shape: str):
     sizes = dict(size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
     processor = tf.SmolVLMProcessor(
         image_processor=tf.SmolVLMImageProcessor(**sizes),
-        video_processor=tf.SmolVLMVideoProcessor(**sizes),
+        # SmolVLM2's own video_sampling: a frame a second, at most 64 (its card's processor config)
+        video_processor=tf.SmolVLMVideoProcessor(
+            **sizes, video_sampling={"fps": 1, "max_frames": 64, "video_size": sizes["size"]}
+        ),
         tokenizer=tokenizer,
         chat_template=SMOLVLM_TEMPLATE,
         image_seq_len=4,

@@ -9,6 +9,7 @@ from runpod_vlm.families.remote import InternVL2Adapter, MiniCPMVAdapter, Phi3Vi
 QWEN_JSON_GROUNDING = "Locate {} in the image, and output its bbox coordinates in JSON format."
 LLAVA_SKIPS = ("model.vision_tower", "model.multi_modal_projector", "lm_head")
 SMOLVLM = {"name": "smolvlm", "skip_modules": ("model.vision_model", "model.connector", "lm_head")}  # Idefics3 too
+SMOLVLM2 = {**SMOLVLM, "video_sampling": {}}  # its processor's config sets the card's fps and most frames
 FAMILIES: dict[str, dict] = {  # model_type -> its adapter class and what it changes of the class's defaults
     "qwen2_vl": {"adapter": QwenVLAdapter},
     "qwen2_5_vl": {
@@ -26,12 +27,12 @@ FAMILIES: dict[str, dict] = {  # model_type -> its adapter class and what it cha
     "llava": {"name": "llava", "skip_modules": LLAVA_SKIPS, "stacks_images": True},
     "llava_next": {"name": "llava-next", "skip_modules": LLAVA_SKIPS, "stacks_images": True},
     "idefics3": SMOLVLM,
-    "smolvlm": SMOLVLM,
+    "smolvlm": SMOLVLM2,
     # Served as their cards do by the generic recipe (tests/test_families.py); skips read from their module trees.
     "gemma3": {"name": "gemma3", "stacks_images": True},
     "mistral3": {"name": "mistral3", "stacks_images": True},
     "llama4": {"name": "llama4", "stacks_images": True},
-    "llava_onevision": {"name": "llava-onevision", "stacks_images": True},
+    "llava_onevision": {"name": "llava-onevision", "stacks_images": True, "video_sampling": {"num_frames": 8}},
     "internvl": {"name": "internvl-hf", "stacks_images": True},
     "glm4v": {
         "name": "glm-4.1v",

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
+from runpod_vlm.frames import decode_frames
 from runpod_vlm.settings import Settings, SettingsError
 from runpod_vlm.vocabulary import GenerationRequest, Turn, Video
 
@@ -20,6 +21,9 @@ class FamilyAdapter:
     # Whether the processor batches images by concatenating each item's in order (checked per family in
     # tests/test_paged_engine.py): then items prepared alone stack into a batch. Idefics3 lays them out per item.
     stacks_images = False
+    # Video as the card samples it, by the video processor's own `sample_frames` with these arguments
+    # (none: the processor's configured ones); None: the family takes no video here.
+    video_sampling: Optional[dict] = None
 
     def __init__(self, model_type: Optional[str] = None, **family):
         self.model_type = model_type
@@ -69,11 +73,32 @@ class FamilyAdapter:
 
     def takes_video(self, model_type: Optional[str]) -> bool:
         """Whether this family's card feeds videos to its processor, as `video_inputs` does here."""
-        return False
+        return self.video_sampling is not None
 
     def video_inputs(self, processor, items: list[GenerationRequest]) -> dict:
-        """The processor's video arguments for the items' videos, prepared as the card prepares them."""
-        raise NotImplementedError
+        """The processor's video arguments for the items' videos (a list per item), prepared as the card's
+        `apply_chat_template` prepares a video file: the video processor picks the frames from the video's
+        metadata, only those are decoded, and they go in with that metadata (SmolVLM2 writes each frame's
+        timestamp in the prompt)."""
+        import numpy as np
+        from transformers.video_utils import VideoMetadata
+
+        sampler, videos, metadata = processor.video_processor, [], []
+        for item in items:
+            videos.append([])
+            for video in item.videos:
+                cap = video.limits.max_frames
+                kwargs = dict(self.video_sampling)
+                kwargs["num_frames"] = min(kwargs.get("num_frames") or getattr(sampler, "num_frames", None) or cap, cap)
+                about = VideoMetadata(
+                    total_num_frames=video.total, fps=video.fps, duration=video.seconds,
+                    width=video.width, height=video.height, video_backend="pyav",
+                )  # fmt: skip
+                about.frames_indices = [int(i) for i in sampler.sample_frames(about, **kwargs)]
+                frames = decode_frames(video, about.frames_indices)
+                videos[-1].append(np.stack([np.asarray(frame) for frame in frames]))
+                metadata.append(about)
+        return {"videos": videos, "video_metadata": metadata, "do_sample_frames": False}
 
     def batch_inputs(self, processor, items: list[GenerationRequest], device, dtype, image_device=None):
         """Left-padded prompts and pixels on `device`, and per item its first image's input size (or None).

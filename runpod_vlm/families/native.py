@@ -7,6 +7,7 @@ import logging
 import os
 
 from runpod_vlm.families.base import FamilyAdapter, text_of
+from runpod_vlm.frames import decode_frames, sampled_frames
 from runpod_vlm.settings import Settings
 from runpod_vlm.vocabulary import GenerationRequest, RequestError, Turn, join_param
 
@@ -62,6 +63,8 @@ class QwenVLAdapter(FamilyAdapter):
         decoded video and, for Qwen2.5-VL and Qwen3-VL, where they were sampled (their temporal positions,
         and Qwen3-VL's timestamps, follow it: the cards' video_kwargs and video_metadata)."""
         videos = [video for item in items for video in item.videos]
+        for video in videos:
+            decode_frames(video, sampled_frames(video.total, video.fps, video.limits.max_frames))
         patch = processor.video_processor.patch_size
         kwargs: dict = {"videos": [_card_resized(video, patch) for video in videos], "do_sample_frames": False}
         if self.model_type in ("qwen2_5_vl", "qwen3_vl"):
