@@ -1758,6 +1758,17 @@ def test_a_long_prompt_enters_in_chunks_of_the_budget_while_the_others_decode(mo
     assert pool_of(engine).free == pool_of(engine).capacity
 
 
+def test_long_prompts_sent_together_enter_in_chunks_one_after_another_and_all_are_answered(monkeypatch, hub):
+    hub.reply = lambda prompt: next((f"the {c}s" for c in "xyz" if c * 600 in prompt), "short")
+    serve(monkeypatch, VLM_MAX_BATCH_TOKENS="256")
+    engine = handler.get_engine()
+    long_ones = [chat(letter * 600) for letter in "xyz"]
+    answers = batch(*long_ones, chat("short"))["results"]  # one call: all prepared before any is admitted
+    assert [a["response"] for a in answers] == ["the xs", "the ys", "the zs", "short"]
+    assert len(hub.chunks) == 9  # each of the three in 3 chunks, never two at once
+    assert pool_of(engine).free == pool_of(engine).capacity
+
+
 def test_a_request_that_does_not_fit_yet_is_not_passed_by_later_smaller_ones(monkeypatch, hub):
     hub.reply = lambda prompt: "a" * 100 if "first" in prompt else "ok"
     serve(monkeypatch, VLM_KV_CACHE_TOKENS="192", VLM_SYNC_INTERVAL="2")

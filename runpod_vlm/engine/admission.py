@@ -48,6 +48,11 @@ class Admission:
                     log.error("could not prepare an item", exc_info=error)
                     ticket.fail(GENERATION_FAILED)
                 continue
+            if (
+                self._chunking is not None
+                and inputs["input_ids"].shape[1] + len(ticket.ids) > self.settings.max_batch_tokens
+            ):
+                break  # one prompt enters in chunks at a time: this one waits its turn, ahead of those behind it
             width = max([inputs["input_ids"].shape[1], *(p[0]["input_ids"].shape[1] for p in prepared)])
             if group and ((len(group) + 1) * width > self.settings.max_batch_tokens or ticket.ids or group[0].ids):
                 break  # a padded prefill within the token budget; a preempted item resumes alone
@@ -115,6 +120,8 @@ class Admission:
         if room < len(group):  # wait for blocks: what fits first comes again as a smaller group
             return self._requeue(group, limit=room or None)
         if len(group) == 1 and lengths[0] > self.settings.max_batch_tokens:
+            if self._chunking is not None:
+                return self._requeue(group)
             try:
                 with self._images_cached(group):
                     chunked = self._begin_chunks(decoder, inputs, free[0], group[0])
