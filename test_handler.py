@@ -59,7 +59,7 @@ from fake_backend import (
     render,
     sent_images,
 )
-from runpod_vlm.engine.blocks import BlockPool, PoolExhausted
+from runpod_vlm.engine.blocks import BlockPool, PoolExhausted, prefix_digests
 from runpod_vlm.grounding import box_to_pixels, parse_bbox
 from runpod_vlm.request import TASK_PROMPTS
 from runpod_vlm.settings import CURATED_MODELS, DEFAULT_MODEL, MediaPolicy, Settings, SettingsError
@@ -1663,6 +1663,57 @@ def test_the_block_pool_hands_out_whole_blocks_all_or_nothing_and_reuses_freed_o
     assert pool.release("b") == 2 and pool.grow("d", 48) == [2, 3, 4]  # oldest freed first
     assert pool.release("c") + pool.release("d") == 4 and pool.free == pool.capacity
     assert pool.release("never") == 0
+
+
+def test_remembered_blocks_are_shared_counted_per_holder_and_forgotten_least_recently_used_first():
+    pool = BlockPool(blocks=5, block_size=4)
+    pool.grow("a", 8)
+    pool.remember("a", [b"p1", b"p2"])
+    assert pool.cached_prefix([b"p1", b"p2", b"p3"]) == [1, 2] and pool.cached_prefix([b"p0", b"p2"]) == []
+    pool.share("b", [1, 2])  # a second holder of a's blocks
+    assert pool.free == 2 and pool.release("a") == 2 and pool.free == 2  # b still holds them
+    assert pool.release("b") == 2 and (pool.free, pool.cached) == (4, 2)  # held by none: cached, and free
+    pool.share("c", [1])  # taken back out of the cache
+    assert (pool.free, pool.cached) == (3, 1)
+    assert pool.grow("d", 8) == [3, 4]  # empty blocks go first
+    assert pool.grow("d", 12) == [2] and pool.cached_prefix([b"p1", b"p2"]) == [1]  # then the least recently used
+    pool.release("c")
+    pool.grow("e", 4)  # the last cached block is handed out again: its prefix is forgotten
+    assert pool.cached_prefix([b"p1"]) == [] and pool.cached == 0
+    pool.release("d"), pool.release("e")
+    assert pool.free == pool.capacity
+
+
+def test_prefix_digests_chain_every_earlier_token_and_each_images_key_from_its_block_on():
+    ids = list(range(40))
+    base = prefix_digests(ids, 8)
+    assert len(base) == 5 and len(prefix_digests(ids[:39], 8)) == 4  # full blocks only
+    changed = prefix_digests([*ids[:10], 99, *ids[11:]], 8)  # a token of block 1 differs
+    assert changed[0] == base[0] and all(a != b for a, b in zip(changed[1:], base[1:]))
+    photo = prefix_digests(ids, 8, [(17, b"photo")])  # an image whose first token is in block 2
+    other = prefix_digests(ids, 8, [(17, b"other")])
+    assert photo[:2] == other[:2] == base[:2] and all(a != b for a, b in zip(photo[2:], other[2:]))
+    two = prefix_digests(ids, 8, [(17, b"photo"), (33, b"other")])
+    assert two[:4] == photo[:4] and two[4] != photo[4]
+
+
+def test_a_prompt_sent_again_alone_computes_only_what_its_cached_blocks_do_not_hold(monkeypatch, hub):
+    hub.reply = echo
+    serve(monkeypatch, VLM_MAX_BATCH_TOKENS="256")
+    engine = handler.get_engine()
+    prompt = "q" * 200
+    assert call(chat(prompt))["response"] == f"echo:{prompt}" and not hub.shared  # computed whole, remembered
+    assert call(chat(prompt))["response"] == f"echo:{prompt}"
+    ((_, blocks),) = hub.shared
+    ((_, computed),) = hub.chunks  # one chunk, on from the cached blocks
+    length = engine.timings["prompt_tokens"] // 2
+    assert len(blocks) == (length - 1) // 16 and computed == length - 16 * len(blocks)
+    assert pool_of(engine).free == pool_of(engine).capacity
+    monkeypatch.setenv("VLM_PREFIX_CACHING", "false")
+    handler.reset_engine()
+    hub.shared.clear()
+    call(chat(prompt)), call(chat(prompt))
+    assert not hub.shared
 
 
 def test_the_kv_pool_takes_what_the_weights_and_a_measured_step_leave_of_the_gpu(monkeypatch, hub):

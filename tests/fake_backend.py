@@ -1138,6 +1138,7 @@ class Hub:
         self.decoders = []  # every FakePagedDecoder made
         self.paged_attention = True  # whether the model takes the paged attention
         self.chunked, self.chunks = [], []  # rows given a chunked prompt; (row, tokens) of every chunk
+        self.shared: list = []  # (row, blocks) of every prompt that started from cached blocks
         self.resumed = []  # the prompts of preempted rows prefilled again
         self.gpu_memory, self.memory_fraction = 80 * 2**30, 1.0  # torch.cuda's device memory and process cap
         self.gpu_used = 16 * 2**30  # allocated (the weights) and reserved
@@ -1984,6 +1985,10 @@ class FakePagedDecoder(PagedDecoder):
 
     def grow(self, row, tokens):
         self.pool.grow(row, tokens)
+
+    def share(self, row, blocks):
+        HUB.shared.append((row, list(blocks)))
+        self.pool.share(row, blocks)
 
     def prefill(self, inputs, rows, params, allowed=None, prior=None):
         HUB.forward_rows.append(len(rows))

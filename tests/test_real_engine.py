@@ -42,6 +42,9 @@ def forward_calls(engine, monkeypatch):
     the greedy choice of its last position. Independent of how the worker drives decoding."""
     calls = []
     real_forward = engine.model.forward
+    # A prompt that starts from cached blocks (every prompt after the first shares its template's opening)
+    # goes through the language model alone, not this forward: the recorded prefill must be a whole one.
+    monkeypatch.setattr(engine, "prefix_caching", False)
 
     def recording_forward(*args, **kwargs):
         output = real_forward(*args, **kwargs)
@@ -579,10 +582,13 @@ def test_a_batch_too_long_for_the_pool_together_is_answered_as_each_alone(tiny_m
     assert engine._current_decoder().pool.free == engine._current_decoder().pool.capacity
 
 
-def test_a_prefill_cut_off_midway_by_a_torch_fx_trace_runs_again_from_an_empty_cache(tiny_model, serve, monkeypatch):
+@pytest.mark.parametrize("cached", ["false", "true"])  # a whole prefill, or the rest of a cached prefix's
+def test_a_prefill_cut_off_midway_by_a_torch_fx_trace_runs_again_from_an_empty_cache(
+    cached, tiny_model, serve, monkeypatch
+):
     # A trace that starts while a prompt is halfway through the model cuts it off after some layers stored their
     # keys; run again into the same cache, those layers held the prompt twice and the job failed.
-    engine = serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="2")
+    engine = serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="2", VLM_PREFIX_CACHING=cached)
     job = {"task": "vqa", "image_url": data_uri(striped((48, 40))), "question": "What is it?", "max_new_tokens": 6}
     alone = ask(job)
     second_layer = engine.model.get_decoder().layers[1]
@@ -625,11 +631,12 @@ def test_a_decode_step_cut_off_midway_by_a_torch_fx_trace_runs_again_at_the_same
     assert ask(job) == alone and len(steps) > 3
 
 
-def test_a_job_sent_while_another_thread_traces_with_torch_fx_is_answered_as_without(tiny_model, serve):
+@pytest.mark.parametrize("cached", ["false", "true"])
+def test_a_job_sent_while_another_thread_traces_with_torch_fx_is_answered_as_without(cached, tiny_model, serve):
     # On the H200 a cold worker's step failed with all its jobs: inductor, compiling in the background, traced
     # with torch.fx, which patches nn.Module.__call__ for the whole process while it traces. A real trace is
     # held open here in another thread while the job runs.
-    serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="2")
+    serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="2", VLM_PREFIX_CACHING=cached)
     job = {"task": "vqa", "image_url": data_uri(striped((48, 40))), "question": "What is it?", "max_new_tokens": 6}
     alone = ask(job)
     tracing, release = threading.Event(), threading.Event()

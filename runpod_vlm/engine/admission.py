@@ -10,7 +10,7 @@ import logging
 import time
 from typing import Optional
 
-from runpod_vlm.engine.blocks import PoolExhausted
+from runpod_vlm.engine.blocks import PoolExhausted, prefix_digests
 from runpod_vlm.engine.decoder import ChunkedPrefill, PagedDecoder
 from runpod_vlm.engine.gpu_errors import is_fatal_gpu_error, is_out_of_memory
 from runpod_vlm.engine.intake import with_generated
@@ -18,6 +18,8 @@ from runpod_vlm.engine.ticket import Ticket
 from runpod_vlm.vocabulary import GENERATION_FAILED, GPU_FAILURE, GenerationRequest, RequestError
 
 log = logging.getLogger("runpod-vlm")
+
+PREFIX_LOG_EVERY_S = 60.0
 
 
 class Admission:
@@ -119,9 +121,16 @@ class Admission:
         room = self._rows_that_fit(decoder, lengths, [t.item.params.max_new_tokens for t in group])
         if room < len(group):  # wait for blocks: what fits first comes again as a smaller group
             return self._requeue(group, limit=room or None)
-        if len(group) == 1 and lengths[0] > self.settings.max_batch_tokens:
-            if self._chunking is not None:
-                return self._requeue(group)
+        long = len(group) == 1 and lengths[0] > self.settings.max_batch_tokens
+        if long and self._chunking is not None:
+            return self._requeue(group)
+        if self.prefix_caching:
+            for ticket, ids in zip(group, self._prompt_ids(inputs)):
+                ticket.prefix = self._prefix_digests(ticket.item, ids)
+        # A prompt admitted alone starts from the cached blocks of its prefix (a batched prefill computes all).
+        alone = len(group) == 1 and self._chunking is None
+        hit = decoder.pool.cached_prefix(group[0].prefix[: (lengths[0] - 1) // decoder.block_size]) if alone else []
+        if long or hit:
             try:
                 with self._images_cached(group):
                     chunked = self._begin_chunks(decoder, inputs, free[0], group[0])
@@ -132,6 +141,10 @@ class Admission:
                 return group[0].finish(self._out_of_memory(group[0].item, prompt_tokens[0]))
             if chunked is not None:
                 group[0].prompt_tokens, group[0].input_size = prompt_tokens[0], input_sizes[0]
+                if hit:
+                    decoder.share(chunked.row, hit)
+                    chunked.done = len(hit) * decoder.block_size
+                self._count_prefix(chunked.done, lengths[0])
                 self._chunking = (group[0], chunked)
                 return
         rows = free[: len(group)]
@@ -163,8 +176,10 @@ class Admission:
         self.timings["prefill_s"] += time.perf_counter() - started
         self.timings["prefills"] += 1
         logprobs = decoder.take_logprobs() or {}
-        for ticket, row, token, prompt, size in zip(group, rows, first, prompt_tokens, input_sizes):
+        for ticket, row, token, prompt, size, length in zip(group, rows, first, prompt_tokens, input_sizes, lengths):
             ticket.prompt_tokens, ticket.input_size = prompt, size
+            decoder.pool.remember(row, ticket.prefix)
+            self._count_prefix(0, length)
             self._started(ticket, row, token, logprobs.get(row))
         self._next_grammar_masks()
 
@@ -194,6 +209,38 @@ class Admission:
         log.info("a long prompt's images ran out of memory at once: encoding them one at a time")
         with one_at_a_time:
             return begin()
+
+    def _prompt_ids(self, inputs) -> list[list[int]]:
+        """Each row's prompt ids, without its left padding."""
+        masks = inputs["attention_mask"].tolist()
+        return [[i for i, kept in zip(ids, mask) if kept] for ids, mask in zip(inputs["input_ids"].tolist(), masks)]
+
+    def _prefix_digests(self, item: GenerationRequest, ids: list[int]) -> list[bytes]:
+        """The digests of a prompt's full blocks, each image's key in the block of its first token; none where a
+        part has no key (a video). The k-th run of image tokens is the k-th image; where the runs do not tell
+        the images apart (two with no token between), every key goes where the first run starts."""
+        keys = item.image_keys
+        if item.videos or len(keys) != len(item.images):
+            return []
+        media = self.media_token_ids
+        starts = [n for n, i in enumerate(ids) if i in media and (n == 0 or ids[n - 1] not in media)]
+        if len(starts) != len(keys):
+            starts = [starts[0] if starts else 0] * len(keys)
+        return prefix_digests(ids, self._current_decoder().block_size, list(zip(starts, keys)))
+
+    def _count_prefix(self, cached: int, prompt: int) -> None:
+        """Prompt tokens, and those read from cached blocks; logged now and then."""
+        self.timings["prompt_tokens"] += prompt
+        self.timings["prefix_cached_tokens"] += cached
+        now = time.monotonic()
+        if self.prefix_caching and now - self._prefix_logged >= PREFIX_LOG_EVERY_S:
+            self._prefix_logged = now
+            log.info(
+                "prefix cache: %d of %d prompt tokens read from cached blocks; %d blocks cached",
+                self.timings["prefix_cached_tokens"],
+                self.timings["prompt_tokens"],
+                self._current_decoder().pool.cached,
+            )
 
     def _started(self, ticket: Ticket, row: int, token: int, logprobs) -> None:
         ticket.row, ticket.group_limit = row, None
@@ -257,6 +304,7 @@ class Admission:
         self.timings["chunk_s"] += time.perf_counter() - started
         if token is not None:
             self._chunking = None
+            decoder.pool.remember(chunked.row, ticket.prefix)
             self._started(ticket, chunked.row, token, (decoder.take_logprobs() or {}).get(chunked.row))
             self._next_grammar_masks()
 

@@ -163,6 +163,13 @@ class PagedDecoder:
         if new:
             self.table[row, held : held + len(new)] = torch.tensor(new, device=self.table.device)
 
+    def share(self, row, blocks: list[int]) -> None:
+        """`row` (holding nothing) starts with cached blocks of a prompt prefix."""
+        import torch
+
+        self.pool.share(row, blocks)
+        self.table[row, : len(blocks)] = torch.tensor(blocks, device=self.table.device)
+
     def _slots(self, row, start: int, end: int):
         """The pool slots of a holder's tokens [start, end)."""
         import torch
@@ -239,11 +246,15 @@ class PagedDecoder:
             captured.update(kwargs)
             raise _Captured
 
+        def up_to_the_language_model():
+            try:
+                model(**inputs, position_ids=position_ids, use_cache=False)
+            except _Captured:
+                pass
+
         handle = language_model.register_forward_pre_hook(capture, with_kwargs=True)
         try:
-            model(**inputs, position_ids=position_ids, use_cache=False)
-        except _Captured:
-            pass
+            _beside_fx_traces(up_to_the_language_model, rewind=captured.clear)
         finally:
             handle.remove()
         plain = {"input_ids", "inputs_embeds", "position_ids", "attention_mask", "past_key_values", "cache_position"}
@@ -269,8 +280,9 @@ class PagedDecoder:
         positions = torch.arange(end, device=index.device)
         visible = positions[None, :] <= positions[start:end, None]  # causal, after the earlier chunks
         step = PagedStep(self.keys, self.values, index[start:end], index[None, :], visible[None, None])
-        with paged(step):
-            hidden = self.model.get_decoder()(
+        with paged(step):  # a run cut off midway wrote some layers' slots: run again, it writes them again
+            hidden = _beside_fx_traces(
+                self.model.get_decoder(),
                 inputs_embeds=chunked.embeds[:, start:end],
                 position_ids=chunked.positions[..., start:end],
                 use_cache=False,

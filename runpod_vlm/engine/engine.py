@@ -63,6 +63,7 @@ class Engine(Admission, BackgroundCompile):
         self._queue: list[Ticket] = []  # submitted, not yet given a row, in arrival order
         self._rows: dict[int, Ticket] = {}  # decoder row -> the item decoding there (engine thread only)
         self._chunking: Optional[tuple[Ticket, ChunkedPrefill]] = None  # a long prompt entering chunk by chunk
+        self._prefix_logged = time.monotonic()  # when the prefix cache's counts were last logged
         self._admitted = 0  # admissions so far: a row's number orders preemption (the newest goes first)
         self._thread: Optional[threading.Thread] = None
         self._intake: Optional[Intake] = None
@@ -95,6 +96,10 @@ class Engine(Admission, BackgroundCompile):
             and not longrope
             and use_paged_attention(self.model)
         )
+        self.prefix_caching = self.settings.prefix_caching and self.adapter.prefix_caching and self.continuous
+        config = self.model.config
+        names = ("image_token_id", "image_token_index", "video_token_id", "video_token_index", "vision_start_token_id")
+        self.media_token_ids = {v for v in (getattr(config, n, None) for n in names) if isinstance(v, int)}
         log.info("loaded %s (%s) in %.1fs", self.model_id, self.adapter.name, time.perf_counter() - started)
 
     def _current_decoder(self) -> PagedDecoder:

@@ -26,6 +26,7 @@ class Ticket:
         self.call: Optional[Ticket] = None  # the first ticket of the submit call it came in
         self.prompt_tokens, self.input_size = 0, None
         self.admitted = 0  # its admission's number (the newest row is preempted first)
+        self.prefix: list[bytes] = []  # the digests of its prompt's full blocks (prefix caching), once placed
 
     def cancel(self) -> None:
         """Give up on the item: the engine drops it from the queue or frees its row at the next step."""

@@ -24,15 +24,20 @@ FAMILIES: dict[str, dict] = {  # model_type -> its adapter class and what it cha
     "minicpmv": {"adapter": MiniCPMVAdapter},
     "phi3_v": {"adapter": Phi3VisionAdapter},
     "internvl_chat": {"adapter": InternVL2Adapter},
-    "llava": {"name": "llava", "skip_modules": LLAVA_SKIPS, "stacks_images": True},
-    "llava_next": {"name": "llava-next", "skip_modules": LLAVA_SKIPS, "stacks_images": True},
+    "llava": {"name": "llava", "skip_modules": LLAVA_SKIPS, "stacks_images": True, "prefix_caching": True},
+    "llava_next": {"name": "llava-next", "skip_modules": LLAVA_SKIPS, "stacks_images": True, "prefix_caching": True},
     "idefics3": SMOLVLM,
     "smolvlm": SMOLVLM2,
     # Served as their cards do by the generic recipe (tests/test_families.py); skips read from their module trees.
     "gemma3": {"name": "gemma3", "stacks_images": True},
     "mistral3": {"name": "mistral3", "stacks_images": True},
     "llama4": {"name": "llama4", "stacks_images": True},
-    "llava_onevision": {"name": "llava-onevision", "stacks_images": True, "video_sampling": {"num_frames": 8}},
+    "llava_onevision": {
+        "name": "llava-onevision",
+        "stacks_images": True,
+        "video_sampling": {"num_frames": 8},
+        "prefix_caching": True,
+    },
     "internvl": {"name": "internvl-hf", "stacks_images": True},
     "glm4v": {
         "name": "glm-4.1v",

@@ -24,6 +24,10 @@ class FamilyAdapter:
     # Video as the card samples it, by the video processor's own `sample_frames` with these arguments
     # (none: the processor's configured ones); None: the family takes no video here.
     video_sampling: Optional[dict] = None
+    # Whether a prompt's KV blocks may serve another prompt that starts with the same tokens: only where a
+    # token's keys depend on the tokens before it alone (causal attention, images included; not PaliGemma's
+    # prefix-LM nor Gemma 3's attention both ways within an image, which a chunk boundary would cut).
+    prefix_caching = False
 
     def __init__(self, model_type: Optional[str] = None, **family):
         self.model_type = model_type

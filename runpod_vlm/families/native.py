@@ -18,6 +18,7 @@ class QwenVLAdapter(FamilyAdapter):
     """Qwen2-VL, and (FAMILIES) Qwen2.5-VL and Qwen3-VL with their own grounding."""
 
     stacks_images = True
+    prefix_caching = True
 
     name, grounding, grounding_template = "qwen2-vl", "qwen-1000", "Find <|object_ref_start|>{}<|object_ref_end|>"
     skip_modules = ("model.visual", "lm_head")
