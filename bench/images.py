@@ -1,5 +1,5 @@
 """Issue 22's benchmark: new images at GPU speed and images sent again, through the handler's path, at
-DEFAULT settings (the image-embedding cache on), random weights at Qwen2-VL-2B shapes on the GPU:
+DEFAULT settings (the image-embedding cache and prefix caching on), random weights at Qwen2-VL-2B shapes on the GPU:
 
     python bench/images.py --out OUT            # GPU
     python bench/images.py --out OUT --tiny     # a tiny fp32 model on the CPU: checks the script runs
@@ -10,7 +10,8 @@ DEFAULT settings (the image-embedding cache on), random weights at Qwen2-VL-2B s
   of the hit against the miss, median of 5 pairs of fresh images (target <= 30%);
 - chat_4_turns: a 4-turn chat whose first turn holds 2 images, every later request resending them in
   its history: each turn's time to first token, and turns 2-4 against turn 1 (target <= 40%);
-- the cache's hits and misses over the run.
+- the image cache's hits and misses, and the prompt tokens read from cached KV blocks (prefix caching),
+  over the run.
 Results go to OUT/images.json.
 """
 
@@ -99,6 +100,11 @@ def main() -> None:
     results["chat_4_turns"] = {"ttft_s": turns, "turns_2_4_vs_1": later / turns[0]}
     cache = engine.image_cache
     results["image_cache"] = None if cache is None else {"hits": cache.hits, "misses": cache.misses, "held": cache.held}
+    timings = engine.timings
+    results["prefix_cache"] = {
+        "prompt_tokens": timings["prompt_tokens"],
+        "cached_tokens": timings["prefix_cached_tokens"],
+    }
     save()
     print(json.dumps(results, indent=2))
 

@@ -160,17 +160,25 @@ def child(part: str, args) -> dict:
 
     if part == "h200":
         results["gpu_parity"] = gpu_parity(handler, engine)
-        uri = data_uri(448, 448, 0)
-        first = {"id": "t", "input": {"task": "vqa", "question": QUESTIONS[0], "image_url": uri, "max_new_tokens": 1}}
-        full = vqa("b1", [uri], 128)
-        full["input"]["stream"] = False
         from serving import run_job
 
-        ttft = statistics.median(asyncio.run(run_job(handler, first))["ttft_s"] for _ in range(5))
-        whole = statistics.median(asyncio.run(run_job(handler, full))["latency_s"] for _ in range(3))
+        def first(n):  # a new image each time: a repeated one is answered from the image and prefix caches
+            uri = data_uri(448, 448, 800_000 + n)
+            return {
+                "id": "t",
+                "input": {"task": "vqa", "question": QUESTIONS[0], "image_url": uri, "max_new_tokens": 1},
+            }
+
+        def full(n):
+            job = vqa("b1", [data_uri(448, 448, 810_000 + n)], 128)
+            job["input"]["stream"] = False
+            return job
+
+        ttft = statistics.median(asyncio.run(run_job(handler, first(n)))["ttft_s"] for n in range(5))
+        whole = statistics.median(asyncio.run(run_job(handler, full(n)))["latency_s"] for n in range(3))
         results["batch1"] = {"ttft_s": ttft, "decode_tokens_per_s": 127 / (whole - ttft)}
         count = 16 if quick else 64
-        uniform = [vqa(f"u{i}", [data_uri(448, 448, i)], 128) for i in range(count)]
+        uniform = [vqa(f"u{i}", [data_uri(448, 448, 820_000 + i)], 128) for i in range(count)]
         measure("uniform_64x448x128", lambda: asyncio.run(concurrent(handler, uniform)))
         results["peer_generate_uniform_64"] = generate_peer(engine, uniform)
         measure("mixed_64", lambda: asyncio.run(concurrent(handler, mixed_jobs(count))))
@@ -179,8 +187,8 @@ def child(part: str, args) -> dict:
         short = mixed_jobs(32, seed=5)
         measure("short_32_alone", lambda: asyncio.run(concurrent(handler, short)))
 
-        def long_among_short():
-            jobs = long_jobs(8) + short
+        def long_among_short():  # the short jobs of short_32_alone, with other images
+            jobs = long_jobs(8) + mixed_jobs(32, seed=5, first_image=830_000)
             random.Random(0).shuffle(jobs)
             from serving import run_job
 

@@ -1,6 +1,10 @@
-"""Where a paged decode step's time goes (GPU): step times by rows and a torch.profiler table.
+"""Where a paged decode step's time goes (GPU): step times by rows and a torch.profiler table; and where a
+prefill of 16 mixed jobs (448x448 to 1280x720, one image each) goes: the processor, the vision tower, the
+language model, the rest, padded against each item alone, with a profiler table; the vision tower eager
+against torch.compile(dynamic=True) on two sets of 16 mixed images; and a batch-1 job's time to first token
+split into reading, intake and admission, for a new image and for the same job again.
 
-python bench/paged_profile.py --out OUT
+python bench/paged_profile.py --out OUT [--parts decode,prefill,vision,ttft]
 """
 
 from __future__ import annotations
@@ -20,7 +24,9 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
+    parser.add_argument("--parts", default="decode,prefill")
     args = parser.parse_args()
+    parts = set(args.parts.split(","))
     import logging
 
     import torch
@@ -48,7 +54,16 @@ def main() -> None:
         return [GenerationRequest("caption", [Turn("user", [image, "Describe."])], params) for _ in range(n)]
 
     with torch.inference_mode():
-        for rows in (1, 16, 64):
+        if "prefill" in parts:
+            out["prefill_16_mixed"] = prefill_breakdown(engine, decoder, Path(args.out))
+        if "vision" in parts:
+            out["vision_compile"] = vision_compile(engine)
+            print(json.dumps(out["vision_compile"], indent=2), flush=True)
+    if "ttft" in parts:
+        out["ttft_batch1"] = ttft_breakdown(handler, engine)
+        print(json.dumps(out["ttft_batch1"], indent=2), flush=True)
+    with torch.inference_mode():
+        for rows in (1, 16, 64) if "decode" in parts else ():
             inputs, _ = engine.adapter.batch_inputs(engine.processor, items(rows), engine.model.device, engine.dtype)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -80,6 +95,8 @@ def main() -> None:
             for row in range(rows):
                 decoder.release(row)
             out[f"graphs_{rows}"] = [list(k) for k in decoder.graphs]
+        if "decode" not in parts:
+            return print(json.dumps(out, indent=2)), (Path(args.out) / "profile.json").write_text(json.dumps(out))
         inputs, _ = engine.adapter.batch_inputs(engine.processor, items(16), engine.model.device, engine.dtype)
         torch.cuda.synchronize()
         t0 = time.perf_counter()
@@ -96,6 +113,167 @@ def main() -> None:
         )
     print(json.dumps(out, indent=2))
     (Path(args.out) / "profile.json").write_text(json.dumps(out, indent=2))
+
+
+def mixed_items(engine, count: int, seed: int, first_image: int, params) -> list:
+    """`count` one-image vqa items of sizes drawn with `seed`, images numbered from `first_image`."""
+    import base64
+    import random
+
+    from serving import QUESTIONS, SIZES, data_uri
+
+    from runpod_vlm.media import decode_image
+    from runpod_vlm.vocabulary import GenerationRequest, Turn
+
+    rng, items = random.Random(seed), []
+    for n in range(count):
+        uri = data_uri(*rng.choice(SIZES), first_image + n)
+        image = decode_image(base64.b64decode(uri.split(",", 1)[1]), engine.settings.media, "image")
+        items.append(GenerationRequest("vqa", [Turn("user", [image, rng.choice(QUESTIONS)])], params))
+    return items
+
+
+def vision_compile(engine) -> dict:
+    """The vision tower over 16 mixed images: eager, then compiled with dynamic shapes (first call, steady),
+    then 16 other images through the compiled one (does it recompile?)."""
+    import torch
+
+    from runpod_vlm.vocabulary import GenerationParams
+
+    params = GenerationParams(max_new_tokens=1, temperature=0.0, top_p=1.0, do_sample=False, min_new_tokens=1)
+    language = engine.model.model
+
+    def pixels(seed):
+        items = mixed_items(engine, 16, seed, 100 * seed, params)
+        inputs, _ = engine.adapter.batch_inputs(engine.processor, items, "cuda", engine.dtype)
+        return inputs["pixel_values"], inputs["image_grid_thw"]
+
+    def timed(batch, runs=3):
+        seconds = []
+        for _ in range(runs):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            language.get_image_features(*batch)
+            torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - t0)
+        return seconds
+
+    first, second = pixels(1), pixels(2)
+    result = {"patches": [int(first[1].prod(-1).sum()), int(second[1].prod(-1).sum())]}
+    result["eager_s"] = [min(timed(first)), min(timed(second))]
+    eager_visual = language.visual
+    language.visual = torch.compile(eager_visual, dynamic=True)
+    try:
+        result["compiled_first_call_s"] = timed(first, runs=1)[0]
+        result["compiled_s"] = [min(timed(first)), None]
+        result["compiled_other_images_first_call_s"] = timed(second, runs=1)[0]
+        result["compiled_s"][1] = min(timed(second))
+    except Exception as error:  # what stops it is the finding
+        result["compile_error"] = repr(error)[:500]
+    finally:
+        language.visual = eager_visual
+    return result
+
+
+def ttft_breakdown(handler, engine) -> dict:
+    """One job at a time, one 448x448 image, streamed: reading (fetch, decode), submit to prepared (intake),
+    prepared to first token (admission, prefill); medians of 5, for new images and for each job sent again
+    (image cache and prefix cache hits)."""
+    import statistics
+    import threading
+
+    from serving import QUESTIONS, data_uri
+
+    def once(n: int) -> dict:
+        job = {"task": "vqa", "question": QUESTIONS[0], "image_url": data_uri(448, 448, 8000 + n),
+               "max_new_tokens": 4, "min_new_tokens": 4}  # fmt: skip
+        marks, first = {"start": time.perf_counter()}, threading.Event()
+        settings, model_id = handler.served_model()
+        item = handler.read_job_item(job, settings, model_id)[1]
+        marks["read"] = time.perf_counter()
+
+        def listener(event):
+            if "first" not in marks:
+                marks["first"] = time.perf_counter()
+                first.set()
+
+        ticket = engine.submit(item, listener, stream=True)
+        marks["submitted"] = time.perf_counter()
+        ticket.prepared.add_done_callback(lambda _: marks.setdefault("prepared", time.perf_counter()))
+        first.wait(30)
+        time.sleep(0.05)  # the rest of the job
+        return {
+            "read_ms": 1000 * (marks["read"] - marks["start"]),
+            "intake_ms": 1000 * (marks["prepared"] - marks["submitted"]),
+            "admission_to_first_token_ms": 1000 * (marks["first"] - marks["prepared"]),
+            "total_ms": 1000 * (marks["first"] - marks["start"]),
+        }
+
+    result = {}
+    for name in ("new_image", "same_again"):
+        runs = [once(n) for n in range(5)]
+        result[name] = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+    return result
+
+
+def prefill_breakdown(engine, decoder, out: Path) -> dict:
+    """16 mixed one-image jobs prefilled as the engine does (one padded batch), and each alone."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from runpod_vlm.vocabulary import GenerationParams
+
+    params = GenerationParams(max_new_tokens=8, temperature=0.0, top_p=1.0, do_sample=False, min_new_tokens=8)
+    items = mixed_items(engine, 16, 0, 900, params)
+    model, spent = engine.model, {"vision_s": 0.0, "language_s": 0.0}
+
+    def timed(module, name):
+        def before(*_):
+            torch.cuda.synchronize()
+            timed.started = time.perf_counter()
+
+        def after(*_):
+            torch.cuda.synchronize()
+            spent[name] += time.perf_counter() - timed.started
+
+        module.register_forward_pre_hook(before)
+        module.register_forward_hook(after)
+
+    timed(model.model.visual, "vision_s")
+    timed(model.model.language_model, "language_s")
+
+    def prefill(group):
+        t0 = time.perf_counter()
+        inputs, _ = engine.adapter.batch_inputs(engine.processor, group, "cpu", engine.dtype)
+        t1 = time.perf_counter()
+        inputs = inputs.to(model.device)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        decoder.prefill(inputs, list(range(len(group))), [params] * len(group))
+        torch.cuda.synchronize()
+        t3 = time.perf_counter()
+        for row in range(len(group)):
+            decoder.release(row)
+        tokens = int(inputs["attention_mask"].sum())
+        return {"processor_s": t1 - t0, "to_gpu_s": t2 - t1, "prefill_s": t3 - t2, "tokens": tokens,
+                "padded_tokens": int(inputs["input_ids"].numel())}  # fmt: skip
+
+    prefill(items[:4])  # warm
+    result = {}
+    for name, groups in (("padded_16", [items]), ("each_alone", [[item] for item in items])):
+        spent.update(vision_s=0.0, language_s=0.0)
+        runs = [prefill(group) for group in groups]
+        total = {key: sum(run[key] for run in runs) for key in runs[0]}
+        total.update(spent)
+        total["rest_s"] = total["prefill_s"] - spent["vision_s"] - spent["language_s"]
+        result[name] = total
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        prefill(items)
+    averages = prof.key_averages()
+    (out / "profile_prefill_cuda.txt").write_text(averages.table(sort_by="cuda_time_total", row_limit=30))
+    (out / "profile_prefill_cpu.txt").write_text(averages.table(sort_by="cpu_time_total", row_limit=30))
+    print(json.dumps(result, indent=2), flush=True)
+    return result
 
 
 if __name__ == "__main__":

@@ -1,5 +1,7 @@
 """Structured output's cost on the GPU: 64 concurrent jobs through handler.handler, all free, all
-constrained to a JSON schema, and half of each, at Qwen2-VL-2B shapes (random weights, bf16).
+constrained to a JSON schema, and half of each, at Qwen2-VL-2B shapes (random weights, bf16); per
+case the mean decode step (engine.timings: decode seconds over decode steps), each case run once
+untimed first so that its graphs are recorded before it is measured.
 
     python bench/structured.py --out DIR      # writes DIR/structured.json and prints it
 
@@ -33,12 +35,25 @@ def job(n: int, constrained: bool, schema: dict) -> dict:
 
 
 async def run(handler, jobs: list[dict]) -> dict:
+    engine = handler.get_engine()
+    before = dict(engine.timings)
     started = time.perf_counter()
     outputs = await asyncio.gather(*(handler.local_test_answer(j) for j in jobs))
     wall = time.perf_counter() - started
+    phases = {k: v - before.get(k, 0) for k, v in engine.timings.items()}
     tokens = sum(o["usage"]["completion_tokens"] for o in outputs)
-    parsed = sum(1 for o, j in zip(outputs, jobs) if "response_format" in j["input"] and _parses(o["response"]))
-    return {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall, "constrained_answers_parsed": parsed}
+    constrained = [o for o, j in zip(outputs, jobs) if "response_format" in j["input"]]
+    stopped = [o for o in constrained if o.get("finish_reason") == "stop"]
+    return {
+        "wall_s": wall,
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "decode_steps": phases.get("decode_steps", 0),
+        "decode_step_ms": 1000 * phases.get("decode_s", 0) / max(phases.get("decode_steps", 0), 1),
+        "constrained_jobs": len(constrained),
+        "constrained_stopped": len(stopped),  # the rest ran out of max_new_tokens mid-answer
+        "stopped_answers_parsed": sum(1 for o in stopped if _parses(o["response"])),
+    }
 
 
 def _parses(text: str) -> bool:
@@ -72,13 +87,14 @@ def main() -> None:
     handler.get_engine()
     schema = SCHEMAS["nested"]
     results = {"device": torch.cuda.get_device_name(), "compiled": False}
-    asyncio.run(run(handler, [job(n, n % 2 == 0, schema) for n in range(8)]))  # warm: graphs, grammar cache
     for name, constrained in (
         ("free", lambda n: False),
         ("constrained", lambda n: True),
         ("half", lambda n: n % 2 == 0),
     ):
-        results[name] = asyncio.run(run(handler, [job(n, constrained(n), schema) for n in range(64)]))
+        jobs = [job(n, constrained(n), schema) for n in range(64)]
+        asyncio.run(run(handler, jobs))  # warm: this case's graphs and the grammar cache
+        results[name] = asyncio.run(run(handler, jobs))
         print(name, results[name], flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
