@@ -41,7 +41,7 @@ def cached_tokens(engine) -> int:
     return engine.timings["prefix_cached_tokens"]
 
 
-@pytest.mark.parametrize("family", ["qwen2-vl", "llava"])
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "llava", "llava-next"])
 def test_a_chats_next_turn_reads_its_earlier_blocks_and_gets_the_tokens_of_a_cold_run(family, tiny_model, serve):
     turn_1 = job(PHOTO, "What is it?")
     cold = serve(tiny_model(family), VLM_PREFIX_CACHING="false")

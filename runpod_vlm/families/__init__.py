@@ -32,12 +32,9 @@ FAMILIES: dict[str, dict] = {  # model_type -> its adapter class and what it cha
     "gemma3": {"name": "gemma3", "stacks_images": True},
     "mistral3": {"name": "mistral3", "stacks_images": True},
     "llama4": {"name": "llama4", "stacks_images": True},
-    "llava_onevision": {
-        "name": "llava-onevision",
-        "stacks_images": True,
-        "video_sampling": {"num_frames": 8},
-        "prefix_caching": True,
-    },
+    # No prefix caching: it encodes an image at base resolution alone when its request holds several, so
+    # an image's tokens in a cached block would depend on the images after it.
+    "llava_onevision": {"name": "llava-onevision", "stacks_images": True, "video_sampling": {"num_frames": 8}},
     "internvl": {"name": "internvl-hf", "stacks_images": True},
     "glm4v": {
         "name": "glm-4.1v",
