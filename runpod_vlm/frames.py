@@ -52,18 +52,6 @@ def decode_frames(video: Video, indices: list[int]) -> list:
     return video.frames
 
 
-@contextlib.contextmanager
-def _opened(data: bytes, where: str):
-    import av
-
-    try:
-        container = av.open(io.BytesIO(data), mode="r")
-    except Exception:  # av's errors name FFmpeg internals: a fixed message instead
-        raise RequestError("invalid_video", "the data is not a video this worker can read", where) from None
-    with container:
-        yield container
-
-
 def sampled_frames(total: int, fps: float, max_frames: int) -> list[int]:
     """The frame indices the Qwen cards take from a video of `total` frames at `fps` (qwen-vl-utils'
     smart_nframes, then an even spread over the whole video, as its readers do)."""
