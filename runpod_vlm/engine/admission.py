@@ -121,9 +121,7 @@ class Admission:
         room = self._rows_that_fit(decoder, lengths, [t.item.params.max_new_tokens for t in group])
         if room < len(group):  # wait for blocks: what fits first comes again as a smaller group
             return self._requeue(group, limit=room or None)
-        long = len(group) == 1 and lengths[0] > self.settings.max_batch_tokens
-        if long and self._chunking is not None:
-            return self._requeue(group)
+        long = len(group) == 1 and lengths[0] > self.settings.max_batch_tokens  # never while one chunks (_admit)
         if self.prefix_caching:
             for ticket, ids in zip(group, self._prompt_ids(inputs)):
                 ticket.prefix = self._prefix_digests(ticket.item, ids)
