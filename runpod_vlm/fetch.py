@@ -1,4 +1,4 @@
-"""The SSRF boundary: an image URL checked, resolved, pinned and fetched under byte caps and one deadline."""
+"""The SSRF boundary: an image (or video) URL checked, resolved, pinned and fetched under byte caps and one deadline."""
 
 from __future__ import annotations
 
@@ -63,8 +63,10 @@ def ip_is_blocked(ip) -> bool:
     return not ip.is_global or ip.is_multicast or ip.is_reserved  # is_global: private, CGNAT, loopback...
 
 
-def check_image_url(url: str, policy: MediaPolicy, param: str, redirected: bool = False) -> ImageURL:
-    """Validate and normalise one URL without touching the network (DNS comes later)."""
+def check_image_url(
+    url: str, policy: MediaPolicy, param: str, redirected: bool = False, kind: str = "image"
+) -> ImageURL:
+    """Validate and normalise one image (or video: `kind`) URL without touching the network (DNS comes later)."""
     import ipaddress
     import socket
     import unicodedata
@@ -74,64 +76,66 @@ def check_image_url(url: str, policy: MediaPolicy, param: str, redirected: bool 
         raise RequestError(code, message + (" (after a redirect)" if redirected else ""), param)
 
     if len(url) > MAX_URL_CHARS:
-        refuse("invalid_image_url", f"the image URL is over {MAX_URL_CHARS} characters")
+        refuse(f"invalid_{kind}_url", f"the {kind} URL is over {MAX_URL_CHARS} characters")
     if "\\" in url or any(unicodedata.category(c)[0] in "CZ" for c in url):
-        refuse("invalid_image_url", "the image URL holds a backslash, whitespace or a control character")
+        refuse(f"invalid_{kind}_url", f"the {kind} URL holds a backslash, whitespace or a control character")
     try:
         parts = urllib.parse.urlsplit(url)
     except ValueError:
-        refuse("invalid_image_url", "the image URL could not be parsed")
+        refuse(f"invalid_{kind}_url", f"the {kind} URL could not be parsed")
     scheme = parts.scheme.lower()
     if scheme not in ("http", "https"):
-        refuse("invalid_image_url", "the image URL must use https")
+        refuse(f"invalid_{kind}_url", f"the {kind} URL must use https")
     if scheme == "http" and not (policy.allow_http or policy.allow_internal):
-        refuse("blocked_url", "plain http image URLs are not allowed; use https")
+        refuse("blocked_url", f"plain http {kind} URLs are not allowed; use https")
     if "@" in parts.netloc:
-        refuse("blocked_url", "the image URL may not carry credentials (user@host)")
+        refuse("blocked_url", f"the {kind} URL may not carry credentials (user@host)")
     authority = _AUTHORITY.fullmatch(parts.netloc)
     if not authority:
-        refuse("invalid_image_url", "the image URL has no valid host")
+        refuse(f"invalid_{kind}_url", f"the {kind} URL has no valid host")
     raw_host, raw_port = authority.groups()
     port = int(raw_port) if raw_port else (443 if scheme == "https" else 80)
     if not 0 < port < 65536:
-        refuse("invalid_image_url", "the image URL has an invalid port")
+        refuse(f"invalid_{kind}_url", f"the {kind} URL has an invalid port")
     ip = None
     if raw_host.startswith("["):
         try:
             ip = ipaddress.IPv6Address(raw_host[1:-1])
         except ValueError:
-            refuse("invalid_image_url", "the image URL has an invalid IPv6 address")
+            refuse(f"invalid_{kind}_url", f"the {kind} URL has an invalid IPv6 address")
         host = str(ip)
     else:
         try:
             host = raw_host.lower() if raw_host.isascii() else raw_host.encode("idna").decode("ascii").lower()
         except UnicodeError:
-            refuse("invalid_image_url", "the image URL has an invalid host name")
+            refuse(f"invalid_{kind}_url", f"the {kind} URL has an invalid host name")
         host = host[:-1] if host.endswith(".") and not host.endswith("..") else host
         if _NUMERIC_LAST_LABEL.fullmatch(host):
             try:  # inet_aton parses what browsers do (127.1, 0x7f.1, 0177.0.0.1, 2130706433)
                 ip = ipaddress.IPv4Address(socket.inet_aton(host))
             except OSError:
-                refuse("invalid_image_url", "the image URL has an invalid numeric host")
+                refuse(f"invalid_{kind}_url", f"the {kind} URL has an invalid numeric host")
         elif not _HOST_LABELS.fullmatch(host) or len(host) > 253:
-            refuse("invalid_image_url", "the image URL has an invalid host name")
+            refuse(f"invalid_{kind}_url", f"the {kind} URL has an invalid host name")
     if ip is not None and not policy.allow_internal and ip_is_blocked(ip):
-        refuse("blocked_url", "the image URL points at an internal or reserved address")
+        refuse("blocked_url", f"the {kind} URL points at an internal or reserved address")
     if ip is not None and host != str(ip):  # a blocked address is refused as such first, above
-        refuse("invalid_image_url", "write a numeric host as four decimal parts (a.b.c.d)")
+        refuse(f"invalid_{kind}_url", "write a numeric host as four decimal parts (a.b.c.d)")
     if ip is None and not policy.allow_internal:
         if host in _BLOCKED_NAMES or host.endswith(_BLOCKED_SUFFIXES) or "." not in host:
-            refuse("blocked_url", "the image URL names an internal host")
+            refuse("blocked_url", f"the {kind} URL names an internal host")
     if policy.allowed_domains and not any(
         host == d or (ip is None and host.endswith("." + d)) for d in policy.allowed_domains
     ):
-        refuse("blocked_url", "the image URL's host is not on this worker's allow-list")
+        refuse("blocked_url", f"the {kind} URL's host is not on this worker's allow-list")
     path = urllib.parse.quote(parts.path or "/", safe="/%:@!$&'()*+,;=-._~")
     query = urllib.parse.quote(parts.query, safe="/%:@!$&'()*+,;=-._~?")
     return ImageURL(scheme, host, port, path + (f"?{query}" if parts.query else ""), ip)
 
 
-def checked_addresses(target: ImageURL, policy: MediaPolicy, deadline: float, param: str, after: str) -> list:
+def checked_addresses(
+    target: ImageURL, policy: MediaPolicy, deadline: float, param: str, after: str, kind: str = "image"
+) -> list:
     """Every DNS answer, each checked: one blocked answer refuses the URL (no racing A/AAAA)."""
     import concurrent.futures
     import ipaddress
@@ -143,16 +147,16 @@ def checked_addresses(target: ImageURL, policy: MediaPolicy, deadline: float, pa
     try:  # getaddrinfo has no timeout of its own: wait on it from here, under the fetch's deadline
         answers = future.result(timeout=max(deadline - time.monotonic(), 0.001))
     except concurrent.futures.TimeoutError:
-        raise RequestError("fetch_timeout", "the image URL's host did not resolve in time" + after, param) from None
+        raise RequestError("fetch_timeout", f"the {kind} URL's host did not resolve in time" + after, param) from None
     except (OSError, UnicodeError):
         answers = []
     inet = (socket.AF_INET, socket.AF_INET6)
     addresses = list(dict.fromkeys(ipaddress.ip_address(a[4][0].split("%")[0]) for a in answers if a[0] in inet))
     if not policy.allow_internal and any(ip_is_blocked(ip) for ip in addresses):
-        log.warning("image fetch refused: the host of %s resolves to a blocked address", param)
-        raise RequestError("blocked_url", "the image URL's host resolves to an internal address" + after, param)
+        log.warning("%s fetch refused: the host of %s resolves to a blocked address", kind, param)
+        raise RequestError("blocked_url", f"the {kind} URL's host resolves to an internal address" + after, param)
     if not addresses:
-        raise RequestError("fetch_failed", "the image URL's host could not be resolved" + after, param)
+        raise RequestError("fetch_failed", f"the {kind} URL's host could not be resolved" + after, param)
     return addresses
 
 
@@ -233,33 +237,38 @@ def _proxy_connection(target: ImageURL, policy: MediaPolicy, deadline: float):
     return http.client.HTTPConnection(parts.hostname, parts.port or 8080, timeout=timeout), target.url, headers
 
 
-def fetch_image_url(url: str, policy: MediaPolicy, param: str, request_deadline: Optional[float] = None) -> bytes:
-    """GET an image: each hop checked, pinned and capped, under one deadline (the fetch's or the request's)."""
+def fetch_image_url(
+    url: str, policy: MediaPolicy, param: str, request_deadline: Optional[float] = None, kind: str = "image"
+) -> bytes:
+    """GET an image (or a video: `kind`): each hop checked, pinned and capped, under one deadline (the fetch's or
+    the request's)."""
     import urllib.parse
 
     deadline = time.monotonic() + policy.fetch_timeout
-    late = f"the image URL took over {policy.fetch_timeout:g}s"
+    late = f"the {kind} URL took over {policy.fetch_timeout:g}s"
     if request_deadline is not None and request_deadline < deadline:
-        deadline, late = request_deadline, f"the request's images took over {policy.fetch_deadline:g}s to download"
-    target = check_image_url(url, policy, param)
+        deadline, late = request_deadline, f"the request's {kind}s took over {policy.fetch_deadline:g}s to download"
+    target = check_image_url(url, policy, param, kind=kind)
     for hop in range(MAX_REDIRECTS + 1):
-        body_or_location = _fetch_once(target, policy, deadline, param, " (after a redirect)" if hop else "", late)
+        after = " (after a redirect)" if hop else ""
+        body_or_location = _fetch_once(target, policy, deadline, param, after, late, kind)
         if isinstance(body_or_location, bytes):
             return body_or_location
         if hop < MAX_REDIRECTS:
-            target = check_image_url(urllib.parse.urljoin(target.url, body_or_location), policy, param, redirected=True)
-    raise RequestError("fetch_failed", f"the image URL redirected more than {MAX_REDIRECTS} times", param)
+            location = urllib.parse.urljoin(target.url, body_or_location)
+            target = check_image_url(location, policy, param, redirected=True, kind=kind)
+    raise RequestError("fetch_failed", f"the {kind} URL redirected more than {MAX_REDIRECTS} times", param)
 
 
-def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: str, after: str, late: str):
+def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: str, after: str, late: str, kind: str):
     """One request: the body (bytes) or a redirect's Location (str). `late` says which deadline passed."""
     import http.client
     import socket
 
     via_proxy = _proxy_connection(target, policy, deadline)
-    addresses = checked_addresses(target, policy, deadline, param, after)
+    addresses = checked_addresses(target, policy, deadline, param, after, kind)
     conn, request_target, headers = via_proxy or (_pinned_connection(target, addresses, deadline), target.target, {})
-    headers.update({"User-Agent": "runpod-vlm image fetch", "Accept": "image/*", "Accept-Encoding": "identity"})
+    headers.update({"User-Agent": f"runpod-vlm {kind} fetch", "Accept": f"{kind}/*", "Accept-Encoding": "identity"})
     expired = threading.Event()
 
     def abort():  # the deadline covers slow headers too (a per-read timeout never fires on a drip)
@@ -277,14 +286,14 @@ def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: s
         if response.status in (301, 302, 303, 307, 308):
             location = response.getheader("Location")
             if not location:
-                raise RequestError("fetch_failed", "the image URL redirected without a Location" + after, param)
+                raise RequestError("fetch_failed", f"the {kind} URL redirected without a Location" + after, param)
             return location.strip()
         if response.status != 200:
-            raise RequestError("fetch_failed", f"the image URL answered HTTP {response.status}" + after, param)
-        if response.headers.get_content_type() == "image/svg+xml":
+            raise RequestError("fetch_failed", f"the {kind} URL answered HTTP {response.status}" + after, param)
+        if kind == "image" and response.headers.get_content_type() == "image/svg+xml":
             raise RequestError("unsupported_image_format", SVG_MESSAGE, param)
         declared = response.length  # the Content-Length, parsed by http.client
-        too_large = RequestError("image_too_large", f"the image is over {size_text(policy.max_image_bytes)}", param)
+        too_large = RequestError(f"{kind}_too_large", f"the {kind} is over {size_text(policy.max_image_bytes)}", param)
         if declared is not None and declared > policy.max_image_bytes:
             raise too_large  # refused early; a smaller Content-Length is never trusted
         chunks, size = [], 0
@@ -298,13 +307,13 @@ def _fetch_once(target: ImageURL, policy: MediaPolicy, deadline: float, param: s
         if expired.is_set():
             raise TimeoutError
         if declared is not None and size < declared:  # read1 returns short bodies quietly
-            raise RequestError("fetch_failed", "the image download ended early" + after, param)
+            raise RequestError("fetch_failed", f"the {kind} download ended early" + after, param)
         return b"".join(chunks)
     except (OSError, http.client.HTTPException, ValueError) as error:
         if expired.is_set() or isinstance(error, TimeoutError):  # socket.timeout is TimeoutError
             raise RequestError("fetch_timeout", late + after, param) from None
-        log.info("image fetch for %s failed", param, exc_info=log.isEnabledFor(logging.DEBUG))
-        raise RequestError("fetch_failed", "the image URL could not be fetched" + after, param) from None
+        log.info("%s fetch for %s failed", kind, param, exc_info=log.isEnabledFor(logging.DEBUG))
+        raise RequestError("fetch_failed", f"the {kind} URL could not be fetched" + after, param) from None
     finally:
         watchdog.cancel()
         conn.close()

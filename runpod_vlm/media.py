@@ -30,7 +30,7 @@ def read_images(item: GenerationRequest, settings: Settings) -> None:
         raise RequestError("too_many_images", f"at most {settings.max_images} images per request", turn.parts[k].param)
     policy, used = settings.media, 0
     sources = [image_source(turn.parts[k].spec, turn.parts[k].param) for turn, k in pending]
-    with contextlib.closing(fetched(sources, policy, "images")) as arriving:
+    with contextlib.closing(fetched(sources, policy)) as arriving:
         for (turn, k), data, (_, where) in zip(pending, arriving, sources):
             remaining = settings.max_total_pixels - used  # decoded as soon as it and those before it arrived
             narrowed = remaining < policy.max_image_pixels
@@ -48,20 +48,20 @@ def read_images(item: GenerationRequest, settings: Settings) -> None:
             turn.parts[k] = image
 
 
-def fetched(sources: list[tuple[str, str]], policy: MediaPolicy, what: str) -> Iterator[bytes]:
-    """The bytes of each (spec text, field) in order, fetched side by side under one deadline (`what` names
-    them in the timeout's message); the fetches still running are cancelled when the iteration is closed."""
+def fetched(sources: list[tuple[str, str]], policy: MediaPolicy, kind: str = "image") -> Iterator[bytes]:
+    """The bytes of each (spec text, field) in order, fetched side by side under one deadline (`kind`, image or
+    video, names them in errors); the fetches still running are cancelled when the iteration is closed."""
     import concurrent.futures
 
     deadline = time.monotonic() + policy.fetch_deadline
     pool = ThreadPoolExecutor(MAX_PARALLEL_FETCHES, thread_name_prefix="vlm-fetch")  # threads start as needed
     try:
-        futures = [pool.submit(image_bytes, text, policy, where, deadline) for text, where in sources]
+        futures = [pool.submit(image_bytes, text, policy, where, deadline, kind) for text, where in sources]
         for future, (_, where) in zip(futures, sources):
             try:  # each fetch stops itself at the deadline; the margin only guards against a stuck thread
                 yield future.result(timeout=max(deadline - time.monotonic(), 0) + 2)
             except concurrent.futures.TimeoutError:
-                message = f"the request's {what} took over {policy.fetch_deadline:g}s to download"
+                message = f"the request's {kind}s took over {policy.fetch_deadline:g}s to download"
                 raise RequestError("fetch_timeout", message, where) from None
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
@@ -88,63 +88,66 @@ def image_source(spec: Any, param: str) -> tuple[str, str]:
     return spec.strip(), param
 
 
-def image_bytes(spec: str, policy: MediaPolicy, param: str, deadline: Optional[float] = None) -> bytes:
-    """The bytes an image spec names; `deadline` (time.monotonic()) bounds a URL fetch further."""
+def image_bytes(
+    spec: str, policy: MediaPolicy, param: str, deadline: Optional[float] = None, kind: str = "image"
+) -> bytes:
+    """The bytes an image spec names (or a video's: `kind` names it in errors); `deadline` (time.monotonic())
+    bounds a URL fetch further."""
     scheme = URL_SCHEME.match(spec)
     scheme = scheme.group(1).lower() if scheme else None
     if scheme == "data":
-        return _data_uri_bytes(spec, policy, param)
+        return _data_uri_bytes(spec, policy, param, kind)
     if scheme in ("http", "https"):
-        return fetch_image_url(spec, policy, param, deadline)
+        return fetch_image_url(spec, policy, param, deadline, kind=kind)
     if scheme == "file":
-        return _local_file_bytes(spec, True, policy, param)
+        return _local_file_bytes(spec, True, policy, param, kind)
     if scheme:
         message = "unsupported URL scheme; send an https URL, a data URI or base64"
-        raise RequestError("invalid_image_url", message, param)
+        raise RequestError(f"invalid_{kind}_url", message, param)
     # Base64 never holds '.' or '~'; it may start with '/' (JPEG: "/9j/"), but no JPEG encodes to
     # under 128 characters, so a short "/..." is a path. Other paths need file:// or a '.'.
     if "." in spec or spec.startswith("~") or (spec.startswith("/") and len(spec) < 128):
-        return _local_file_bytes(spec, False, policy, param)
-    return _base64_bytes(spec, policy, param)
+        return _local_file_bytes(spec, False, policy, param, kind)
+    return _base64_bytes(spec, policy, param, kind)
 
 
-def _data_uri_bytes(spec: str, policy: MediaPolicy, param: str) -> bytes:
+def _data_uri_bytes(spec: str, policy: MediaPolicy, param: str, kind: str) -> bytes:
     header, comma, _ = spec[5:1029].partition(",")
     if not comma:
-        raise RequestError("invalid_image_url", "a data URI needs a ',' after its header", param)
+        raise RequestError(f"invalid_{kind}_url", "a data URI needs a ',' after its header", param)
     fields = [f.strip().lower() for f in header.split(";")]
-    if fields[0] == "image/svg+xml":
+    if kind == "image" and fields[0] == "image/svg+xml":
         raise RequestError("unsupported_image_format", SVG_MESSAGE, param)
     if "base64" not in fields[1:]:
-        message = "only base64 data URIs are supported (data:image/png;base64,...)"
-        raise RequestError("invalid_image_url", message, param)
-    return _base64_bytes(spec[5 + len(header) + 1 :], policy, param)
+        example = "data:image/png;base64,..." if kind == "image" else "data:video/mp4;base64,..."
+        raise RequestError(f"invalid_{kind}_url", f"only base64 data URIs are supported ({example})", param)
+    return _base64_bytes(spec[5 + len(header) + 1 :], policy, param, kind)
 
 
-def _base64_bytes(text: str, policy: MediaPolicy, param: str) -> bytes:
+def _base64_bytes(text: str, policy: MediaPolicy, param: str, kind: str = "image") -> bytes:
     """Strict base64; line breaks and the URL-safe alphabet (padded or not) pass, mixed alphabets do not."""
     if len(text) > policy.max_base64_bytes:
-        message = f"the base64 image is over {size_text(policy.max_base64_bytes)} encoded"
-        raise RequestError("image_too_large", message, param)
+        message = f"the base64 {kind} is over {size_text(policy.max_base64_bytes)} encoded"
+        raise RequestError(f"{kind}_too_large", message, param)
     compact = "".join(text.split())
     if "-" in compact or "_" in compact:
         if "+" in compact or "/" in compact:
-            raise RequestError("invalid_base64", "the image mixes standard and URL-safe base64 alphabets", param)
+            raise RequestError("invalid_base64", f"the {kind} mixes standard and URL-safe base64 alphabets", param)
         compact = compact.translate(str.maketrans("-_", "+/"))
     if "=" not in compact:
         if len(compact) % 4 == 1:
-            raise RequestError("invalid_base64", "the image is not valid base64 (wrong length)", param)
+            raise RequestError("invalid_base64", f"the {kind} is not valid base64 (wrong length)", param)
         compact += "=" * (-len(compact) % 4)
     try:
         data = base64.b64decode(compact, validate=True)
     except (binascii.Error, ValueError):
-        raise RequestError("invalid_base64", "the image is not valid base64", param) from None
+        raise RequestError("invalid_base64", f"the {kind} is not valid base64", param) from None
     if not data:
-        raise RequestError("invalid_base64", "the base64 image is empty", param)
+        raise RequestError("invalid_base64", f"the base64 {kind} is empty", param)
     return data
 
 
-def _local_file_bytes(spec: str, is_url: bool, policy: MediaPolicy, param: str) -> bytes:
+def _local_file_bytes(spec: str, is_url: bool, policy: MediaPolicy, param: str, kind: str) -> bytes:
     import stat
     import urllib.parse
 
@@ -155,7 +158,7 @@ def _local_file_bytes(spec: str, is_url: bool, policy: MediaPolicy, param: str) 
     if is_url:
         parts = urllib.parse.urlsplit(spec)
         if parts.netloc.lower() not in ("", "localhost") or parts.query or parts.fragment:
-            raise RequestError("invalid_image_url", "a file URL must look like file:///path/in/media/dir", param)
+            raise RequestError(f"invalid_{kind}_url", "a file URL must look like file:///path/in/media/dir", param)
         path = urllib.parse.unquote(parts.path)
     if "\x00" in path or "\\" in path or ".." in path.split("/"):
         raise RequestError("blocked_url", "the path may not contain '..', backslashes or NUL", param)
@@ -167,14 +170,14 @@ def _local_file_bytes(spec: str, is_url: bool, policy: MediaPolicy, param: str) 
         fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError as error:
         missing = isinstance(error, FileNotFoundError)
-        message = "no such file in the media directory" if missing else "the local image could not be read"
+        message = "no such file in the media directory" if missing else f"the local {kind} could not be read"
         raise RequestError("fetch_failed", message, param) from None
     with os.fdopen(fd, "rb") as file:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise RequestError("fetch_failed", "the local path is not a regular file", param)
         data = file.read(policy.max_image_bytes + 1)
     if len(data) > policy.max_image_bytes:
-        raise RequestError("image_too_large", f"the image is over {size_text(policy.max_image_bytes)}", param)
+        raise RequestError(f"{kind}_too_large", f"the {kind} is over {size_text(policy.max_image_bytes)}", param)
     return data
 
 

@@ -23,7 +23,7 @@ def read_videos(item: GenerationRequest, settings: Settings) -> None:
         turn, k = pending[settings.max_videos]
         raise RequestError("too_many_videos", f"at most {settings.max_videos} videos per request", turn.parts[k].param)
     sources = [image_source(turn.parts[k].spec, turn.parts[k].param) for turn, k in pending]
-    with contextlib.closing(fetched(sources, settings.media, "videos")) as arriving:
+    with contextlib.closing(fetched(sources, settings.media, "video")) as arriving:
         for (turn, k), data, (_, where) in zip(pending, arriving, sources):
             turn.parts[k] = probe_video(data, settings, turn.parts[k].param, where)
 
