@@ -103,20 +103,23 @@ def running_server(command: list, env: dict, port: int, probe: str, log_path: Pa
 
 
 class ImageServer:
-    """A loopback HTTP server (127.0.0.1 only) serving one PNG at /x.png; it records each request."""
+    """A loopback HTTP server (127.0.0.1 only) serving one file (a PNG at /x.png unless told); it records each
+    request's path and Accept header."""
 
-    def __init__(self, body: bytes):
+    def __init__(self, body: bytes, path: str = "/x.png", content_type: str = "image/png"):
         self.requests: list[str] = []
+        self.accepts: list[str] = []
         owner = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
                 owner.requests.append(self.path)
-                if self.path != "/x.png":
+                owner.accepts.append(self.headers.get("Accept"))
+                if self.path != path:
                     self.send_error(404)
                     return
                 self.send_response(200)
-                self.send_header("Content-Type", "image/png")
+                self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
@@ -125,7 +128,7 @@ class ImageServer:
                 pass
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}/x.png"
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}{path}"
         self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
         self.thread.start()
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import handler
+from conftest import ImageServer
 from runpod_vlm.answers import generate_all
 from sample_images import data_uri, striped
 
@@ -224,34 +225,15 @@ def test_videos_the_worker_cannot_take_are_refused_naming_the_field(tiny_model, 
 
 
 def test_a_videos_fetch_and_its_errors_speak_of_a_video(tiny_model, serve):
-    import http.server
-    import threading
-
-    data, accepted = clip(), []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_GET(self):
-            accepted.append(self.headers.get("Accept"))
-            self.send_response(200)
-            self.send_header("Content-Type", "video/mp4")
-            self.send_header("Content-Length", str(len(data)))
-            self.end_headers()
-            self.wfile.write(data)
-
-        def log_message(self, *args):
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    data = clip()
+    server = ImageServer(data, "/clip.mp4", "video/mp4")
     try:
         serve(tiny_model("qwen2-vl"), VLM_ALLOW_INTERNAL_URLS="true")
-        url = f"http://127.0.0.1:{server.server_address[1]}/clip.mp4"
-        content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "What happens?"}]
+        content = [{"type": "video_url", "video_url": {"url": server.url}}, {"type": "text", "text": "What happens?"}]
         fetched = answer({"messages": [{"role": "user", "content": content}], "max_new_tokens": 2})
-        assert "response" in fetched and accepted == ["video/*"], (fetched, accepted)
+        assert "response" in fetched and server.accepts == ["video/*"], (fetched, server.accepts)
     finally:
-        server.shutdown()
-        server.server_close()
+        server.close()
     where = "messages[0].content[0].video_url"
     serve(tiny_model("qwen2-vl"), VLM_MAX_BASE64_BYTES="1000")
     big = answer(video_job(data))
