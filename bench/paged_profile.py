@@ -225,22 +225,20 @@ def prefill_breakdown(engine, decoder, out: Path) -> dict:
 
     params = GenerationParams(max_new_tokens=8, temperature=0.0, top_p=1.0, do_sample=False, min_new_tokens=8)
     items = mixed_items(engine, 16, 0, 900, params)
-    model, spent = engine.model, {"vision_s": 0.0, "language_s": 0.0}
+    model, spent, started = engine.model, {"vision_s": 0.0, "language_s": 0.0}, {}
 
-    def timed(module, name):
+    def timed(module, name):  # synchronizing hooks, removed before the profile and the parts after this one
         def before(*_):
             torch.cuda.synchronize()
-            timed.started = time.perf_counter()
+            started[name] = time.perf_counter()
 
         def after(*_):
             torch.cuda.synchronize()
-            spent[name] += time.perf_counter() - timed.started
+            spent[name] += time.perf_counter() - started[name]
 
-        module.register_forward_pre_hook(before)
-        module.register_forward_hook(after)
+        return [module.register_forward_pre_hook(before), module.register_forward_hook(after)]
 
-    timed(model.model.visual, "vision_s")
-    timed(model.model.language_model, "language_s")
+    hooks = timed(model.model.visual, "vision_s") + timed(model.model.language_model, "language_s")
 
     def prefill(group):
         t0 = time.perf_counter()
@@ -267,6 +265,8 @@ def prefill_breakdown(engine, decoder, out: Path) -> dict:
         total.update(spent)
         total["rest_s"] = total["prefill_s"] - spent["vision_s"] - spent["language_s"]
         result[name] = total
+    for hook in hooks:
+        hook.remove()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         prefill(items)
     averages = prof.key_averages()
