@@ -1149,6 +1149,11 @@ def in_flight(state: dict):
             state["now"] -= 1
 
 
+def test_default_fetch_deadline_is_30_seconds():
+    assert MediaPolicy.from_env({}).fetch_deadline == 30.0
+    assert MediaPolicy.from_env({"VLM_FETCH_DEADLINE": "2.5"}).fetch_deadline == 2.5
+
+
 def test_images_of_one_request_download_side_by_side_in_order(worker, trusted):
     state: dict = {}
     for n in range(16):
