@@ -23,6 +23,7 @@ from runpod_vlm.engine.loading import load_model
 from runpod_vlm.engine.memory import kv_pool_tokens
 from runpod_vlm.engine.paged_attention import use_paged_attention
 from runpod_vlm.engine.ticket import Ticket, logprob_entries
+from runpod_vlm.engine.vision_attention import use_packed_vision_attention
 from runpod_vlm.families.base import end_tokens
 from runpod_vlm.settings import Settings
 from runpod_vlm.vocabulary import (
@@ -97,6 +98,7 @@ class Engine(Admission, BackgroundCompile):
             and use_paged_attention(self.model)
         )
         self.prefix_caching = self.settings.prefix_caching and self.adapter.prefix_caching and self.continuous
+        self.packed_vision = self.adapter.packed_vision and use_packed_vision_attention(self.model)
         config = self.model.config
         names = ("image_token_id", "image_token_index", "video_token_id", "video_token_index", "vision_start_token_id")
         self.media_token_ids = {v for v in (getattr(config, n, None) for n in names) if isinstance(v, int)}

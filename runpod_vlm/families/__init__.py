@@ -39,6 +39,7 @@ FAMILIES: dict[str, dict] = {  # model_type -> its adapter class and what it cha
     "glm4v": {
         "name": "glm-4.1v",
         "stacks_images": True,
+        "packed_vision": True,
         "grounding": "glm-1000",  # the GLM-V repository's README
         "grounding_template": "Help me to locate {} in the image and give me its bounding boxes.",
     },

@@ -28,6 +28,9 @@ class FamilyAdapter:
     # token's keys depend on the tokens before it alone (causal attention, images included; not PaliGemma's
     # prefix-LM nor Gemma 3's attention both ways within an image, which a chunk boundary would cut).
     prefix_caching = False
+    # Whether the vision tower packs its images into one sequence marked by `cu_seqlens` (Qwen-style): then it
+    # attends through engine.vision_attention's one variable-length call per layer.
+    packed_vision = False
 
     def __init__(self, model_type: Optional[str] = None, **family):
         self.model_type = model_type

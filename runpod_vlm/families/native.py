@@ -19,6 +19,7 @@ class QwenVLAdapter(FamilyAdapter):
 
     stacks_images = True
     prefix_caching = True
+    packed_vision = True
 
     name, grounding, grounding_template = "qwen2-vl", "qwen-1000", "Find <|object_ref_start|>{}<|object_ref_end|>"
     skip_modules = ("model.visual", "lm_head")
