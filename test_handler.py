@@ -1734,6 +1734,16 @@ def test_the_kv_pool_takes_what_the_weights_and_a_measured_step_leave_of_the_gpu
     assert handler.get_engine().describe()["kv_cache_tokens"] == 992
 
 
+def test_on_a_gpu_the_engine_leaves_cudnn_attention_out_and_on_the_cpu_leaves_it_be(monkeypatch, hub):
+    serve(monkeypatch, QWEN, VLM_COMPILE="false")
+    handler.get_engine()
+    assert hub.cudnn_sdp  # the CPU has no cuDNN attention to leave out
+    handler.reset_engine()
+    hub.cuda_available, hub.device = True, "cuda:0"
+    handler.get_engine()
+    assert not hub.cudnn_sdp  # it builds a plan for each new prefill shape (engine/loading.py)
+
+
 def pool_of(engine):
     return engine._current_decoder().pool
 

@@ -77,6 +77,8 @@ STUBBED_API = frozenset(
         "torch.cuda.mem_get_info",
         "torch.cuda.memory_allocated",
         "torch.cuda.memory_reserved",
+        # torch: attention kernels on the GPU
+        "torch.backends.cuda.enable_cudnn_sdp",
         # torchvision (InternVL2's tiling)
         "torchvision.transforms.functional.to_tensor",
         "torchvision.transforms.functional.normalize",
@@ -950,6 +952,11 @@ def cuda_memory_reserved(device=None):
     return HUB.gpu_used
 
 
+def enable_cudnn_sdp(enabled: bool):
+    _use("torch.backends.cuda.enable_cudnn_sdp")
+    HUB.cudnn_sdp = enabled
+
+
 def cuda_is_available():
     _use("torch.cuda.is_available")
     return HUB.cuda_available
@@ -1137,6 +1144,7 @@ class Hub:
         self.forward_rows = []  # the rows of every forward call of the model (prefills, steps, warm-up)
         self.decoders = []  # every FakePagedDecoder made
         self.paged_attention = True  # whether the model takes the paged attention
+        self.cudnn_sdp = True  # torch.backends.cuda.enable_cudnn_sdp's switch
         self.chunked, self.chunks = [], []  # rows given a chunked prompt; (row, tokens) of every chunk
         self.shared: list = []  # (row, blocks) of every prompt that started from cached blocks
         self.resumed = []  # the prompts of preempted rows prefilled again
@@ -1761,6 +1769,9 @@ def build_stub_modules() -> dict:
             "memory_reserved": cuda_memory_reserved,
         },
     )
+    backends = StubModule(
+        "torch.backends", {}, {"cuda": StubModule("torch.backends.cuda", {"enable_cudnn_sdp": enable_cudnn_sdp})}
+    )
     torch = StubModule(
         "torch",
         {
@@ -1783,7 +1794,7 @@ def build_stub_modules() -> dict:
             "softmax": torch_softmax,
             "compile": torch_compile,
         },
-        {"cuda": cuda, "Tensor": FakeTensor},
+        {"cuda": cuda, "Tensor": FakeTensor, "backends": backends},
     )
     functional = StubModule("torchvision.transforms.functional", {"to_tensor": tv_to_tensor, "normalize": tv_normalize})
     transforms = StubModule("torchvision.transforms", {}, {"functional": functional})

@@ -128,6 +128,12 @@ def load_model(settings: Settings, quantize: str) -> LoadedModel:
             f"{settings.model} ({adapter.name}) needs its repository's code: set VLM_TRUST_REMOTE_CODE=true"
         )
     dtype = torch_dtype(settings.dtype)
+    if _on_cuda(settings):
+        import torch
+
+        # cuDNN's attention builds a plan for each shape it meets first (0.07-1.6 s a prefill on the H200,
+        # bench/results/profile-new-shapes.json), and a server's prefill shapes are nearly always new.
+        torch.backends.cuda.enable_cudnn_sdp(False)
     if adapter.native and _on_cuda(settings):
         decode_kernel.build_ahead(config, dtype)  # while the weights load
     # transformers 4.x (which the remote-code families need) calls the dtype `torch_dtype`.
