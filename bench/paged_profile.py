@@ -1,15 +1,23 @@
 """Where a paged decode step's time goes (GPU): step times by rows and a torch.profiler table; and where a
 prefill of 16 mixed jobs (448x448 to 1280x720, one image each) goes: the processor, the vision tower, the
-language model, the rest, padded against each item alone, with a profiler table; the vision tower eager
-against torch.compile(dynamic=True) on two sets of 16 mixed images; and a batch-1 job's time to first token
-split into reading, intake and admission, for a new image and for the same job again.
+language model, the rest, padded against each item alone, with a profiler table (`prefill_uniform`: 23
+448x448 jobs, one prefill at the default token budget); the vision tower eager against
+torch.compile(dynamic=True) on two sets of 16 mixed images, and (`vision_packed`) transformers' per-image
+SDPA against the packed attention; prefills of shapes met for the first time against the second, with and
+without cuDNN's attention (`shapes`); a batch-1 job's time to first token split into reading, intake and
+admission, for a new image and for the same job again; and (`intake`) 64 one-token jobs at once with
+each phase's spans on a timeline.
 
-python bench/paged_profile.py --out OUT [--parts decode,prefill,vision,ttft]
+python bench/paged_profile.py --out OUT [--parts decode,prefill,prefill_uniform,vision,vision_packed,shapes,ttft,intake]
+
+With the default KV pool the GPU has too little room left for `vision_packed` after other parts: run it
+with VLM_KV_CACHE_TOKENS=600000.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -56,12 +64,24 @@ def main() -> None:
     with torch.inference_mode():
         if "prefill" in parts:
             out["prefill_16_mixed"] = prefill_breakdown(engine, decoder, Path(args.out))
+        if "vision_packed" in parts:
+            out["vision_packed"] = vision_packed(engine)
+            print(json.dumps(out["vision_packed"], indent=2), flush=True)
+        if "shapes" in parts:
+            out["new_shapes"] = new_shapes(engine, decoder)
+            print(json.dumps(out["new_shapes"], indent=2), flush=True)
+        if "prefill_uniform" in parts:
+            out["prefill_23_uniform"] = prefill_breakdown(engine, decoder, Path(args.out), uniform=True)
         if "vision" in parts:
             out["vision_compile"] = vision_compile(engine)
             print(json.dumps(out["vision_compile"], indent=2), flush=True)
     if "ttft" in parts:
         out["ttft_batch1"] = ttft_breakdown(handler, engine)
         print(json.dumps(out["ttft_batch1"], indent=2), flush=True)
+    if "intake" in parts:
+        out["intake_64"] = intake_timeline(handler, engine)
+        print(json.dumps(out["intake_64"], indent=2), flush=True)
+        (Path(args.out) / "profile.json").write_text(json.dumps(out, indent=2))
     with torch.inference_mode():
         for rows in (1, 16, 64) if "decode" in parts else ():
             inputs, _ = engine.adapter.batch_inputs(engine.processor, items(rows), engine.model.device, engine.dtype)
@@ -115,7 +135,7 @@ def main() -> None:
     (Path(args.out) / "profile.json").write_text(json.dumps(out, indent=2))
 
 
-def mixed_items(engine, count: int, seed: int, first_image: int, params) -> list:
+def mixed_items(engine, count: int, seed: int, first_image: int, params, sizes=None) -> list:
     """`count` one-image vqa items of sizes drawn with `seed`, images numbered from `first_image`."""
     import base64
     import random
@@ -127,7 +147,7 @@ def mixed_items(engine, count: int, seed: int, first_image: int, params) -> list
 
     rng, items = random.Random(seed), []
     for n in range(count):
-        uri = data_uri(*rng.choice(SIZES), first_image + n)
+        uri = data_uri(*rng.choice(sizes or SIZES), first_image + n)
         image = decode_image(base64.b64decode(uri.split(",", 1)[1]), engine.settings.media, "image")
         items.append(GenerationRequest("vqa", [Turn("user", [image, rng.choice(QUESTIONS)])], params))
     return items
@@ -175,6 +195,184 @@ def vision_compile(engine) -> dict:
     return result
 
 
+def new_shapes(engine, decoder) -> dict:
+    """Prefills of shapes not seen before (groups of 448x448 one-image items, question lengths drawn): each
+    group's first prefill against its second, with transformers' SDPA choosing its backend (cuDNN on the
+    H200), and with cuDNN's left out (a first call of a shape builds its plan)."""
+    import random
+
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, Turn
+
+    params = GenerationParams(max_new_tokens=1, temperature=0.0, top_p=1.0, do_sample=False, min_new_tokens=1)
+    rng, result = random.Random(5), {}
+    image = mixed_items(engine, 1, 6, 6000, params, [(448, 448)])[0].turns[0].parts[0]
+    backends = {
+        "default": None,
+        "no_cudnn": [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH],
+    }
+    for name, allowed in backends.items():
+        runs = []
+        for count in (5, 9, 13, 17, 21):
+            words = " ".join("word" for _ in range(rng.randrange(5, 60)))
+            items = [GenerationRequest("vqa", [Turn("user", [image, f"{words} {n}?"])], params) for n in range(count)]
+            inputs, _ = engine.adapter.batch_inputs(engine.processor, items, engine.model.device, engine.dtype)
+            seconds = []
+            for _ in range(2):
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                with sdpa_kernel(allowed) if allowed else contextlib.nullcontext():
+                    decoder.prefill(inputs, list(range(count)), [params] * count)
+                torch.cuda.synchronize()
+                seconds.append(round(time.perf_counter() - t0, 4))
+                for row in range(count):
+                    decoder.release(row)
+            runs.append({"items": count, "shape": list(inputs["input_ids"].shape), "first_s": seconds[0],
+                         "second_s": seconds[1]})  # fmt: skip
+        result[name] = runs
+    return result
+
+
+def vision_packed(engine) -> dict:
+    """The vision tower over 64 448x448 images in groups of 16 and over 16 mixed ones: transformers' SDPA
+    per image against the packed variable-length attention (engine/vision_attention.py), and how far apart."""
+    import torch
+
+    from runpod_vlm.engine.vision_attention import NAME
+    from runpod_vlm.vocabulary import GenerationParams
+
+    params = GenerationParams(max_new_tokens=1, temperature=0.0, top_p=1.0, do_sample=False, min_new_tokens=1)
+    model, language = engine.model, engine.model.model
+    synchronize = torch.cuda.synchronize if torch.cuda.is_available() else lambda: None
+    uniform = mixed_items(engine, 64, 4, 4000, params, sizes=[(448, 448)])
+    batches = {"64_uniform_in_16s": [uniform[n : n + 16] for n in range(0, 64, 16)]}
+    batches["16_mixed"] = mixed_items(engine, 16, 3, 3000, params)
+    result = {"allocated_gb_before": torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None}
+    for name, groups in batches.items():
+        torch.cuda.empty_cache()
+        groups = groups if isinstance(groups[0], list) else [groups]
+        pixels = []
+        for group in groups:
+            inputs, _ = engine.adapter.batch_inputs(engine.processor, group, engine.model.device, engine.dtype)
+            pixels.append((inputs["pixel_values"], inputs["image_grid_thw"]))
+        first, times = {}, {}  # the first batch's features of each (memory: the KV pool leaves little room)
+        for implementation in ("sdpa", NAME):
+            model.set_attn_implementation({"vision_config": implementation})
+            runs = []
+            for _ in range(3):
+                synchronize()
+                t0 = time.perf_counter()
+                for batch in pixels:
+                    features = language.get_image_features(*batch)
+                    first.setdefault(implementation, features)
+                    del features
+                synchronize()
+                runs.append(time.perf_counter() - t0)
+            times[implementation] = min(runs)
+
+        def flat(features):
+            embeds = getattr(features, "pooler_output", features)
+            return torch.cat([torch.cat(list(e)) if isinstance(e, (tuple, list)) else e for e in embeds])
+
+        difference = (flat(first["sdpa"]).float() - flat(first[NAME]).float()).abs().max().item()
+        del first, pixels
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        result[name] = {"per_image_sdpa_s": times["sdpa"], "packed_s": times[NAME], "max_difference": difference}
+    return result
+
+
+def intake_timeline(handler, engine) -> dict:
+    """64 jobs of one new 448x448 image and max_new_tokens 1 sent at once, as bench/images.py, with each
+    phase's spans on a timeline: reading (handler threads), intake (its threads), placement (engine
+    thread: collate, copy to the GPU, prefill); then the same items read beforehand and submitted at once
+    (no handler threads), with two and with four intake threads; and the vision tower alone."""
+    import asyncio
+    import threading
+
+    import torch
+    from images import job
+    from serving import concurrent_records, data_uri
+
+    from runpod_vlm.engine.intake import Intake
+
+    spans: dict = {"read": [], "intake": [], "place": []}
+
+    def recorded(name, function):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spans[name].append((start, time.perf_counter(), len(args[1]) if name == "place" else 1))
+
+        return wrapper
+
+    read, prepare, place = handler.read_job_item, Intake._prepare, type(engine)._place
+    handler.read_job_item = recorded("read", read)
+    Intake._prepare = recorded("intake", prepare)
+    type(engine)._place = recorded("place", place)
+
+    def summary(started: float, ended: float) -> dict:
+        result = {"seconds": ended - started, "images_per_s": 64 / (ended - started)}
+        result["allocated_gb"] = torch.cuda.memory_allocated() / 2**30 if torch.cuda.is_available() else None
+        for name, marks in spans.items():
+            if marks:
+                result[name] = {
+                    "count": len(marks),
+                    "first_start": min(m[0] for m in marks) - started,
+                    "last_end": max(m[1] for m in marks) - started,
+                    "busy_sum": sum(m[1] - m[0] for m in marks),
+                }
+        result["placements"] = [[round(m[0] - started, 3), round(m[1] - m[0], 3), m[2]] for m in spans["place"]]
+        for marks in spans.values():
+            marks.clear()
+        return result
+
+    def through_handler(first_image: int) -> dict:
+        jobs = [job(f"t{i}", [data_uri(448, 448, first_image + i)], 1) for i in range(64)]
+        started = time.perf_counter()
+        asyncio.run(concurrent_records(handler, jobs))
+        return summary(started, time.perf_counter())
+
+    def read_first(first_image: int, intake_threads: int) -> dict:
+        settings, model_id = handler.served_model()
+        items = [
+            read(job(f"t{i}", [data_uri(448, 448, first_image + i)], 1)["input"], settings, model_id)[1]
+            for i in range(64)
+        ]
+        engine._intake_of()._pool._max_workers = intake_threads
+        left, done = [64], threading.Event()
+
+        def listener(event):  # the final Generation or RequestError, once per item
+            left[0] -= 1
+            if left[0] == 0:
+                done.set()
+
+        started = time.perf_counter()
+        for item in items:
+            engine.submit(item, listener)
+        done.wait(120)
+        result = summary(started, time.perf_counter())
+        engine._intake_of()._pool._max_workers = 2
+        return result
+
+    result = {"first_burst": through_handler(20000)}  # the first 64-job run meets its shapes for the first time
+    result["through_handler"] = through_handler(21000)
+    print(json.dumps(result, indent=2), flush=True)
+    result["read_first_2_intake_threads"] = read_first(22000, 2)
+    result["read_first_4_intake_threads"] = read_first(23000, 4)
+    print(json.dumps(result, indent=2), flush=True)
+    handler.read_job_item, Intake._prepare, type(engine)._place = read, prepare, place
+    try:
+        result["vision"] = vision_packed(engine)
+    except Exception as error:  # out of memory beside the KV pool: the timeline still counts
+        result["vision"] = repr(error)[:300]
+    return result
+
+
 def ttft_breakdown(handler, engine) -> dict:
     """One job at a time, one 448x448 image, streamed: reading (fetch, decode), submit to prepared (intake),
     prepared to first token (admission, prefill); medians of 5, for new images and for each job sent again
@@ -216,15 +414,19 @@ def ttft_breakdown(handler, engine) -> dict:
     return result
 
 
-def prefill_breakdown(engine, decoder, out: Path) -> dict:
-    """16 mixed one-image jobs prefilled as the engine does (one padded batch), and each alone."""
+def prefill_breakdown(engine, decoder, out: Path, uniform: bool = False) -> dict:
+    """16 mixed one-image jobs (`uniform`: 23 of 448x448, one prefill's worth at the default token budget)
+    prefilled as the engine does (one padded batch), and each alone."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     from runpod_vlm.vocabulary import GenerationParams
 
     params = GenerationParams(max_new_tokens=8, temperature=0.0, top_p=1.0, do_sample=False, min_new_tokens=8)
-    items = mixed_items(engine, 16, 0, 900, params)
+    items = (
+        mixed_items(engine, 23, 0, 900, params, [(448, 448)]) if uniform else mixed_items(engine, 16, 0, 900, params)
+    )
+    tag = "uniform" if uniform else "mixed"
     model, spent, started = engine.model, {"vision_s": 0.0, "language_s": 0.0}, {}
 
     def timed(module, name):  # synchronizing hooks, removed before the profile and the parts after this one
@@ -258,7 +460,7 @@ def prefill_breakdown(engine, decoder, out: Path) -> dict:
 
     prefill(items[:4])  # warm
     result = {}
-    for name, groups in (("padded_16", [items]), ("each_alone", [[item] for item in items])):
+    for name, groups in (("padded", [items]), ("each_alone", [[item] for item in items])):
         spent.update(vision_s=0.0, language_s=0.0)
         runs = [prefill(group) for group in groups]
         total = {key: sum(run[key] for run in runs) for key in runs[0]}
@@ -270,8 +472,8 @@ def prefill_breakdown(engine, decoder, out: Path) -> dict:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         prefill(items)
     averages = prof.key_averages()
-    (out / "profile_prefill_cuda.txt").write_text(averages.table(sort_by="cuda_time_total", row_limit=30))
-    (out / "profile_prefill_cpu.txt").write_text(averages.table(sort_by="cpu_time_total", row_limit=30))
+    (out / f"profile_prefill_{tag}_cuda.txt").write_text(averages.table(sort_by="cuda_time_total", row_limit=40))
+    (out / f"profile_prefill_{tag}_cpu.txt").write_text(averages.table(sort_by="cpu_time_total", row_limit=30))
     print(json.dumps(result, indent=2), flush=True)
     return result
 
