@@ -88,6 +88,22 @@ def test_a_long_prompt_enters_in_chunks_while_the_others_decode(tiny_model, serv
     assert decoder.pool.free == decoder.pool.capacity
 
 
+@pytest.mark.parametrize("family, in_chunks", [("llava", True), ("paligemma", False)])
+def test_a_prompt_over_the_token_budget_gets_its_solo_tokens_in_chunks_unless_it_attends_both_ways(
+    family, in_chunks, tiny_model, serve, monkeypatch
+):
+    # PaliGemma's prefix attends both ways: in causal chunks its answer differed from generate()'s.
+    engine = serve(tiny_model(family), VLM_MAX_BATCH_TOKENS="256")
+    job = {"task": "vqa", "image_url": data_uri(striped((64, 48))), "question": LONG_TEXT + " " + LONG_TEXT}
+    items = items_of(engine, [dict(job, max_new_tokens=12, min_new_tokens=12)])
+    solo = solo_generate(engine, items)
+    assert solo[0].prompt_tokens > 2 * 256
+    events: list = []
+    spy(monkeypatch, engine._current_decoder(), "prefill_chunk", events, "chunk")
+    assert generate_all(engine, items) == solo
+    assert bool(events) == in_chunks
+
+
 def test_a_row_frees_its_blocks_at_its_own_end(tiny_model, serve):
     """Room for two rows' tokens: a queued short job starts and finishes while a long one still runs."""
     engine = serve(tiny_model("qwen2-vl"), VLM_KV_CACHE_TOKENS="480", VLM_SYNC_INTERVAL="2")

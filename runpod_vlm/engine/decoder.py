@@ -236,8 +236,9 @@ class PagedDecoder:
 
     def begin_chunks(self, inputs, row: int, params: GenerationParams, prior: int = 0) -> Optional[ChunkedPrefill]:
         """A one-item prompt's embeddings and positions, made by the family's own forward up to its language
-        model (the vision tower runs here); None when that language model takes more than embeddings and
-        positions (e.g. Qwen3-VL's deepstack features), which a chunk could not slice: prefill it whole."""
+        model (the vision tower runs here); None when that language model takes more than embeddings,
+        positions and a causal mask (Qwen3-VL's deepstack features, which a chunk could not slice; PaliGemma's
+        and Gemma 3's masks of their own): prefill it whole."""
         model = self.model
         position_ids = model._prepare_position_ids_for_generation(inputs["input_ids"], dict(inputs))
         language_model, captured = model.get_decoder(), {}
@@ -259,6 +260,11 @@ class PagedDecoder:
             handle.remove()
         plain = {"input_ids", "inputs_embeds", "position_ids", "attention_mask", "past_key_values", "cache_position"}
         if any(v is not None and k not in plain and hasattr(v, "shape") for k, v in captured.items()):
+            return None
+        # A mask the family built itself (4D, or one per layer kind) may let tokens attend both ways
+        # (PaliGemma's prefix, Gemma 3's images): a chunk's causal mask would lose that.
+        mask = captured.get("attention_mask")
+        if isinstance(mask, dict) or getattr(mask, "ndim", 2) > 2:
             return None
         embeds = captured.get("inputs_embeds")
         if embeds is None:
