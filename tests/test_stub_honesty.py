@@ -75,6 +75,7 @@ CUDA_ONLY = {
     "torch.cuda.mem_get_info": "the KV pool is sized from GPU memory only on a CUDA device",
     "torch.cuda.memory_allocated": "the KV pool is sized from GPU memory only on a CUDA device",
     "torch.cuda.memory_reserved": "the KV pool is sized from GPU memory only on a CUDA device",
+    "torch.backends.cuda.enable_cudnn_sdp": "cuDNN's attention is left out only on a CUDA device",
 }
 # Tensor members recorded through a TorchFunctionMode rather than by wrapping them on torch.Tensor:
 # a Python __getitem__ on torch.Tensor makes torch.tensor([0-d tensors...]) call len() on them.
