@@ -104,6 +104,18 @@ def test_a_prompt_over_the_token_budget_gets_its_solo_tokens_in_chunks_unless_it
     assert bool(events) == in_chunks
 
 
+@pytest.mark.parametrize("family, chunkable", [("gemma3", False), ("llava", True)])
+def test_a_family_that_hands_its_language_model_masks_of_its_own_is_not_chunked(family, chunkable, tiny_model, serve):
+    # Gemma 3 builds one mask per layer kind, its images attending both ways (its tiny model's 64-token
+    # window sends long prompts to generate(), so the chunk path is asked directly here).
+    engine = serve(tiny_model(family))
+    item = items_of(engine, [{"task": "vqa", "image_url": data_uri(striped((64, 48))), "question": "What?"}])[0]
+    inputs, _ = engine.adapter.batch_inputs(engine.processor, [item], "cpu", engine.dtype)
+    with torch.inference_mode():
+        chunked = engine._current_decoder().begin_chunks(inputs, 0, item.params)
+    assert (chunked is not None) == chunkable
+
+
 def test_a_row_frees_its_blocks_at_its_own_end(tiny_model, serve):
     """Room for two rows' tokens: a queued short job starts and finishes while a long one still runs."""
     engine = serve(tiny_model("qwen2-vl"), VLM_KV_CACHE_TOKENS="480", VLM_SYNC_INTERVAL="2")
