@@ -70,9 +70,11 @@ def _limits(settings: Settings) -> dict:
 
 
 def reset_engine() -> None:
-    """Forget the loaded model (tests, and a worker that must reload)."""
+    """Close and forget the loaded engine (tests, and benchmarks that load another in the same process)."""
     global _engine
-    _engine = None
+    engine, _engine = _engine, None
+    if engine is not None:
+        engine.close()
 
 
 def _ask_for_a_new_worker() -> None:

@@ -2158,6 +2158,31 @@ def test_after_sigterm_requests_still_running_fail_within_the_grace(monkeypatch,
     assert len(hub.steps) < 10
 
 
+def test_reset_engine_ends_its_thread_and_fails_what_it_held_with_worker_stopping(monkeypatch, hub):
+    hub.reply = lambda prompt: "x" * 500
+    serve(monkeypatch, VLM_SYNC_INTERVAL="1", VLM_MAX_NEW_TOKENS="600")
+    engine = handler.get_engine()
+    original, decoding = FakePagedDecoder.step, threading.Event()
+
+    def step(self, steps):
+        decoding.set()
+        time.sleep(0.001)
+        return original(self, steps)
+
+    monkeypatch.setattr(FakePagedDecoder, "step", step)
+    outcome: list = []
+    running = threading.Thread(target=lambda: outcome.append(call(chat("long", max_new_tokens=500))))
+    running.start()
+    assert decoding.wait(10)
+    handler.reset_engine()  # a benchmark loading another engine in the same process
+    running.join(10)
+    assert outcome[0]["code"] == "worker_stopping" and len(hub.steps) < 400
+    assert not engine._thread.is_alive() and engine._decoder is None
+    late, (settings, model_id) = [], handler.served_model()
+    engine.submit(handler.read_job_item(chat("late"), settings, model_id, None)[1], late.append)  # none lost
+    assert [error.code for error in late] == ["worker_stopping"]
+
+
 def test_after_sigterm_items_queued_for_one_at_a_time_families_fail_too(monkeypatch, hub):
     serve(monkeypatch, MINICPM)  # remote code: answered one item at a time, outside the batch
     engine = handler.get_engine()

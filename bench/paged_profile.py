@@ -343,7 +343,7 @@ def intake_timeline(handler, engine) -> dict:
             read(job(f"t{i}", [data_uri(448, 448, first_image + i)], 1)["input"], settings, model_id)[1]
             for i in range(64)
         ]
-        engine._intake_of()._pool._max_workers = intake_threads
+        engine._intake_of().pool._max_workers = intake_threads
         left, done = [64], threading.Event()
 
         def listener(event):  # the final Generation or RequestError, once per item
@@ -356,7 +356,7 @@ def intake_timeline(handler, engine) -> dict:
             engine.submit(item, listener)
         done.wait(120)
         result = summary(started, time.perf_counter())
-        engine._intake_of()._pool._max_workers = 2
+        engine._intake_of().pool._max_workers = 2
         return result
 
     result = {"first_burst": through_handler(20000)}  # the first 64-job run meets its shapes for the first time

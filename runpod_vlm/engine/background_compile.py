@@ -51,6 +51,8 @@ class BackgroundCompile:
 
     def _compile_shapes(self, buckets: list[int]) -> None:
         self._answered.wait(COMPILE_AFTER_FIRST_ANSWER_S)
+        if self._closed:
+            return
         if self._compiled_forward is None:  # here, not on the engine thread: importing the compiler takes seconds
             # Inductor's kernel-compiling processes made prefills 12x slower, compiling no faster (bench/contention.py).
             options = {} if os.environ.get("TORCHINDUCTOR_COMPILE_THREADS") else {"options": {"compile_threads": 1}}
@@ -71,7 +73,7 @@ class BackgroundCompile:
         done = [
             bucket
             for bucket in buckets  # a second try: a CUDA graph capture may void the first
-            if self._compile_shape(bucket) or self._compile_shape(bucket)
+            if not self._closed and (self._compile_shape(bucket) or self._compile_shape(bucket))
         ]
         if len(done) == len(buckets) and not loaded:
             save_compile_artifacts(self.settings, key)

@@ -55,6 +55,7 @@ class Engine(Admission, BackgroundCompile):
         self._capture_lock = threading.Lock()  # no CUDA graph is recorded while a shape compiles
         self.broken = False  # a fatal GPU error happened: nothing more runs here
         self._stop_by: Optional[float] = None  # after SIGTERM: when the items still running fail
+        self._closed = False  # close(): the engine thread ends, nothing more runs here
         self._compiled_shapes: set = set()  # row buckets compiled in the background
         self._newly_compiled: list = []  # ... ready, not yet switched to by the engine thread
         self._answered = threading.Event()  # set at the first answer; the background compile waits for it
@@ -157,8 +158,8 @@ class Engine(Admission, BackgroundCompile):
     def submit_all(self, items: list[GenerationRequest], listeners: list, stream: bool = False) -> list[Ticket]:
         """Queue items together (a batch call's): they are admitted together when rows allow."""
         tickets = [Ticket(item, listener, stream) for item, listener in zip(items, listeners)]
-        if self.broken:
-            return [ticket.fail(GPU_FAILURE) for ticket in tickets]
+        if self.broken or self._closed:
+            return [ticket.fail(GPU_FAILURE if self.broken else WORKER_STOPPING) for ticket in tickets]
         for ticket in tickets:
             if ticket.item.videos and not self.adapter.takes_video(self.model_type):
                 message = f"this model ({self.adapter.name}) takes no video; send images"
@@ -215,8 +216,10 @@ class Engine(Admission, BackgroundCompile):
     def _serve_forever(self) -> None:
         while True:
             with self._wake:
-                while self._idle():
+                while self._idle() and not self._closed:
                     self._wake.wait(None if self._stop_by is None else 0.05)
+                if self._closed:
+                    break
                 self._queue = [t for t in self._queue if not t.cancelled]
                 waiting = list(self._queue)
             try:
@@ -438,6 +441,20 @@ class Engine(Admission, BackgroundCompile):
             with self._wake:
                 self._start_thread()
             self._current_decoder()
+
+    def close(self) -> None:
+        """End the engine thread, failing what is queued or running with `worker_stopping`, and let go of the
+        KV pool (handler.reset_engine: tests and benchmarks that load another engine in the same process)."""
+        with self._wake:
+            self._closed = True
+            self._wake.notify()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+        self._fail_all(WORKER_STOPPING, queued=True)
+        for pool in (self._intake and self._intake.pool, self._compiler):
+            if pool is not None:
+                pool.shutdown(wait=False, cancel_futures=True)
+        self._decoder = None
 
     def stop_after(self, grace: float) -> None:
         """Items still running `grace` seconds from now fail with `worker_stopping` (on SIGTERM)."""

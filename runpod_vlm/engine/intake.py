@@ -23,13 +23,13 @@ class Intake:
     def __init__(self, adapter, processor, dtype, device: str, timings: collections.Counter):
         """`device`: where the inputs go ("cpu", or the GPU for torchvision-backed image processing)."""
         self.adapter, self.processor, self.dtype, self.device, self.timings = adapter, processor, dtype, device, timings
-        self._pool = ThreadPoolExecutor(
+        self.pool = ThreadPoolExecutor(
             max_workers=max(1, min(2, (os.cpu_count() or 2) - 1)), thread_name_prefix="vlm-intake"
         )
         self._first, self._warm = threading.Lock(), False
 
     def submit(self, item: GenerationRequest, when_done: Callable[[], None]) -> Future:
-        future = self._pool.submit(self._prepare, item)
+        future = self.pool.submit(self._prepare, item)
         future.add_done_callback(lambda _: when_done())
         return future
 
