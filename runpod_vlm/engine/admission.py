@@ -50,9 +50,9 @@ class Admission:
                     log.error("could not prepare an item", exc_info=error)
                     ticket.fail(GENERATION_FAILED)
                 continue
-            if (
-                self._chunking is not None
-                and inputs["input_ids"].shape[1] + len(ticket.ids) > self.settings.max_batch_tokens
+            if self._chunking is not None and (
+                inputs["input_ids"].shape[1] + len(ticket.ids) > self.settings.max_batch_tokens
+                or self._resumes_in_chunks(ticket)
             ):
                 break  # one prompt enters in chunks at a time: this one waits its turn, ahead of those behind it
             width = max([inputs["input_ids"].shape[1], *(p[0]["input_ids"].shape[1] for p in prepared)])
@@ -115,9 +115,11 @@ class Admission:
         if window is not None and any(n + t.item.params.max_new_tokens > window for t, n in zip(group, prompt_tokens)):
             # past a sliding window: generate() handles it alone
             return self._requeue(group, limit=1) if len(group) > 1 else self._run_alone(group[0])
-        if group[0].ids:  # resumed: the tokens it had generated follow its prompt
-            with_generated(inputs, group[0].ids)
-        lengths = inputs["attention_mask"].sum(dim=1).tolist()
+        generated = group[0].ids  # resumed (alone): the tokens it had generated follow its prompt
+        placeholder = self._resumes_in_chunks(group[0])
+        if generated and not placeholder:
+            with_generated(inputs, generated, self.adapter.generated_token_types)
+        lengths = [n + len(generated) * placeholder for n in inputs["attention_mask"].sum(dim=1).tolist()]
         room = self._rows_that_fit(decoder, lengths, [t.item.params.max_new_tokens for t in group])
         if room < len(group):  # wait for blocks: what fits first comes again as a smaller group
             return self._requeue(group, limit=room or None)
@@ -128,7 +130,7 @@ class Admission:
         # A prompt admitted alone starts from the cached blocks of its prefix (a batched prefill computes all).
         alone = len(group) == 1 and self._chunking is None
         hit = decoder.pool.cached_prefix(group[0].prefix[: (lengths[0] - 1) // decoder.block_size]) if alone else []
-        if long or hit:
+        if long or hit or placeholder:
             try:
                 with self._images_cached(group):
                     chunked = self._begin_chunks(decoder, inputs, free[0], group[0])
@@ -137,6 +139,10 @@ class Admission:
                     raise
                 torch.cuda.empty_cache()
                 return group[0].finish(self._out_of_memory(group[0].item, prompt_tokens[0]))
+            if placeholder and chunked is not None:
+                decoder.follow_with(chunked, generated)
+            elif placeholder:  # a prompt prefilled whole: the placeholder may fail it, alone
+                with_generated(inputs, generated, self.adapter.generated_token_types)
             if chunked is not None:
                 group[0].prompt_tokens, group[0].input_size = prompt_tokens[0], input_sizes[0]
                 if hit:
@@ -180,6 +186,11 @@ class Admission:
             self._count_prefix(0, length)
             self._started(ticket, row, token, logprobs.get(row))
         self._next_grammar_masks()
+
+    def _resumes_in_chunks(self, ticket: Ticket) -> bool:
+        """Whether a preempted row had generated an image placeholder token (a random model does): in its prompt
+        that token would be taken for an image's, so its prompt enters in chunks and its tokens follow as text."""
+        return any(token in self.media_token_ids for token in ticket.ids)
 
     def _images_cached(self, group: list[Ticket]):
         """Where the family can, the group's images already encoded come from the embedding cache."""

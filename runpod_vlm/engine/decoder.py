@@ -273,6 +273,19 @@ class PagedDecoder:
         positions = position_ids if positions is None else positions
         return ChunkedPrefill(row, embeds, positions, position_ids, inputs["input_ids"], params, prior)
 
+    def follow_with(self, chunked: ChunkedPrefill, ids: list[int]) -> None:
+        """A chunked prompt followed by tokens it had generated (a preempted row resumed), as its decode steps
+        took them: embedded from the table, each one position on."""
+        import torch
+
+        tail = torch.tensor([ids], dtype=chunked.input_ids.dtype, device=chunked.embeds.device)
+        embedded = self.model.get_decoder().get_input_embeddings()(tail).to(chunked.embeds.dtype)
+        steps = torch.arange(1, len(ids) + 1, dtype=chunked.positions.dtype, device=chunked.positions.device)
+        chunked.embeds = torch.cat([chunked.embeds, embedded], dim=1)
+        chunked.positions = torch.cat([chunked.positions, chunked.positions[..., -1:] + steps], dim=-1)
+        chunked.last_position = chunked.last_position + len(ids)
+        chunked.input_ids = torch.cat([chunked.input_ids, tail], dim=1)
+
     def prefill_chunk(self, chunked: ChunkedPrefill, size: int, allowed=None) -> Optional[int]:
         """Run the next `size` tokens of a chunked prompt into its blocks; at its last chunk the row starts
         decoding and its first token is returned."""

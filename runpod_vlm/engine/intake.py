@@ -46,13 +46,14 @@ class Intake:
         return inputs, sizes[0]
 
 
-def with_generated(inputs, ids: list[int]) -> None:
-    """A one-item prompt's inputs followed by `ids` it had generated: text tokens, in every per-token tensor
-    (the attention mask, and e.g. Qwen's mm_token_type_ids, where 0 is text)."""
+def with_generated(inputs, ids: list[int], token_types: dict) -> None:
+    """A one-item prompt's inputs followed by `ids` it had generated, in every per-token tensor: the attention
+    mask, and the others as `token_types` names them, else 0 (text, e.g. in Qwen's mm_token_type_ids)."""
     import torch
 
     shape = tuple(inputs["input_ids"].shape)
     for name, value in list(inputs.items()):
         if isinstance(value, torch.Tensor) and tuple(value.shape) == shape:
-            tail = ids if name == "input_ids" else [int(name == "attention_mask")] * len(ids)
+            kind = 1 if name == "attention_mask" else token_types.get(name, 0)
+            tail = ids if name == "input_ids" else [kind] * len(ids)
             inputs[name] = torch.cat([value, torch.tensor([tail], dtype=value.dtype, device=value.device)], dim=1)

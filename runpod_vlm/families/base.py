@@ -31,6 +31,9 @@ class FamilyAdapter:
     # Whether the vision tower packs its images into one sequence marked by `cu_seqlens` (Qwen-style): then it
     # attends through engine.vision_attention's one variable-length call per layer.
     packed_vision = False
+    # What a generated token is in the processor's per-token tensors other than the ids and the mask (0, text,
+    # where not named): a preempted request's prompt is prefilled again followed by the tokens it had.
+    generated_token_types: dict = {}
 
     def __init__(self, model_type: Optional[str] = None, **family):
         self.model_type = model_type

@@ -174,6 +174,7 @@ class PaliGemmaAdapter(FamilyAdapter):
 
     name, grounding, grounding_template = "paligemma", "paligemma-1024", "detect {}"
     skip_modules = ("model.vision_tower", "model.multi_modal_projector", "lm_head")
+    generated_token_types = {"token_type_ids": 1}  # the suffix, attending causally; 0 is the prefix, both ways
 
     def task_prefix(self, item: GenerationRequest) -> str:
         """The card's prompt for the item; a chat is one user turn whose text is the prefix."""
