@@ -272,3 +272,26 @@ def test_the_openai_route_takes_a_video_url_part(tiny_model, serve):
     native = answer(job)
     assert out["choices"][0]["message"]["content"] == native["response"], out
     assert out["usage"]["prompt_tokens"] == native["usage"]["prompt_tokens"]
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "smolvlm", "llava-onevision"])
+def test_videos_of_other_lengths_beside_image_jobs_through_a_small_pool_get_their_solo_tokens(
+    family, tiny_model, serve, monkeypatch
+):
+    # SmolVLM2's processor, given a 2 s and a 3 s video together, gave the first two prompt tokens more than
+    # alone: its videos are prepared one at a time now. The pool makes rows preempt and resume.
+    from test_paged_engine import mixed_jobs, solo_generate, spy
+
+    engine = serve(tiny_model(family), VLM_KV_CACHE_TOKENS="1024", VLM_SYNC_INTERVAL="3", VLM_MAX_BATCH_TOKENS="2048")
+    lengths = (40, 150, 90)
+    jobs = [
+        dict(video_job(clip(seconds=2 + n % 2)), max_new_tokens=lengths[n % 3], min_new_tokens=lengths[n % 3])
+        for n in range(4)
+    ]
+    jobs += mixed_jobs(4)
+    items = [handler.read_job_item(job, engine.settings, engine.model_id, None)[1] for job in jobs]
+    solo = solo_generate(engine, items)
+    events: list = []
+    spy(monkeypatch, engine, "_preempt", events, "preempt")
+    assert generate_all(engine, items) == solo
+    assert "preempt" in events

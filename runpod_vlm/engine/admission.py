@@ -87,6 +87,9 @@ class Admission:
         group = kept
         input_sizes = [size for _, size in prepared]
         inputs = prepared[0][0] if len(group) == 1 else self.adapter.collate(self.processor, [p for p, _ in prepared])
+        if inputs is None and any(t.item.videos for t in group):
+            # Prepared together, SmolVLM2's videos of other lengths changed each other's prompts: one at a time.
+            return self._requeue(group, limit=1)
         try:
             if inputs is None:  # parts that do not stack: the group prepared together
                 inputs, input_sizes = self.adapter.batch_inputs(
