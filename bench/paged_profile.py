@@ -61,27 +61,25 @@ def main() -> None:
     def items(n):
         return [GenerationRequest("caption", [Turn("user", [image, "Describe."])], params) for _ in range(n)]
 
-    with torch.inference_mode():
-        if "prefill" in parts:
-            out["prefill_16_mixed"] = prefill_breakdown(engine, decoder, Path(args.out))
-        if "vision_packed" in parts:
-            out["vision_packed"] = vision_packed(engine)
-            print(json.dumps(out["vision_packed"], indent=2), flush=True)
-        if "shapes" in parts:
-            out["new_shapes"] = new_shapes(engine, decoder)
-            print(json.dumps(out["new_shapes"], indent=2), flush=True)
-        if "prefill_uniform" in parts:
-            out["prefill_23_uniform"] = prefill_breakdown(engine, decoder, Path(args.out), uniform=True)
-        if "vision" in parts:
-            out["vision_compile"] = vision_compile(engine)
-            print(json.dumps(out["vision_compile"], indent=2), flush=True)
-    if "ttft" in parts:
-        out["ttft_batch1"] = ttft_breakdown(handler, engine)
-        print(json.dumps(out["ttft_batch1"], indent=2), flush=True)
-    if "intake" in parts:
-        out["intake_64"] = intake_timeline(handler, engine)
-        print(json.dumps(out["intake_64"], indent=2), flush=True)
-        (Path(args.out) / "profile.json").write_text(json.dumps(out, indent=2))
+    measures = {  # part -> its key in the results, what measures it, whether it runs under inference mode
+        "prefill": ("prefill_16_mixed", lambda: prefill_breakdown(engine, decoder, Path(args.out)), True),
+        "vision_packed": ("vision_packed", lambda: vision_packed(engine), True),
+        "shapes": ("new_shapes", lambda: new_shapes(engine, decoder), True),
+        "prefill_uniform": (
+            "prefill_23_uniform",
+            lambda: prefill_breakdown(engine, decoder, Path(args.out), True),
+            True,
+        ),
+        "vision": ("vision_compile", lambda: vision_compile(engine), True),
+        "ttft": ("ttft_batch1", lambda: ttft_breakdown(handler, engine), False),  # the handler's own path
+        "intake": ("intake_64", lambda: intake_timeline(handler, engine), False),
+    }
+    for part, (key, measure, inference) in measures.items():
+        if part in parts:
+            with torch.inference_mode() if inference else contextlib.nullcontext():
+                out[key] = measure()
+            print(json.dumps(out[key], indent=2), flush=True)
+            (Path(args.out) / "profile.json").write_text(json.dumps(out, indent=2))
     with torch.inference_mode():
         for rows in (1, 16, 64) if "decode" in parts else ():
             inputs, _ = engine.adapter.batch_inputs(engine.processor, items(rows), engine.model.device, engine.dtype)
