@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import handler
-from runpod_vlm.engine.decoder import counter_uniform
+from runpod_vlm.engine.sampling import counter_uniform
 
 
 @pytest.fixture

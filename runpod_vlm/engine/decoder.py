@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 import types
@@ -13,11 +12,10 @@ from runpod_vlm.engine import decode_kernel
 from runpod_vlm.engine.blocks import BlockPool
 from runpod_vlm.engine.memory import kv_layout
 from runpod_vlm.engine.paged_attention import PagedStep, paged
+from runpod_vlm.engine.sampling import Sampler, row_seed
 from runpod_vlm.vocabulary import GenerationParams
 
 log = logging.getLogger("runpod-vlm")
-
-MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs bound
 
 
 def _beside_fx_traces(forward, rewind=None, **kwargs):
@@ -112,13 +110,8 @@ class PagedDecoder:
         self.graph_pool = None  # their shared memory pool (a graph each held its own: GBs at 256 rows)
         self.keys: list = []  # per layer [slots, kv heads, head dim]: made at the first prefill, from its shapes
         self.values: list = []
-        vocab = model.get_output_embeddings().weight.shape[0]
-        self.eos_index = torch.tensor(sorted(i for i in eos_ids if i < vocab), dtype=torch.long, device=device)
-        self.top_k = min(MAX_TOP_LOGPROBS, vocab)  # alternatives recorded per token when a row asks for logprobs
-        self.vocab_index = torch.arange(vocab, device=device)
-        self.mask_word, self.mask_bit = self.vocab_index // 32, self.vocab_index % 32  # a token's place in `allowed`
-        penalty = getattr(model.generation_config, "repetition_penalty", None) or 1.0
-        self.penalty = penalty if penalty != 1.0 else None
+        self.sampler = Sampler(model, eos_ids)
+        vocab, top_k = self.sampler.vocab, self.sampler.top_k
         longest = min(self.pool.capacity_tokens, max_row_tokens or self.pool.capacity_tokens)
         self.columns = self.pool.blocks_for(longest + interval) + 1  # a block table's width
         self.offsets = torch.arange(self.columns * block_size, device=device)
@@ -140,9 +133,9 @@ class PagedDecoder:
             allowed=zeros(rows, (vocab + 31) // 32, dtype=torch.int32),  # bit-packed: 32 tokens a word
             ring=zeros(rows, interval),
             ring_logprob=zeros(rows, interval, dtype=torch.float),
-            ring_top_id=zeros(rows, interval, self.top_k),
-            ring_top_logprob=zeros(rows, interval, self.top_k, dtype=torch.float),
-            seen=zeros(rows, vocab, dtype=torch.bool) if self.penalty else None,
+            ring_top_id=zeros(rows, interval, top_k),
+            ring_top_logprob=zeros(rows, interval, top_k, dtype=torch.float),
+            seen=zeros(rows, vocab, dtype=torch.bool) if self.sampler.penalty else None,
         )
         self.position = None  # shaped like the family's position ids at the first prefill
         self.lengths: dict[int, int] = {}  # busy row -> tokens in its blocks (host copy of state.length)
@@ -350,11 +343,11 @@ class PagedDecoder:
             length=column(lengths, torch.long),
             busy=column([1] * len(rows), torch.long),
         )
-        if self.penalty:
+        if self.sampler.penalty:
             new.seen = torch.zeros((len(rows), state.seen.shape[1]), dtype=torch.bool, device=index.device)
             new.seen.scatter_(1, input_ids, True)
         wants_logprobs = any(p.logprobs for p in params)
-        token, logprobs = self._choose(
+        token, logprobs = self.sampler.choose(
             logits, new, any(p.do_sample for p in params), wants_logprobs, allowed is not None
         )
         if wants_logprobs:
@@ -385,47 +378,6 @@ class PagedDecoder:
 
     # ---- decoding ---------------------------------------------------------------------------
 
-    def _choose(
-        self, logits, rows: types.SimpleNamespace, any_sample: bool, with_logprobs: bool = False, masked: bool = False
-    ):
-        """Each row's next token from its logits; with `with_logprobs`, also each token's log-probability and the
-        `top_k` most likely tokens': log_softmax of the model's own logits, before the repetition penalty, the
-        end-token block of min_new_tokens, temperature and top-p (as generate()'s output_logits, and vLLM's)."""
-        import torch
-
-        logits = logits.float()
-        logprobs = torch.log_softmax(logits, dim=-1) if with_logprobs else None  # before the in-place edits below
-        if rows.seen is not None:  # as transformers' RepetitionPenaltyLogitsProcessor
-            penalized = torch.where(logits < 0, logits * self.penalty, logits / self.penalty)
-            logits = torch.where(rows.seen, penalized, logits)
-        if self.eos_index.numel():  # no end token before min_new_tokens
-            early = (rows.count < rows.min_new)[:, None]
-            logits[:, self.eos_index] = logits[:, self.eos_index].masked_fill(early, float("-inf"))
-        if masked:  # a constrained row takes only what its grammar allows
-            allowed = (rows.allowed[:, self.mask_word] >> self.mask_bit) & 1
-            logits = logits.masked_fill((allowed == 0) & rows.constrained[:, None], float("-inf"))
-        token = logits.argmax(dim=-1)
-        if any_sample:
-            token = torch.where(rows.sample, self._sampled(logits, rows), token)
-        if rows.seen is not None:
-            rows.seen.scatter_(1, token[:, None], True)
-        if logprobs is None:
-            return token, None
-        top_logprob, top_id = logprobs.topk(self.top_k, dim=-1)
-        return token, (logprobs.gather(1, token[:, None])[:, 0], top_id, top_logprob)
-
-    def _sampled(self, logits, rows: types.SimpleNamespace):
-        """Temperature and top-p sampling, drawn as argmax(p / Exp(1)) so a CUDA graph can hold it. The
-        Exp(1) noise is a function of the row's seed, its token's index and the vocabulary index alone, so
-        a seeded row draws the same tokens alone, batched or beside any other rows."""
-        import torch
-
-        probs = torch.softmax(logits / rows.temperature.clamp(min=1e-5)[:, None], dim=-1)
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        outside = sorted_probs.cumsum(dim=-1) - sorted_probs > rows.top_p[:, None]
-        probs = probs.scatter(1, order, sorted_probs.masked_fill(outside, 0.0))
-        return (probs / -torch.log(counter_uniform(rows.seed, rows.count, self.vocab_index))).argmax(dim=-1)
-
     def _rows_of(self, bucket: int) -> types.SimpleNamespace:
         """The per-row tensors of the first `bucket` rows, as views."""
         return types.SimpleNamespace(**{k: v if v is None else v[:bucket] for k, v in vars(self.state).items()})
@@ -455,7 +407,7 @@ class PagedDecoder:
                 use_cache=False,
                 logits_to_keep=1,
             )
-        token, logprobs = self._choose(
+        token, logprobs = self.sampler.choose(
             output.logits[:, -1, :], rows, self.any_sample, self.any_logprobs, self.any_constrained
         )
         rows.ring.index_copy_(1, self.ring_index, token[:, None])
@@ -585,22 +537,3 @@ class PagedDecoder:
         for tensor, value in kept:
             tensor.copy_(value)
         self.graphs[self._graph_key(bucket, span)] = graph
-
-
-def row_seed(seed: Optional[int]) -> int:
-    """A row's sampling seed: the request's (any int, folded into 31 bits), else a fresh random one."""
-    return (seed if seed is not None else random.getrandbits(31)) & 0x7FFFFFFF
-
-
-def counter_uniform(seed, step, index):
-    """Uniform draws in (0, 1) for every (row, index): a hash of (the row's seed, its step, index), made of
-    integer tensor ops a CUDA graph can hold; products stay under 2**63 (31-bit odd constants, 32-bit values).
-    Hand-written: torch's generators hold one state for a whole tensor, not a counter per row."""
-    import torch
-
-    mask = 0xFFFFFFFF
-    x = (seed[:, None] * 0x27D4EB2F + step[:, None] * 0x165667B1 + index[None, :] * 0x61C88647) & mask
-    for multiplier in (0x7FEB352D, 0x6A09E667, 0x5BD1E995):
-        x = ((x ^ (x >> 15)) * multiplier) & mask
-    x = x ^ (x >> 16)
-    return ((x >> 9).to(torch.float32) + 0.5) / float(1 << 23)  # 23 bits: exact in float32, never 0 or 1
