@@ -9,9 +9,12 @@ a torch without it) transformers' per-image SDPA, exactly as before."""
 
 from __future__ import annotations
 
+import functools
+
 NAME = "vlm_flash_varlen"  # "flash" in the name: transformers then passes the packed sequence
 
 
+@functools.cache  # asked in every layer
 def _varlen_attn():
     """PyTorch's variable-length FlashAttention, or None (a torch without it)."""
     try:
