@@ -109,6 +109,11 @@ class Engine(Admission, BackgroundCompile):
         """The decoder, made at first use (which queues the background compile of its shapes)."""
         if self._decoder is None:
             self._decoder = self._new_decoder()
+            # Queued once the decoder is in place: a compile done before, switched to by the engine thread,
+            # found no decoder and was dropped (tests/test_handler.py's fake compile on a loaded CPU).
+            missing = [b for b in self._decoder.buckets if b not in self._compiled_shapes]
+            if self.compile and missing:
+                self._compile_in_background(missing)
         return self._decoder
 
     @property
@@ -406,9 +411,6 @@ class Engine(Admission, BackgroundCompile):
         for bucket in decoder.buckets:
             if bucket in self._compiled_shapes:
                 decoder.use_forward(bucket, self._compiled_forward)
-        missing = [b for b in decoder.buckets if b not in self._compiled_shapes]
-        if self.compile and missing:
-            self._compile_in_background(missing)
         log.info(
             "KV cache: %d blocks of %d tokens (%d tokens) for up to %d rows",
             decoder.pool.capacity,
