@@ -2,13 +2,15 @@
 prefill of 16 mixed jobs (448x448 to 1280x720, one image each) goes: the processor, the vision tower, the
 language model, the rest, padded against each item alone, with a profiler table (`prefill_uniform`: 23
 448x448 jobs, one prefill at the default token budget); the vision tower eager against
-torch.compile(dynamic=True) on two sets of 16 mixed images, and (`vision_packed`) transformers' per-image
+torch.compile(dynamic=True) on two sets of 16 mixed images, and each of its blocks compiled alone
+(`vision_blocks`: regional compilation, one graph for every block), and (`vision_packed`) transformers' per-image
 SDPA against the packed attention; prefills of shapes met for the first time against the second, with and
 without cuDNN's attention (`shapes`); a batch-1 job's time to first token split into reading, intake and
 admission, for a new image and for the same job again; and (`intake`) 64 one-token jobs at once with
 each phase's spans on a timeline.
 
-python bench/paged_profile.py --out OUT [--parts decode,prefill,prefill_uniform,vision,vision_packed,shapes,ttft,intake]
+python bench/paged_profile.py --out OUT
+    [--parts decode,prefill,prefill_uniform,vision,vision_blocks,vision_packed,shapes,ttft,intake]
 
 With the default KV pool the GPU has too little room left for `vision_packed` after other parts: run it
 with VLM_KV_CACHE_TOKENS=600000.
@@ -71,6 +73,7 @@ def main() -> None:
             True,
         ),
         "vision": ("vision_compile", lambda: vision_compile(engine), True),
+        "vision_blocks": ("vision_blocks_compiled", lambda: vision_blocks_compiled(engine), True),
         "ttft": ("ttft_batch1", lambda: ttft_breakdown(handler, engine), False),  # the handler's own path
         "intake": ("intake_64", lambda: intake_timeline(handler, engine), False),
     }
@@ -190,6 +193,72 @@ def vision_compile(engine) -> dict:
         result["compile_error"] = repr(error)[:500]
     finally:
         language.visual = eager_visual
+    return result
+
+
+def vision_blocks_compiled(engine) -> dict:
+    """The vision tower with each block compiled (`torch.compile(dynamic=True)` on every block: one graph
+    serves them all, the packed attention inside) against eager, over 23 448x448 images (one prefill's
+    worth), 16 mixed and 5 448x448: each set's first call, its steady time, whether a new set compiled
+    again (checked under the "fail_on_recompile" stance), and how far the features move."""
+    import torch
+
+    from runpod_vlm.vocabulary import GenerationParams
+
+    params = GenerationParams(max_new_tokens=1, temperature=0.0, top_p=1.0, do_sample=False, min_new_tokens=1)
+    language = engine.model.model
+    sets = {
+        "23_uniform": mixed_items(engine, 23, 7, 7000, params, sizes=[(448, 448)]),
+        "16_mixed": mixed_items(engine, 16, 8, 8000, params),
+        "5_uniform": mixed_items(engine, 5, 9, 9000, params, sizes=[(448, 448)]),
+    }
+    batches = {}
+    for name, items in sets.items():
+        inputs, _ = engine.adapter.batch_inputs(engine.processor, items, engine.model.device, engine.dtype)
+        batches[name] = (inputs["pixel_values"], inputs["image_grid_thw"])
+
+    def features(batch):
+        output = language.get_image_features(*batch)
+        embeds = getattr(output, "pooler_output", output)
+        return torch.cat([torch.cat(list(e)) if isinstance(e, (tuple, list)) else e for e in embeds])
+
+    def timed(batch, runs=3):
+        seconds = []
+        for _ in range(runs):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            features(batch)
+            torch.cuda.synchronize()
+            seconds.append(time.perf_counter() - t0)
+        return min(seconds)
+
+    result = {name: {"patches": int(b[1].prod(-1).sum()), "eager_s": timed(b)} for name, b in batches.items()}
+    eager = {name: features(b) for name, b in batches.items()}
+    blocks = language.visual.blocks
+    try:
+        for block in blocks:
+            block.compile(dynamic=True)
+        for name, batch in batches.items():
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            try:
+                with (
+                    torch.compiler.set_stance("fail_on_recompile") if name != "23_uniform" else contextlib.nullcontext()
+                ):
+                    compiled = features(batch)
+                result[name]["recompiled"] = False
+            except Exception as error:  # it needed a new graph: let it compile and time that
+                result[name]["recompiled"] = repr(error)[:200]
+                compiled = features(batch)
+            torch.cuda.synchronize()
+            result[name]["first_call_s"] = time.perf_counter() - t0
+            result[name]["compiled_s"] = timed(batch)
+            result[name]["max_difference"] = (compiled.float() - eager[name].float()).abs().max().item()
+    except Exception as error:  # what stops it is the finding
+        result["compile_error"] = repr(error)[:500]
+    finally:
+        for block in blocks:
+            block._compiled_call_impl = None  # what Module.compile set
     return result
 
 

@@ -1991,6 +1991,7 @@ class FakePagedDecoder(PagedDecoder):
         self.answers: dict = {}  # row -> its script, tokens so far, params and seen tokens
         self.keys: list = []  # as the real one's: allocated by the first prefill that runs
         self.decode_kernel = False  # as on the CPU
+        self.eager_steps, self.capture_s = 0, 0.0
         HUB.decoders.append(self)
 
     def capture_ahead(self, bucket):

@@ -338,14 +338,18 @@ class Admission:
         # A grammar's next mask depends on the token just chosen: constrained rows step one token at a time.
         steps = 1 if decoder.any_constrained else max(1, min(decoder.interval, remaining))
         self._make_room(decoder, steps)
-        started = time.perf_counter()
+        started, eager, capturing = time.perf_counter(), decoder.eager_steps, decoder.capture_s
         tokens = decoder.step(steps)
-        self.timings["decode_s"] += time.perf_counter() - started
+        stepped = time.perf_counter()
+        self.timings["decode_s"] += stepped - started
         self.timings["decode_steps"] += steps
+        self.timings["decode_eager_steps"] += decoder.eager_steps - eager
+        self.timings["graph_capture_s"] += decoder.capture_s - capturing
         logprobs = decoder.take_logprobs() or {}
         for row, ticket in list(self._rows.items()):
             self._accept(ticket, tokens[row], logprobs.get(row))
         self._next_grammar_masks()
+        self.timings["accept_s"] += time.perf_counter() - stepped
 
     def _make_room(self, decoder: PagedDecoder, steps: int) -> None:
         """Blocks for every row's next `steps` tokens; while too few are free, the newest row is preempted:

@@ -141,6 +141,7 @@ class PagedDecoder:
         self.lengths: dict[int, int] = {}  # busy row -> tokens in its blocks (host copy of state.length)
         self.any_sample = self.any_logprobs = self.any_constrained = False
         self.capture_failures = 0  # e.g. voided by the background compile's GPU work
+        self.eager_steps, self.capture_s = 0, 0.0  # steps run without a graph, seconds spent recording (benchmarks)
 
     # ---- blocks -----------------------------------------------------------------------------
 
@@ -445,6 +446,7 @@ class PagedDecoder:
         graph = self.graphs.get(self._graph_key(bucket, span))
         for _ in range(steps):
             graph.replay() if graph is not None else self._advance(bucket, span)
+        self.eager_steps += 0 if graph is not None else steps
         for row in self.lengths:
             self.lengths[row] += steps
         tokens = self.state.ring[:bucket, :steps].tolist()
@@ -454,12 +456,14 @@ class PagedDecoder:
             per_row = zip(*(part[:bucket, :steps].tolist() for part in parts))
             self.pending_logprobs = {row: list(zip(*entries)) for row, entries in enumerate(per_row)}
         if self.use_graph and graph is None and self.lengths:
+            started = time.perf_counter()
             try:
                 self._capture_unless_compiling(bucket, span)
             except Exception:  # still correct without the graph, only slower; tried again at later steps
                 self.capture_failures += 1
                 log.warning("CUDA graph capture failed (%d of 3 tries)", self.capture_failures, exc_info=True)
                 self.use_graph = self.capture_failures < 3
+            self.capture_s += time.perf_counter() - started
         return tokens
 
     def _graph_key(self, bucket: int, span: int) -> tuple:

@@ -227,6 +227,7 @@ class Engine(Admission, BackgroundCompile):
                     break
                 self._queue = [t for t in self._queue if not t.cancelled]
                 waiting = list(self._queue)
+            started = time.perf_counter()
             try:
                 if self._stop_by is not None and time.monotonic() >= self._stop_by:
                     self._fail_all(WORKER_STOPPING, queued=True)  # on every path: one at a time too
@@ -249,6 +250,8 @@ class Engine(Admission, BackgroundCompile):
                     continue
                 log.exception("the engine failed a step; failing the items in flight (the queued ones if none)")
                 self._fail_all(GENERATION_FAILED, queued=not self._rows)  # else the same failure would come again
+            finally:
+                self.timings["busy_s"] += time.perf_counter() - started  # the engine thread's time not waiting
 
     def _take(self, tickets: list[Ticket]) -> None:
         with self._wake:
