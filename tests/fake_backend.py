@@ -1154,7 +1154,7 @@ class Hub:
         self.artifacts = []  # ("load" | "save", key) of the compile-artifact file
         self.steps = []  # (bucket, steps, compiled forward?) of every decode interval
         self.compiled_steps = []  # the bucket of every step run with the compiled forward
-        self.captured_ahead = []  # (bucket, its forward is the compiled one) per graph capture asked ahead
+        self.captured_ahead = []  # (bucket, its forward is the compiled one, rows busy) per graph recorded ahead
 
     def respond(self, prompt: str) -> str:
         return self.reply(prompt) if callable(self.reply) else self.reply
@@ -1992,10 +1992,19 @@ class FakePagedDecoder(PagedDecoder):
         self.keys: list = []  # as the real one's: allocated by the first prefill that runs
         self.decode_kernel = False  # as on the CPU
         self.eager_steps, self.capture_s = 0, 0.0
+        self.ahead = []  # buckets whose graphs are to be recorded while the engine is idle
         HUB.decoders.append(self)
 
     def capture_ahead(self, bucket):
-        HUB.captured_ahead.append((bucket, self.forwards[bucket] is not self.model))
+        self.ahead.append(bucket)
+
+    def captures_ahead_due(self):
+        return bool(self.ahead and self.keys)
+
+    def capture_one_ahead(self):
+        if self.captures_ahead_due():
+            bucket = self.ahead.pop(0)
+            HUB.captured_ahead.append((bucket, self.forwards[bucket] is not self.model, bool(self.lengths)))
 
     def grow(self, row, tokens):
         self.pool.grow(row, tokens)

@@ -106,6 +106,7 @@ class PagedDecoder:
         self.buckets = row_buckets(rows)
         self.forwards = {bucket: model for bucket in self.buckets}  # `use_forward` swaps in compiled ones
         self.graphs: dict = {}  # (bucket, span, any sampled row, logprobs, constrained) -> CUDA graph of one step
+        self.ahead: list = []  # (bucket, sampled) graphs to record while the engine is idle
         self.decode_kernel = decode_kernel.usable(model)  # else a step gathers each row's slots (span)
         self.graph_pool = None  # their shared memory pool (a graph each held its own: GBs at 256 rows)
         self.keys: list = []  # per layer [slots, kv heads, head dim]: made at the first prefill, from its shapes
@@ -442,8 +443,11 @@ class PagedDecoder:
         """Run `steps` (at most `interval`) decode steps; each busy bucket row's new tokens. Every busy row
         must hold the blocks for `steps` more tokens (`grow`)."""
         bucket, span = self.bucket(), self.span(steps)
+        key = self._graph_key(bucket, span)
+        if self.use_graph and key not in self.graphs and self.lengths:
+            self._capture_or_log(bucket, span)  # before the steps: an eager step takes several replays' time
         self.ring_index.zero_()
-        graph = self.graphs.get(self._graph_key(bucket, span))
+        graph = self.graphs.get(key)
         for _ in range(steps):
             graph.replay() if graph is not None else self._advance(bucket, span)
         self.eager_steps += 0 if graph is not None else steps
@@ -455,16 +459,17 @@ class PagedDecoder:
             parts = (state.ring_logprob, state.ring_top_id, state.ring_top_logprob)
             per_row = zip(*(part[:bucket, :steps].tolist() for part in parts))
             self.pending_logprobs = {row: list(zip(*entries)) for row, entries in enumerate(per_row)}
-        if self.use_graph and graph is None and self.lengths:
-            started = time.perf_counter()
-            try:
-                self._capture_unless_compiling(bucket, span)
-            except Exception:  # still correct without the graph, only slower; tried again at later steps
-                self.capture_failures += 1
-                log.warning("CUDA graph capture failed (%d of 3 tries)", self.capture_failures, exc_info=True)
-                self.use_graph = self.capture_failures < 3
-            self.capture_s += time.perf_counter() - started
         return tokens
+
+    def _capture_or_log(self, bucket: int, span: int) -> None:
+        started = time.perf_counter()
+        try:
+            self._capture_unless_compiling(bucket, span)
+        except Exception:  # still correct without the graph, only slower; tried again at later steps
+            self.capture_failures += 1
+            log.warning("CUDA graph capture failed (%d of 3 tries)", self.capture_failures, exc_info=True)
+            self.use_graph = self.capture_failures < 3
+        self.capture_s += time.perf_counter() - started
 
     def _graph_key(self, bucket: int, span: int) -> tuple:
         return bucket, span, self.any_sample, self.any_logprobs, self.any_constrained
@@ -484,16 +489,27 @@ class PagedDecoder:
         self.graphs = {key: graph for key, graph in self.graphs.items() if key[0] != bucket}
 
     def capture_ahead(self, bucket: int) -> None:
-        """Record `bucket`'s greedy and sampled steps now (at a step boundary), so that no request later waits
-        on their capture; only with the decode kernel, whose graphs hold rows of any length."""
-        if not (self.use_graph and self.decode_kernel and self.keys and self.position is not None):
+        """Have `bucket`'s greedy and sampled steps recorded ahead of need (`capture_one_ahead`, while the
+        engine is idle), so that no request waits on their capture; only with the decode kernel, whose graphs
+        hold rows of any length."""
+        if self.use_graph and self.decode_kernel:
+            self.ahead.extend((bucket, sample) for sample in (False, True))
+
+    def captures_ahead_due(self) -> bool:
+        """Whether `capture_one_ahead` has one to record: the KV pool exists (made by the first prefill)."""
+        return bool(self.ahead and self.use_graph and self.keys and self.position is not None)
+
+    def capture_one_ahead(self) -> None:
+        """Record one graph `capture_ahead` asked for (one at a time: a request that comes meanwhile waits on
+        one capture at most)."""
+        if not self.captures_ahead_due():
             return
+        bucket, sample = self.ahead.pop(0)
         flags = self.any_sample, self.any_logprobs, self.any_constrained
+        self.any_sample, self.any_logprobs, self.any_constrained = sample, False, False
         try:
-            for sample in (False, True):
-                self.any_sample, self.any_logprobs, self.any_constrained = sample, False, False
-                if self._graph_key(bucket, 0) not in self.graphs:
-                    self._capture_unless_compiling(bucket, 0)
+            if self._graph_key(bucket, 0) not in self.graphs:
+                self._capture_unless_compiling(bucket, 0)
         except Exception:  # captured again when a step needs it
             log.warning("CUDA graph capture ahead of the %d-row steps failed", bucket, exc_info=True)
         finally:

@@ -58,6 +58,7 @@ class Engine(Admission, BackgroundCompile):
         self._closed = False  # close(): the engine thread ends, nothing more runs here
         self._compiled_shapes: set = set()  # row buckets compiled in the background
         self._newly_compiled: list = []  # ... ready, not yet switched to by the engine thread
+        self._compiled_vision = None  # the vision blocks' compiled forwards, likewise
         self._answered = threading.Event()  # set at the first answer; the background compile waits for it
         self._load()
         self.image_cache = ImageEmbeddingCache(settings.image_cache_mb * 2**20) if settings.image_cache_mb else None
@@ -200,7 +201,11 @@ class Engine(Admission, BackgroundCompile):
         head = self._queue[0] if self._queue else None
         mates = [t for t in self._queue[: self.settings.max_batch_size] if head is not None and t.call is head.call]
         ready = head is not None and all(t.prepared is None or t.prepared.done() for t in mates)
-        return not ready and not self._rows and not self._chunking and not self._newly_compiled
+        switch = self._newly_compiled or self._compiled_vision is not None
+        return not ready and not self._rows and not self._chunking and not switch
+
+    def _captures_ahead_due(self) -> bool:
+        return self._decoder is not None and self._decoder.captures_ahead_due()
 
     def _start_thread(self) -> None:
         """Start the engine thread once (call with `_wake` held)."""
@@ -221,7 +226,7 @@ class Engine(Admission, BackgroundCompile):
     def _serve_forever(self) -> None:
         while True:
             with self._wake:
-                while self._idle() and not self._closed:
+                while (idle := self._idle()) and not self._closed and not self._captures_ahead_due():
                     self._wake.wait(None if self._stop_by is None else 0.05)
                 if self._closed:
                     break
@@ -232,12 +237,15 @@ class Engine(Admission, BackgroundCompile):
                 if self._stop_by is not None and time.monotonic() >= self._stop_by:
                     self._fail_all(WORKER_STOPPING, queued=True)  # on every path: one at a time too
                     continue
+                if idle:  # the GPU has nothing else to do
+                    self._decoder.capture_one_ahead()
+                    continue
                 if not self.continuous:
                     if waiting:
                         self._take(waiting[:1])
                         self._run_alone(waiting[0])
                     continue
-                if self._newly_compiled:
+                if self._newly_compiled or self._compiled_vision is not None:
                     self._switch_to_compiled()
                 self._admit(waiting)
                 if self._chunking is not None:
