@@ -22,7 +22,9 @@ def kv_pool_tokens(model, settings: Settings, dtype) -> int:
         return CPU_KV_CACHE_TOKENS
     device = model.device
     total = torch.cuda.get_device_properties(device).total_memory
-    limit = total * min(settings.gpu_memory_utilization, torch.cuda.get_per_process_memory_fraction(device))
+    # The utilization applies to the cap too: at min(utilization, cap) a process capped to a 24 GB card's share
+    # had no headroom left for a large request's vision pass, which then ran out of memory on the H200.
+    limit = total * settings.gpu_memory_utilization * torch.cuda.get_per_process_memory_fraction(device)
     limit = min(limit, torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device))
     work = measured_work_memory(model, settings, dtype)
     weights = torch.cuda.memory_allocated(device)
