@@ -11,9 +11,12 @@ from concurrent.futures import ThreadPoolExecutor
 from runpod_vlm.engine.blocks import BLOCK_SIZE
 from runpod_vlm.engine.compile import (
     compile_cache_key,
+    compiled_block_forwards,
     load_compile_artifacts,
     model_view,
+    run_blocks_compiled,
     save_compile_artifacts,
+    vision_blocks,
     with_compiled_layers,
 )
 from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, Turn
@@ -30,6 +33,10 @@ class BackgroundCompile:
         """At a step boundary: buckets whose compiled forward is ready decode with it from now on."""
         with self._wake:
             ready, self._newly_compiled = self._newly_compiled, []
+            vision, self._compiled_vision = self._compiled_vision, None
+        if vision is not None:
+            run_blocks_compiled(vision_blocks(self.model), vision)
+            log.info("the vision blocks run compiled from now on")
         for bucket in ready:
             if self._decoder is not None:
                 self._decoder.use_forward(bucket, self._compiled_forward)
@@ -53,9 +60,9 @@ class BackgroundCompile:
         self._answered.wait(COMPILE_AFTER_FIRST_ANSWER_S)
         if self._closed:
             return
+        # Inductor's kernel-compiling processes made prefills 12x slower, compiling no faster (bench/contention.py).
+        options = {} if os.environ.get("TORCHINDUCTOR_COMPILE_THREADS") else {"options": {"compile_threads": 1}}
         if self._compiled_forward is None:  # here, not on the engine thread: importing the compiler takes seconds
-            # Inductor's kernel-compiling processes made prefills 12x slower, compiling no faster (bench/contention.py).
-            options = {} if os.environ.get("TORCHINDUCTOR_COMPILE_THREADS") else {"options": {"compile_threads": 1}}
             self._compiled_forward = with_compiled_layers(model_view(self.model), **options)
         rows, interval = self.settings.max_batch_size, self.settings.sync_interval
         key = compile_cache_key(
@@ -67,6 +74,7 @@ class BackgroundCompile:
                 "buckets": buckets,
                 "interval": interval,
                 "compiled": "decoder layers around paged attention",
+                "vision_blocks": self._compiles_vision(),
             },
         )  # older artifacts hold other shapes
         loaded = load_compile_artifacts(self.settings, key)  # never raises: a bad file is skipped
@@ -75,13 +83,45 @@ class BackgroundCompile:
             for bucket in buckets  # a second try: a CUDA graph capture may void the first
             if not self._closed and (self._compile_shape(bucket) or self._compile_shape(bucket))
         ]
-        if len(done) == len(buckets) and not loaded:
+        vision = self._compile_vision_blocks(options) if self._compiles_vision() and not self._closed else None
+        if len(done) == len(buckets) and (vision is not None or not self._compiles_vision()) and not loaded:
             save_compile_artifacts(self.settings, key)
         # All shapes switch at once: compiled code run while another shape is traced fails (process-wide state).
         with self._wake:
             self._compiled_shapes.update(done)
             self._newly_compiled.extend(done)
+            self._compiled_vision = vision
             self._wake.notify()
+
+    def _compiles_vision(self) -> bool:
+        """A packed vision tower on the GPU has its blocks compiled (1.5x for 23 images; on the CPU its
+        attention runs per image, which dynamo would trace anew for every count)."""
+        return self.packed_vision and str(self.model.device).startswith("cuda") and bool(vision_blocks(self.model))
+
+    def _compile_vision_blocks(self, options: dict):
+        """The vision blocks' compiled forwards, traced on a view of the model for one image alone and for
+        two of other sizes; None when that failed (they stay eager)."""
+        import torch
+        from PIL import Image
+
+        started = time.perf_counter()
+        view = model_view(self.model)
+        forwards = compiled_block_forwards(vision_blocks(view), **options)
+        run_blocks_compiled(vision_blocks(view), forwards, recompile=True)
+        params = GenerationParams(max_new_tokens=1, temperature=0.0, top_p=1.0, do_sample=False)
+        try:
+            with self._capture_lock, torch.inference_mode():
+                for sizes in ([(224, 224)], [(336, 224), (224, 448)]):
+                    turns = [[Turn("user", [Image.new("RGB", size), "Describe."])] for size in sizes]
+                    items = [GenerationRequest("caption", t, params) for t in turns]
+                    inputs, _ = self.adapter.batch_inputs(self.processor, items, self.model.device, self.dtype)
+                    view(**inputs, use_cache=False, logits_to_keep=1)
+                torch.cuda.synchronize()
+        except Exception:
+            log.warning("compiling the vision blocks failed; they stay uncompiled", exc_info=True)
+            return None
+        log.info("compiled the vision blocks in the background in %.1fs", time.perf_counter() - started)
+        return forwards
 
     def _compile_shape(self, bucket: int) -> bool:
         """Trace and compile one decode shape on a shadow decoder of the same rows (own buffers and a small
