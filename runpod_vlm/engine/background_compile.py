@@ -106,8 +106,9 @@ class BackgroundCompile:
 
         started = time.perf_counter()
         view = model_view(self.model)
-        forwards = compiled_block_forwards(vision_blocks(view), **options)
-        run_blocks_compiled(vision_blocks(view), forwards, recompile=True)
+        blocks = vision_blocks(view)
+        forwards = compiled_block_forwards(blocks, **options)
+        run_blocks_compiled(blocks, forwards, recompile=True)
         params = GenerationParams(max_new_tokens=1, temperature=0.0, top_p=1.0, do_sample=False)
         try:
             with self._capture_lock, torch.inference_mode():
