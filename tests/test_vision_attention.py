@@ -13,13 +13,14 @@ from sample_images import striped
 PACKED_FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
 
 
-def image_features(engine, sizes):
+def image_features(engine, sizes, mode=torch.inference_mode):
+    """The vision tower's features for images of `sizes`, run under `mode` (the engine's: inference mode)."""
     params = GenerationParams(max_new_tokens=1, temperature=0.0, top_p=1.0, do_sample=False, min_new_tokens=1)
     turn = Turn("user", [*(striped(size) for size in sizes), "Describe."])
     inputs, _ = engine.adapter.batch_inputs(
         engine.processor, [GenerationRequest("vqa", [turn], params)], "cpu", engine.dtype
     )
-    with torch.inference_mode():
+    with mode():
         features = engine.model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
     embeds = getattr(features, "pooler_output", features)
     return torch.cat(list(embeds) if isinstance(embeds, (tuple, list)) else [embeds])

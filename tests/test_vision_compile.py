@@ -14,9 +14,9 @@ import handler
 from runpod_vlm.engine import compile as compile_module
 from runpod_vlm.engine import vision_attention
 from runpod_vlm.engine.compile import compiled_block_forwards, run_blocks_compiled, vision_blocks
-from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, Turn
-from sample_images import striped
+from sample_images import data_uri, striped
 from test_compile_cache import compile_in_background
+from test_vision_attention import image_features
 
 
 def block_diagonal_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):
@@ -52,43 +52,32 @@ def wait_for(condition, timeout: float = 10.0) -> bool:
 ONE, TWO, THREE = [(64, 48)], [(96, 64), (48, 80)], [(80, 64), (64, 64), (48, 96)]
 
 
-def features(engine, sizes, mode=torch.inference_mode):
-    """The vision tower's features for images of `sizes`, run under `mode` (the engine's: inference mode)."""
-    params = GenerationParams(max_new_tokens=1, temperature=0.0, top_p=1.0, do_sample=False, min_new_tokens=1)
-    turn = Turn("user", [*(striped(size) for size in sizes), "Describe."])
-    item = GenerationRequest("vqa", [turn], params)
-    inputs, _ = engine.adapter.batch_inputs(engine.processor, [item], "cpu", engine.dtype)
-    with mode():
-        output = engine.model.model.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"])
-    return torch.cat(list(getattr(output, "pooler_output", output))).detach()
-
-
 def test_every_block_and_image_set_runs_the_one_trace_and_the_engine_thread_never_traces(
     tiny_model, serve, traces, monkeypatch
 ):
     monkeypatch.setattr(compile_module, "COMPILED_FROM_PATCHES", 0)  # the tiny images' few patches compiled too
     engine = serve(tiny_model("qwen2-vl"))
-    eager = {len(sizes): features(engine, sizes) for sizes in (ONE, TWO, THREE)}
+    eager = {len(sizes): image_features(engine, sizes) for sizes in (ONE, TWO, THREE)}
     blocks = vision_blocks(engine.model)
     assert len(blocks) == engine.model.config.vision_config.depth >= 2
     forwards = compiled_block_forwards(blocks)
     try:
         run_blocks_compiled(blocks, forwards, recompile=True)  # the compile thread's warm-up
-        assert torch.equal(features(engine, TWO), eager[2])
+        assert torch.equal(image_features(engine, TWO), eager[2])
         assert len(traces) == 1  # every block ran the first block's trace
         for sizes in (THREE, ONE):  # other counts and sizes: symbolic, the same trace
-            assert torch.equal(features(engine, sizes), eager[len(sizes)]) and len(traces) == 1
+            assert torch.equal(image_features(engine, sizes), eager[len(sizes)]) and len(traces) == 1
         run_blocks_compiled(blocks, forwards)  # as the engine thread runs them
         # A call the warm-up did not meet (here outside inference mode: dynamo guards on it) runs eagerly.
-        assert torch.equal(features(engine, TWO, torch.no_grad), eager[2]) and len(traces) == 1
-        assert torch.equal(features(engine, THREE), eager[3]) and len(traces) == 1
+        assert torch.equal(image_features(engine, TWO, torch.no_grad), eager[2]) and len(traces) == 1
+        assert torch.equal(image_features(engine, THREE), eager[3]) and len(traces) == 1
         calls = []
         counted = {kind: lambda *a, _f=f, **k: calls.append(1) or _f(*a, **k) for kind, f in forwards.items()}
         run_blocks_compiled(blocks, counted)
-        assert torch.equal(features(engine, TWO), eager[2]) and len(calls) == len(blocks)
+        assert torch.equal(image_features(engine, TWO), eager[2]) and len(calls) == len(blocks)
         patches = sum(w * h for w, h in TWO) // engine.model.config.vision_config.patch_size**2
         monkeypatch.setattr(compile_module, "COMPILED_FROM_PATCHES", patches + 1)  # fewer patches: eager
-        assert torch.equal(features(engine, TWO), eager[2]) and len(calls) == len(blocks)
+        assert torch.equal(image_features(engine, TWO), eager[2]) and len(calls) == len(blocks)
     finally:
         for block in blocks:
             del block.forward
@@ -97,8 +86,6 @@ def test_every_block_and_image_set_runs_the_one_trace_and_the_engine_thread_neve
 def test_the_background_compile_compiles_the_vision_blocks_and_the_engine_switches_to_them(
     tiny_model, serve, traces, monkeypatch
 ):
-    from sample_images import data_uri, striped
-
     engine = serve(tiny_model("qwen2-vl"), VLM_COMPILE="false", VLM_MAX_BATCH_SIZE="8")
     jobs = [
         {"task": "vqa", "image_url": data_uri(striped(size)), "question": "What?", "max_new_tokens": 6}
