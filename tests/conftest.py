@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import http.server
 import socket
 import subprocess
 import sys
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -64,6 +66,39 @@ def serve(monkeypatch):
 
 
 STARTUP_LIMIT_S = 180  # a deadline for a server to come up, not a performance assertion
+
+
+@pytest.fixture
+def forward_calls_of(monkeypatch):
+    """`forward_calls_of(engine)`: what that engine's model is handed and chooses from now on, independent of how
+    the worker drives it: `prompts`, the input ids and attention mask of each call of its forward (a prefill's
+    first: the prompt, left padding included), and `choices`, the greedy choice at each row's last position at
+    each use of its output layer (a prefill's, packed or not, and each decode step's)."""
+
+    def record(engine):
+        calls = types.SimpleNamespace(prompts=[], choices=[])
+        model = engine.model
+        real_forward = getattr(model.forward, "__wrapped_forward__", model.forward)
+
+        @functools.wraps(real_forward)  # generate() reads the forward's signature
+        def recording_forward(*args, **kwargs):
+            calls.prompts.append({"input_ids": kwargs.get("input_ids"), "attention_mask": kwargs.get("attention_mask")})
+            return real_forward(*args, **kwargs)
+
+        head = model.get_output_embeddings()
+        real_head = getattr(head.forward, "__wrapped_forward__", head.forward)
+
+        def recording_head(hidden_states):
+            logits = real_head(hidden_states)
+            calls.choices.append(logits.reshape(logits.shape[0], -1, logits.shape[-1])[:, -1].argmax(-1))
+            return logits
+
+        recording_forward.__wrapped_forward__, recording_head.__wrapped_forward__ = real_forward, real_head
+        monkeypatch.setattr(model, "forward", recording_forward)
+        monkeypatch.setattr(head, "forward", recording_head)
+        return calls
+
+    return record
 
 
 def free_port() -> int:

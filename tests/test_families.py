@@ -60,14 +60,14 @@ def check_batch_against_card(engine, requests: list[dict], cards: list[tuple[lis
         assert result["usage"] == {"prompt_tokens": len(prompt), "completion_tokens": len(kept)}, index
 
 
-def worker_rows(calls: list[dict], rows: int) -> list[tuple[list[int], list[int]]]:
-    """Per batch row: the prompt ids (padding removed) and the greedy tokens."""
-    first = calls[0]
+def worker_rows(calls, rows: int) -> list[tuple[list[int], list[int]]]:
+    """Per batch row: the prompt ids (padding removed) and the greedy tokens (`forward_calls_of`)."""
+    first = calls.prompts[0]
     result = []
     for row in range(rows):
         ids, mask = first["input_ids"][row], first["attention_mask"][row]
         prompt = ids[mask[-len(ids) :].bool()].tolist()
-        result.append((prompt, [int(call["choice"][row]) for call in calls][:NEW_TOKENS]))
+        result.append((prompt, [int(choice[row]) for choice in calls.choices][:NEW_TOKENS]))
     return result
 
 
@@ -236,33 +236,6 @@ def test_paligemma_refuses_what_its_card_cannot_express(paligemma, messages):
     refused, answered = out["results"]
     assert refused["code"] == "invalid_request" and refused["param"] == "requests[0].messages", refused
     assert "error" not in answered  # its neighbour still answers
-
-
-@pytest.fixture
-def forward_calls_of(monkeypatch):
-    """`forward_calls_of(engine)`: a fresh list recording that engine's forward passes from now on."""
-
-    def record(engine):
-        calls = []
-        real_forward = getattr(engine.model.forward, "__wrapped_forward__", engine.model.forward)
-
-        @functools.wraps(real_forward)  # generate() reads the forward's signature
-        def recording_forward(*args, **kwargs):
-            output = real_forward(*args, **kwargs)
-            calls.append(
-                {
-                    "input_ids": kwargs.get("input_ids"),
-                    "attention_mask": kwargs.get("attention_mask"),
-                    "choice": output.logits[:, -1].argmax(-1),
-                }
-            )
-            return output
-
-        recording_forward.__wrapped_forward__ = real_forward
-        monkeypatch.setattr(engine.model, "forward", recording_forward)
-        return calls
-
-    return record
 
 
 # ---- grounding on the new families --------------------------------------------------------------

@@ -4,6 +4,7 @@ chunks, a full pool preempts and resumes, and every answer is exactly its solo `
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 
 import pytest
@@ -11,7 +12,9 @@ import torch
 
 import handler
 from runpod_vlm.answers import generate_all
+from runpod_vlm.engine import varlen
 from sample_images import data_uri, striped
+from test_vision_compile import block_diagonal_varlen
 from tiny_models import FAMILIES
 
 LONG_TEXT = " ".join(f"word{n}" for n in range(40))  # about 300 tokens: more than one chunk at a 256 budget
@@ -140,6 +143,87 @@ def test_a_family_that_hands_its_language_model_masks_of_its_own_is_not_chunked(
     with torch.inference_mode():
         chunked = engine._current_decoder().begin_chunks(inputs, 0, item.params)
     assert (chunked is not None) == chunkable
+
+
+def packed_prefill_jobs() -> list[dict]:
+    """Prompts of very different lengths: padded to the longest they would be about 4 x 330 tokens; packed, 450."""
+    long = {"task": "vqa", "image_url": data_uri(striped((64, 48))), "question": LONG_TEXT}
+    short = [{"messages": [{"role": "user", "content": f"Count to {n}."}]} for n in range(2)]
+    image = {"task": "vqa", "image_url": data_uri(striped((40, 56))), "question": "What is it?"}
+    return [dict(job, max_new_tokens=n, min_new_tokens=n) for job, n in zip([long, *short, image], (5, 30, 12, 20))]
+
+
+def language_model_inputs(monkeypatch, engine) -> list:
+    """The shapes of the embeddings handed to the language model, per call of its forward."""
+    shapes = []
+    language_model = engine.model.get_decoder()
+    real = language_model.forward
+
+    def recorded(*args, **kwargs):
+        embeds = kwargs.get("inputs_embeds")
+        shapes.append(None if embeds is None else tuple(embeds.shape))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(language_model, "forward", recorded)
+    return shapes
+
+
+# Families whose language model takes only embeddings and positions: the rest (WHOLE, and Phi-4's remote code)
+# prefill padded through the whole model.
+PACKED = [f for f in FAMILIES if f not in WHOLE and f != "phi4-multimodal"]
+
+
+@pytest.mark.parametrize("family", PACKED)
+def test_prompts_prefilled_together_go_through_the_language_model_packed_with_their_solo_tokens(
+    family, tiny_model, serve, monkeypatch
+):
+    """Four prompts of very different lengths within the token budget packed (not padded): one prefill of all
+    four, their tokens only, in one sequence through the language model; each answer its solo generate()'s."""
+    engine = serve(tiny_model(family), VLM_MAX_BATCH_TOKENS="1024", VLM_PREFIX_CACHING="false")
+    items = items_of(engine, packed_prefill_jobs())
+    solo = solo_generate(engine, items)
+    prompts = [outcome.prompt_tokens for outcome in solo]
+    assert sum(prompts) <= 1024 < len(prompts) * max(prompts)  # one prefill packed, two or more padded
+    decoder = engine._current_decoder()
+    prefills: list = []
+    spy(monkeypatch, decoder, "prefill", prefills, "prefill")
+    shapes = language_model_inputs(monkeypatch, engine)
+    decoder.packs = True  # as after a first prefill
+    assert generate_all(engine, items) == solo
+    assert decoder.packs and prefills == ["prefill"]
+    assert shapes[0][:2] == (1, sum(prompts))  # then the decode steps
+    assert decoder.pool.free == decoder.pool.capacity
+
+
+def test_the_gpu_path_hands_varlen_the_packed_prompts_causal_in_their_own_spans(tiny_model, serve, monkeypatch):
+    # The prompts' own attention through varlen's layout (a tensor-ops stand-in for the kernel on the CPU).
+    engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_TOKENS="1024", VLM_PREFIX_CACHING="false")
+    items = items_of(engine, packed_prefill_jobs())
+    solo = solo_generate(engine, items)
+    causal: list = []  # the tokens of each causal call (the vision tower's are not)
+
+    @functools.wraps(block_diagonal_varlen)  # its signature: the options the engine hands it
+    def kernel(q, *args, **kwargs):
+        if kwargs.get("window_size") == (-1, 0):
+            causal.append(q.shape[0])
+        return block_diagonal_varlen(q, *args, **kwargs)
+
+    monkeypatch.setattr(varlen, "takes", lambda query: True)
+    monkeypatch.setattr(varlen, "kernel", lambda: kernel)
+    engine._current_decoder().packs = True
+    assert generate_all(engine, items) == solo
+    layers = engine.model.config.get_text_config(decoder=True).num_hidden_layers
+    assert causal == [sum(outcome.prompt_tokens for outcome in solo)] * layers
+
+
+def test_a_family_whose_language_model_takes_more_prefills_padded_with_its_solo_tokens(tiny_model, serve, monkeypatch):
+    engine = serve(tiny_model("qwen3-vl"), VLM_MAX_BATCH_TOKENS="1024", VLM_PREFIX_CACHING="false")
+    items = items_of(engine, packed_prefill_jobs())
+    solo = solo_generate(engine, items)
+    shapes = language_model_inputs(monkeypatch, engine)
+    assert generate_all(engine, items) == solo
+    assert engine._current_decoder().packs is False
+    assert shapes[0][0] > 1  # the padded batch, its deepstack features beside it
 
 
 def test_a_row_frees_its_blocks_at_its_own_end(tiny_model, serve):

@@ -37,28 +37,11 @@ def ask(payload: dict, job_id: str = "job-1") -> dict:
 
 
 @pytest.fixture
-def forward_calls(engine, monkeypatch):
-    """Records every forward pass of the worker's model: its input ids and attention mask, and
-    the greedy choice of its last position. Independent of how the worker drives decoding."""
-    calls = []
-    real_forward = engine.model.forward
+def forward_calls(engine, monkeypatch, forward_calls_of):
     # A prompt that starts from cached blocks (every prompt after the first shares its template's opening)
     # goes through the language model alone, not this forward: the recorded prefill must be a whole one.
     monkeypatch.setattr(engine, "prefix_caching", False)
-
-    def recording_forward(*args, **kwargs):
-        output = real_forward(*args, **kwargs)
-        calls.append(
-            {
-                "input_ids": kwargs.get("input_ids"),
-                "attention_mask": kwargs.get("attention_mask"),
-                "choice": output.logits[:, -1].argmax(-1),
-            }
-        )
-        return output
-
-    monkeypatch.setattr(engine.model, "forward", recording_forward)
-    return calls
+    return forward_calls_of(engine)
 
 
 @functools.cache
@@ -81,10 +64,10 @@ def reference_generate(folder, messages: list[dict], max_new_tokens: int):
     return prompt_ids, output[0, len(prompt_ids) :]
 
 
-def worker_tokens(calls: list[dict], row: int = 0, max_new_tokens: int | None = None):
+def worker_tokens(calls, row: int = 0, max_new_tokens: int | None = None):
     """The prompt (padding removed) and greedy tokens of one row, from recorded forward passes."""
-    prompt_ids, mask = calls[0]["input_ids"][row], calls[0]["attention_mask"][row]
-    generated = [int(call["choice"][row]) for call in calls][:max_new_tokens]
+    prompt_ids, mask = calls.prompts[0]["input_ids"][row], calls.prompts[0]["attention_mask"][row]
+    generated = [int(choice[row]) for choice in calls.choices][:max_new_tokens]
     return prompt_ids[mask[: len(prompt_ids)].bool()], generated
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from runpod_vlm.engine import vision_attention
+from runpod_vlm.engine import varlen, vision_attention
 from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, Turn
 from sample_images import striped
 
@@ -56,10 +56,8 @@ def test_the_gpu_path_hands_varlen_the_packed_layout_and_takes_its_output_back(t
     sizes = [(64, 48), (112, 80)]
     expected = with_towers_own_attention(engine, sizes)
     calls = []
-    monkeypatch.setattr(vision_attention, "_takes_varlen", lambda query: True)
-    monkeypatch.setattr(
-        vision_attention, "_varlen_attn", lambda: lambda *a, **k: calls.append(1) or reference_varlen(*a, **k)
-    )
+    monkeypatch.setattr(varlen, "takes", lambda query: True)
+    monkeypatch.setattr(varlen, "kernel", lambda: lambda *a, **k: calls.append(1) or reference_varlen(*a, **k))
     assert torch.allclose(image_features(engine, sizes), expected, atol=1e-5)
     assert len(calls) == engine.model.config.vision_config.depth  # one call a layer
 

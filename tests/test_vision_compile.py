@@ -12,21 +12,27 @@ import torch
 
 import handler
 from runpod_vlm.engine import compile as compile_module
-from runpod_vlm.engine import vision_attention
+from runpod_vlm.engine import varlen
 from runpod_vlm.engine.compile import compiled_block_forwards, run_blocks_compiled, vision_blocks
 from sample_images import data_uri, striped
 from test_compile_cache import compile_in_background
 from test_vision_attention import image_features
 
 
-def block_diagonal_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None):
-    """varlen_attn's result (non-causal) on [tokens, heads, dim] with tensor ops only, so dynamo traces each
-    block whole on the CPU as it does the GPU's kernel (the tower's own CPU path splits by `.tolist()`)."""
+def block_diagonal_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, -1), enable_gqa=False):
+    """varlen_attn's result on [tokens, heads, dim] with tensor ops only, so dynamo traces each block whole on
+    the CPU as it does the GPU's kernel (the tower's own CPU path splits by `.tolist()`); causal with the
+    window (-1, 0), as a prefill's prompts take it."""
     positions = torch.arange(q.shape[0])
     image = torch.searchsorted(cu_q[1:], positions, right=True)
     mask = image[:, None] == image[None, :]
+    if window_size == (-1, 0):
+        mask &= positions[None, :] <= positions[:, None]
     q, k, v = (t.transpose(0, 1) for t in (q, k, v))
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale).transpose(0, 1)
+    output = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+    )
+    return output.transpose(0, 1)
 
 
 @pytest.fixture
@@ -36,8 +42,8 @@ def traces(monkeypatch):
     compile_ = torch.compile
     backend = lambda graph, example_inputs: graphs.append(graph) or graph.forward  # noqa: E731
     monkeypatch.setattr(torch, "compile", lambda fn, dynamic, **options: compile_(fn, dynamic=dynamic, backend=backend))
-    monkeypatch.setattr(vision_attention, "_takes_varlen", lambda query: True)
-    monkeypatch.setattr(vision_attention, "_varlen_attn", lambda: block_diagonal_varlen)
+    monkeypatch.setattr(varlen, "takes", lambda query: True)
+    monkeypatch.setattr(varlen, "kernel", lambda: block_diagonal_varlen)
     yield graphs
     torch._dynamo.reset()
 

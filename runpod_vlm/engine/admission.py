@@ -1,4 +1,4 @@
-"""Admission: the prepared items at the queue's head placed into the paged decoder (one padded prefill
+"""Admission: the prepared items at the queue's head placed into the paged decoder (one prefill
 within the token budget, or a long prompt in chunks), blocks grown before each decode interval, the
 newest row preempted when they run out, and every way a placement runs out of memory."""
 
@@ -55,9 +55,10 @@ class Admission:
                 or self._resumes_in_chunks(ticket)
             ):
                 break  # one prompt enters in chunks at a time: this one waits its turn, ahead of those behind it
-            width = max([inputs["input_ids"].shape[1], *(p[0]["input_ids"].shape[1] for p in prepared)])
-            if group and ((len(group) + 1) * width > self.settings.max_batch_tokens or ticket.ids or group[0].ids):
-                break  # a padded prefill within the token budget; a preempted item resumes alone
+            lengths = [inputs["input_ids"].shape[1], *(p[0]["input_ids"].shape[1] for p in prepared)]
+            tokens = sum(lengths) if decoder.packs else len(lengths) * max(lengths)  # packed, else padded
+            if group and (tokens > self.settings.max_batch_tokens or ticket.ids or group[0].ids):
+                break  # a prefill within the token budget; a preempted item resumes alone
             group.append(ticket)
             prepared.append((inputs, size))
         if not group:

@@ -70,13 +70,14 @@ class PagedDecoder:
     A row holds the blocks of its own tokens (its block table); a decode step writes each row's new
     key/value at its own next slot and attends to its own slots only: on the GPU through a kernel that
     reads each row's blocks (a step has fixed shapes per row bucket and replays as a CUDA graph), else
-    gathered up to a length bucket (fixed shapes per row and length bucket). New prompts
-    are prefilled as a left-padded batch into a scratch cache and copied into their blocks; a long one
-    enters in chunks written straight into its blocks (`begin_chunks`/`prefill_chunk`). A step runs
+    gathered up to a length bucket (fixed shapes per row and length bucket). New prompts are prefilled
+    together (`prefill`); a long one enters in chunks written straight into its blocks
+    (`begin_chunks`/`prefill_chunk`). A step runs
     the smallest bucket of leading rows holding every busy row. Greedy rows give
     `model.generate(do_sample=False)`'s tokens, alone or beside others."""
 
     pending_logprobs: Optional[dict] = None  # row -> (logprob, top ids, top logprobs) per new token
+    packs: Optional[bool] = None  # whether prompts prefill packed (known at the first prefill; see `prefill`)
     capture_lock: Optional[threading.Lock] = None  # held by the background compile while it runs GPU work
 
     def __init__(
@@ -198,16 +199,28 @@ class PagedDecoder:
     # ---- prefill ----------------------------------------------------------------------------
 
     def prefill(self, inputs, rows: list[int], params: list[GenerationParams], allowed=None, prior=None) -> list[int]:
-        """Run new items' prompts (one left-padded batch) and place them in `rows`, each with the blocks
-        of its own tokens. `prior`: per row, the tokens it had already generated (a preempted row resumed:
-        they end its prompt). Returns each row's next token."""
-        import torch
+        """Run new items' prompts (a left-padded batch) and place them in `rows`, each with the blocks of its own
+        tokens. `prior`: per row, the tokens it had already generated (a preempted row resumed: they end its
+        prompt). Returns each row's next token.
+
+        Where the family's language model takes only embeddings and positions (`packs`), the prompts go through
+        it packed into one sequence without their padding, each token's keys and values written straight into
+        its blocks; else the whole model runs the padded batch into a scratch cache copied into the blocks."""
+        model = self.model
+        # Positions continue from the prompt's exactly as generate() continues them (M-RoPE too).
+        position_ids = model._prepare_position_ids_for_generation(inputs["input_ids"], dict(inputs))
+        packed = self._language_model_inputs(inputs, position_ids) if self.packs is not False else None
+        self.packs = packed is not None
+        if packed is None:
+            logits, lengths = self._prefill_padded(inputs, position_ids, rows)
+        else:
+            logits, lengths = self._prefill_packed(inputs["attention_mask"].bool(), *packed, rows)
+        return self._start(rows, lengths, logits, position_ids[..., -1:], inputs["input_ids"], params, allowed, prior)
+
+    def _prefill_padded(self, inputs, position_ids, rows: list[int]):
         from transformers import DynamicCache
 
         model = self.model
-        input_ids, attention_mask = inputs["input_ids"], inputs["attention_mask"]
-        # Positions continue from the prompt's exactly as generate() continues them (M-RoPE too).
-        position_ids = model._prepare_position_ids_for_generation(input_ids, dict(inputs))
 
         def forward():  # each try from an empty cache: one cut off midway has some layers' keys already
             scratch = DynamicCache(config=model.config.get_text_config(decoder=True))
@@ -218,24 +231,55 @@ class PagedDecoder:
         output, scratch = _beside_fx_traces(forward)
         if not self.keys:
             self._allocate([layer.keys for layer in scratch.layers])
-        lengths = attention_mask.sum(dim=1).tolist()
-        for row, length in zip(rows, lengths):
-            self.grow(row, length)
-        slots = torch.cat([self._slots(row, 0, length) for row, length in zip(rows, lengths)])
-        kept = attention_mask.bool()  # left padding is not copied
+        kept = inputs["attention_mask"].bool()  # left padding is not copied
+        lengths = kept.sum(dim=1).tolist()
+        slots = self._grow_rows(rows, lengths)
         for pool_keys, pool_values, layer in zip(self.keys, self.values, scratch.layers):
             pool_keys.index_copy_(0, slots, layer.keys.transpose(1, 2)[kept].to(pool_keys.dtype))
             pool_values.index_copy_(0, slots, layer.values.transpose(1, 2)[kept].to(pool_values.dtype))
-        logits, last_position = output.logits[:, -1, :], position_ids[..., -1:]
-        return self._start(rows, lengths, logits, last_position, input_ids, params, allowed, prior)
+        return output.logits[:, -1, :], lengths
 
-    def begin_chunks(self, inputs, row: int, params: GenerationParams, prior: int = 0) -> Optional[ChunkedPrefill]:
-        """A one-item prompt's embeddings and positions, made by the family's own forward up to its language
-        model (the vision tower runs here); None when that language model takes more than embeddings,
-        positions and a causal mask (Qwen3-VL's deepstack features, which a chunk could not slice; PaliGemma's
-        and Gemma 3's masks of their own): prefill it whole."""
+    def _prefill_packed(self, kept, embeds, positions, rows: list[int]):
+        """The prompts' embeddings [rows, width, hidden] and positions [..., rows, width] (left-padded; `kept`
+        [rows, width] their tokens) through the language model as one sequence of their tokens only."""
+        import torch
+
+        from runpod_vlm.engine import varlen
+
+        lengths = kept.sum(dim=1).tolist()
+        embeds, positions = embeds[kept][None], positions[..., kept].unsqueeze(-2)
+        if not self.keys:
+            self._allocate_from_config(embeds)
+        slots = self._grow_rows(rows, lengths)
+        ends = torch.tensor(lengths, device=embeds.device).cumsum(0)
+        if varlen.takes(embeds):
+            starts = torch.nn.functional.pad(ends, (1, 0)).to(torch.int32)
+            step = PagedStep(self.keys, self.values, slots, starts=starts, longest=max(lengths))
+        else:  # each token sees the earlier ones of its own prompt, through the gathering path
+            token = torch.arange(len(slots), device=embeds.device)
+            prompt = torch.searchsorted(ends, token, right=True)
+            visible = (prompt[None, :] == prompt[:, None]) & (token[None, :] <= token[:, None])
+            step = PagedStep(self.keys, self.values, slots, slots[None, :], visible[None, None])
+        with paged(step):  # a run cut off midway wrote some layers' slots: run again, it writes them again
+            hidden = _beside_fx_traces(
+                self.model.get_decoder(), inputs_embeds=embeds, position_ids=positions, use_cache=False
+            ).last_hidden_state
+        return self.model.get_output_embeddings()(hidden[0, ends - 1]), lengths
+
+    def _grow_rows(self, rows: list[int], lengths: list[int]):
+        """Blocks for each row's prompt; the pool slots of all their tokens, row after row."""
+        import torch
+
+        for row, length in zip(rows, lengths):
+            self.grow(row, length)
+        return torch.cat([self._slots(row, 0, length) for row, length in zip(rows, lengths)])
+
+    def _language_model_inputs(self, inputs, position_ids):
+        """The embeddings (vision merged in) and positions the family's own forward hands its language model
+        (the vision tower runs here); None when that language model takes more than embeddings, positions and a
+        causal mask (Qwen3-VL's deepstack features, which a chunk could not slice; PaliGemma's and Gemma 3's
+        masks of their own)."""
         model = self.model
-        position_ids = model._prepare_position_ids_for_generation(inputs["input_ids"], dict(inputs))
         language_model, captured = model.get_decoder(), {}
 
         def capture(module, args, kwargs):
@@ -257,7 +301,7 @@ class PagedDecoder:
         if any(v is not None and k not in plain and hasattr(v, "shape") for k, v in captured.items()):
             return None
         # A mask the family built itself (4D, or one per layer kind) may let tokens attend both ways
-        # (PaliGemma's prefix, Gemma 3's images): a chunk's causal mask would lose that.
+        # (PaliGemma's prefix, Gemma 3's images): a causal one would lose that.
         mask = captured.get("attention_mask")
         if isinstance(mask, dict) or getattr(mask, "ndim", 2) > 2:
             return None
@@ -265,7 +309,16 @@ class PagedDecoder:
         if embeds is None:
             embeds = language_model.get_input_embeddings()(inputs["input_ids"])
         positions = captured.get("position_ids")  # as the language model takes them
-        positions = position_ids if positions is None else positions
+        return embeds, position_ids if positions is None else positions
+
+    def begin_chunks(self, inputs, row: int, params: GenerationParams, prior: int = 0) -> Optional[ChunkedPrefill]:
+        """A one-item prompt's embeddings and positions (`_language_model_inputs`) to enter in chunks; None
+        where its family's language model takes more: prefill it whole."""
+        position_ids = self.model._prepare_position_ids_for_generation(inputs["input_ids"], dict(inputs))
+        found = self._language_model_inputs(inputs, position_ids)
+        if found is None:
+            return None
+        embeds, positions = found
         return ChunkedPrefill(row, embeds, positions, position_ids, inputs["input_ids"], params, prior)
 
     def follow_with(self, chunked: ChunkedPrefill, ids: list[int]) -> None:

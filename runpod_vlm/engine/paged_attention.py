@@ -2,7 +2,8 @@
 
 Outside a paged forward it is transformers' own SDPA (a prefill into a scratch cache). Inside one, each
 layer writes its new keys/values into the pool at the step's slots, then attends: a decode step on the
-GPU through `decode_kernel` (each row reads its own blocks), a prompt chunk (and any step on the CPU) by
+GPU through `decode_kernel` (each row reads its own blocks), new prompts packed into one sequence on the
+GPU through `varlen.causal` (each within its own span), a prompt chunk (and any step on the CPU) by
 gathering the slots each query row reads and running SDPA on them, each key/value head repeated for its
 query heads (with a mask, only SDPA's math kernel takes grouped heads: 2.0 s of chunks on the H200 against 0.8 s).
 Hand-written: transformers' paged implementations repeat K/V per head (`paged|sdpa`: 708 tok/s for 64
@@ -25,7 +26,8 @@ class PagedStep:
     over query rows, then positions); then either `index` [query rows, length] the slots each row attends
     to and `visible` [query rows, 1, query length, length] which of them it may see, or (a decode step
     through the kernel) `table` [rows, columns] each row's blocks and `seen` [rows] how many of its
-    tokens it attends to."""
+    tokens it attends to, or (new prompts packed into one query row) `starts` [prompts + 1] where each
+    begins and `longest` the longest's length: each attends causally to its own keys, all new."""
 
     keys: list  # per layer [pool slots, kv heads, head dim]
     values: list
@@ -35,6 +37,8 @@ class PagedStep:
     table: Any = None
     seen: Any = None
     block_size: int = 0
+    starts: Any = None
+    longest: int = 0
 
 
 @contextlib.contextmanager
@@ -64,6 +68,11 @@ def _paged_attention(layer: int, step: PagedStep, query, key, value, scaling):
     pool_keys, pool_values = step.keys[layer], step.values[layer]
     pool_keys.index_copy_(0, step.slots, key.transpose(1, 2).reshape(-1, kv_heads, dim).to(pool_keys.dtype))
     pool_values.index_copy_(0, step.slots, value.transpose(1, 2).reshape(-1, kv_heads, dim).to(pool_values.dtype))
+    if step.starts is not None:
+        from runpod_vlm.engine import varlen
+
+        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
+        return varlen.causal(q, k, v, step.starts, step.longest, scaling).unsqueeze(0), None
     if step.index is None:
         from runpod_vlm.engine.decode_kernel import paged_decode_attention
 

@@ -9,25 +9,9 @@ a torch without it) transformers' per-image SDPA, exactly as before."""
 
 from __future__ import annotations
 
-import functools
+from runpod_vlm.engine import varlen
 
 NAME = "vlm_flash_varlen"  # "flash" in the name: transformers then passes the packed sequence
-
-
-@functools.cache  # asked in every layer
-def _varlen_attn():
-    """PyTorch's variable-length FlashAttention, or None (a torch without it)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
-
-
-def _takes_varlen(query) -> bool:
-    import torch
-
-    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _varlen_attn() is not None
 
 
 def _attention(
@@ -39,10 +23,10 @@ def _attention(
 
     if cu_seq_lens_q is None or query.shape[0] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    if _takes_varlen(query):
+    if varlen.takes(query):
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
         cu = cu_seq_lens_q.to(torch.int32)
-        output = _varlen_attn()(q, k, v, cu, cu, max_length_q, max_length_q, scale=scaling)
+        output = varlen.kernel()(q, k, v, cu, cu, max_length_q, max_length_q, scale=scaling)
         return output.unsqueeze(0), None
     lengths = (cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).tolist()
     parts = zip(*(torch.split(t, lengths, dim=2) for t in (query, key, value)))

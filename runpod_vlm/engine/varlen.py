@@ -1,0 +1,45 @@
+"""PyTorch's variable-length FlashAttention (`torch.nn.attention.varlen`), for sequences packed into one: the
+vision towers' images, and a prefill's prompts, each attending within its own span (`cu_seqlens`)."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+
+@functools.cache  # asked in every layer
+def kernel():
+    """`varlen_attn`, or None (a torch without it)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+def takes(query) -> bool:
+    """Whether `query` can go through the kernel: on the GPU, in half precision."""
+    import torch
+
+    return query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and kernel() is not None
+
+
+@functools.cache
+def _parameters(function) -> frozenset:
+    return frozenset(inspect.signature(function).parameters)
+
+
+def causal(query, key, value, cu_seqlens, longest: int, scale=None):
+    """Causal attention within each packed sequence: query [tokens, heads, dim], key and value [tokens, kv heads,
+    dim] (grouped heads repeated where the kernel does not take them) -> [tokens, heads, dim]."""
+    function = kernel()
+    parameters = _parameters(function)
+    # torch 2.10 took `is_causal`; later ones a window, (-1, 0) being causal.
+    options = {"window_size": (-1, 0)} if "window_size" in parameters else {"is_causal": True}
+    heads, kv_heads = query.shape[1], key.shape[1]
+    if heads != kv_heads:
+        if "enable_gqa" in parameters:
+            options["enable_gqa"] = True
+        else:
+            key, value = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (key, value))
+    return function(query, key, value, cu_seqlens, cu_seqlens, longest, longest, scale=scale, **options)
