@@ -1,6 +1,6 @@
 """Where a paged decode step's time goes (GPU): step times by rows and a torch.profiler table; and where a
 prefill of 16 mixed jobs (448x448 to 1280x720, one image each) goes: the processor, the vision tower, the
-language model, the rest, padded against each item alone, with a profiler table (`prefill_uniform`: 23
+language model, the rest, together against each item alone, with a profiler table (`prefill_uniform`: 23
 448x448 jobs, one prefill at the default token budget); the vision tower eager against
 torch.compile(dynamic=True) on two sets of 16 mixed images, and each of its blocks compiled alone
 (`vision_blocks`: regional compilation, one graph for every block), and (`vision_packed`) transformers' per-image
@@ -106,13 +106,14 @@ def main() -> None:
             if rows == 64:
                 from torch.profiler import ProfilerActivity, profile
 
-                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                    decoder.use_graph = False
-                    decoder.step(8)
-                    torch.cuda.synchronize()
-                (Path(args.out) / "profile_eager_step.txt").write_text(
-                    prof.key_averages().table(sort_by="cuda_time_total", row_limit=30)
-                )
+                for name, use_graph in (("eager", False), ("graph", True)):  # a graph's kernels show as launched
+                    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                        decoder.use_graph = use_graph
+                        decoder.step(8)
+                        torch.cuda.synchronize()
+                    (Path(args.out) / f"profile_{name}_step.txt").write_text(
+                        prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+                    )
             for row in range(rows):
                 decoder.release(row)
             out[f"graphs_{rows}"] = [list(k) for k in decoder.graphs]
@@ -483,7 +484,7 @@ def ttft_breakdown(handler, engine) -> dict:
 
 def prefill_breakdown(engine, decoder, out: Path, uniform: bool = False) -> dict:
     """16 mixed one-image jobs (`uniform`: 23 of 448x448, one prefill's worth at the default token budget)
-    prefilled as the engine does (one padded batch), and each alone."""
+    prefilled as the engine does (together: packed, or padded for a family that does not pack), and each alone."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -527,7 +528,7 @@ def prefill_breakdown(engine, decoder, out: Path, uniform: bool = False) -> dict
 
     prefill(items[:4])  # warm
     result = {}
-    for name, groups in (("padded", [items]), ("each_alone", [[item] for item in items])):
+    for name, groups in (("together", [items]), ("each_alone", [[item] for item in items])):
         spent.update(vision_s=0.0, language_s=0.0)
         runs = [prefill(group) for group in groups]
         total = {key: sum(run[key] for run in runs) for key in runs[0]}

@@ -7,14 +7,18 @@ import functools
 import inspect
 
 
-@functools.cache  # asked in every layer
+_found: list = []  # not functools.cache: dynamo, tracing the compiled vision blocks, warned at each call through it
+
+
 def kernel():
-    """`varlen_attn`, or None (a torch without it)."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn
+    """`varlen_attn`, or None (a torch without it); asked in every layer."""
+    if not _found:
+        try:
+            from torch.nn.attention.varlen import varlen_attn
+        except ImportError:
+            varlen_attn = None
+        _found.append(varlen_attn)
+    return _found[0]
 
 
 def takes(query) -> bool:
