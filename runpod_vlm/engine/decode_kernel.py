@@ -1,5 +1,5 @@
 """A decode step's attention on the GPU: one query token per row over that row's own KV blocks (a Triton
-kernel, split over each row's length, then a log-sum-exp merge of the splits).
+kernel, split over each row's length, then a second one merging the splits by their log-sum-exps).
 
 Hand-written: FlexAttention over a block mask needs 64-token blocks and, measured in our layout, ran only
 1.6x faster than gathering every row's slots (300-400 GB/s, bench/results/decode-attention.json);
@@ -92,7 +92,30 @@ def _kernel():
         lse = tl.where(total > 0, best + tl.log(safe_total), float("-inf"))
         tl.store(partial_lse + (row * tl.num_programs(1) * HEADS_PER_KV + heads) * splits + split, lse, mask=in_group)
 
-    return paged_decode
+    # One kernel, not five (softmax, nan_to_num, mul, sum, cast): at one row a step is bound by launches.
+    @triton.jit(do_not_specialize=["splits"])
+    def merge_splits(
+        partial_out,  # [rows x heads, splits, dim] fp32
+        partial_lse,  # [rows x heads, splits] fp32
+        output,  # [rows x heads, dim]
+        splits,
+        SPLITS: tl.constexpr,  # splits, padded to a power of two
+        DIM: tl.constexpr,
+    ):
+        at = tl.program_id(0)
+        split = tl.arange(0, SPLITS)
+        used = split < splits
+        lse = tl.load(partial_lse + at * splits + split, mask=used, other=float("-inf"))
+        best = tl.max(lse, 0)
+        weights = tl.where(lse > float("-inf"), tl.exp(lse - best), 0.0)  # a split with no tokens weighs 0
+        total = tl.sum(weights, 0)
+        weights = weights / tl.where(total > 0, total, 1.0)
+        dims = tl.arange(0, DIM)
+        where = (at * splits + split)[:, None] * DIM + dims[None, :]
+        parts = tl.load(partial_out + where, mask=used[:, None], other=0.0)
+        tl.store(output + at * DIM + dims, tl.sum(parts * weights[:, None], 0).to(output.dtype.element_ty))
+
+    return paged_decode, merge_splits
 
 
 _builds: dict[tuple, Future] = {}  # (heads, kv heads, head dim, dtype) -> whether the kernel built and ran
@@ -181,7 +204,8 @@ def paged_decode_attention(query, keys, values, table, visible, block_size: int,
     partial_lse = torch.empty((rows, heads, splits), dtype=torch.float32, device=query.device)
     q = query[:, :, 0, :]
     q = q if q.stride(-1) == 1 else q.contiguous()
-    _kernel()[(rows, kv_heads, splits)](
+    paged_decode, merge_splits = _kernel()
+    paged_decode[(rows, kv_heads, splits)](
         q,
         keys,
         values,
@@ -203,5 +227,8 @@ def paged_decode_attention(query, keys, values, table, visible, block_size: int,
         TILE=TILE,
         IEEE=query.dtype == torch.float32,
     )
-    weights = torch.softmax(partial_lse, dim=-1).nan_to_num_(0.0)  # a split with no tokens weighs 0
-    return (partial_out * weights[..., None]).sum(dim=2, keepdim=True).to(query.dtype)
+    output = torch.empty((rows, heads, 1, dim), dtype=query.dtype, device=query.device)
+    merge_splits[(rows * heads,)](
+        partial_out, partial_lse, output, splits, SPLITS=triton.next_power_of_2(splits), DIM=dim
+    )
+    return output

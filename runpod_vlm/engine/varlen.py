@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import inspect
 
-
 _found: list = []  # not functools.cache: dynamo, tracing the compiled vision blocks, warned at each call through it
 
 
