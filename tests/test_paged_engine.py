@@ -146,7 +146,7 @@ def test_a_family_that_hands_its_language_model_masks_of_its_own_is_not_chunked(
 
 
 def packed_prefill_jobs() -> list[dict]:
-    """Prompts of very different lengths: padded to the longest they would be about 4 x 330 tokens; packed, 450."""
+    """Prompts of very different lengths: padded to the longest, more than a 1,024-token budget; packed, within it."""
     long = {"task": "vqa", "image_url": data_uri(striped((64, 48))), "question": LONG_TEXT}
     short = [{"messages": [{"role": "user", "content": f"Count to {n}."}]} for n in range(2)]
     image = {"task": "vqa", "image_url": data_uri(striped((40, 56))), "question": "What is it?"}

@@ -72,9 +72,8 @@ class PagedDecoder:
     reads each row's blocks (a step has fixed shapes per row bucket and replays as a CUDA graph), else
     gathered up to a length bucket (fixed shapes per row and length bucket). New prompts are prefilled
     together (`prefill`); a long one enters in chunks written straight into its blocks
-    (`begin_chunks`/`prefill_chunk`). A step runs
-    the smallest bucket of leading rows holding every busy row. Greedy rows give
-    `model.generate(do_sample=False)`'s tokens, alone or beside others."""
+    (`begin_chunks`/`prefill_chunk`). A step runs the smallest bucket of leading rows holding every busy
+    row. Greedy rows give `model.generate(do_sample=False)`'s tokens, alone or beside others."""
 
     pending_logprobs: Optional[dict] = None  # row -> (logprob, top ids, top logprobs) per new token
     packs: Optional[bool] = None  # whether prompts prefill packed (known at the first prefill; see `prefill`)
