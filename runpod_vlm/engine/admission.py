@@ -11,9 +11,10 @@ import time
 from typing import Optional
 
 from runpod_vlm.engine.blocks import PoolExhausted, prefix_digests
-from runpod_vlm.engine.decoder import ChunkedPrefill, PagedDecoder
+from runpod_vlm.engine.decoder import PagedDecoder
 from runpod_vlm.engine.gpu_errors import is_fatal_gpu_error, is_out_of_memory
 from runpod_vlm.engine.intake import with_generated
+from runpod_vlm.engine.prefill import ChunkedPrefill
 from runpod_vlm.engine.ticket import Ticket
 from runpod_vlm.vocabulary import GENERATION_FAILED, GPU_FAILURE, GenerationRequest, RequestError
 

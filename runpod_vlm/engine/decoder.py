@@ -10,32 +10,11 @@ from typing import Optional
 
 from runpod_vlm.engine import decode_kernel
 from runpod_vlm.engine.blocks import BlockPool
-from runpod_vlm.engine.memory import kv_layout
 from runpod_vlm.engine.paged_attention import PagedStep, paged
+from runpod_vlm.engine.prefill import Prefill, beside_fx_traces
 from runpod_vlm.engine.sampling import Sampler, row_seed
-from runpod_vlm.vocabulary import GenerationParams
 
 log = logging.getLogger("runpod-vlm")
-
-
-def _beside_fx_traces(forward, rewind=None, **kwargs):
-    """`forward(**kwargs)`, run again after a torch.fx trace (inductor's, compiling in the background) patched
-    nn.Module.__call__ for the whole process under it; `rewind()` first undoes what the cut-off run moved."""
-    import torch
-
-    try:
-        return forward(**kwargs)
-    except NameError as error:
-        if "not installed as a submodule" not in str(error) or (
-            torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-        ):
-            raise
-    deadline = time.monotonic() + 60
-    while torch.nn.Module.__call__ is not torch.nn.Module._wrapped_call_impl and time.monotonic() < deadline:
-        time.sleep(0.001)
-    if rewind is not None:
-        rewind()
-    return forward(**kwargs)
 
 
 SPAN_BUCKETS_FROM = 256  # a decode step gathers each row's slots up to a power-of-two multiple of this
@@ -46,25 +25,7 @@ def row_buckets(rows: int) -> list[int]:
     return sorted({b for b in (8, 16, 32, 64, 128) if b < rows} | {rows})
 
 
-class _Captured(Exception):
-    """Stops a forward at the language model, once the family's own code has built its inputs."""
-
-
-class ChunkedPrefill:
-    """A prompt entering one chunk at a time: its embeddings (vision merged in) and positions are held
-    until its last chunk; `done` tokens are in its blocks so far."""
-
-    def __init__(self, row: int, embeds, positions, position_ids, input_ids, params, prior: int):
-        self.row, self.embeds, self.positions, self.input_ids = row, embeds, positions, input_ids
-        self.last_position = position_ids[..., -1:]  # as the whole model takes positions (decode steps)
-        self.params, self.prior, self.done = params, prior, 0
-
-    @property
-    def length(self) -> int:
-        return self.embeds.shape[1]
-
-
-class PagedDecoder:
+class PagedDecoder(Prefill):
     """Continuous-batching decoding state: up to `rows` sequences over a pool of KV blocks.
 
     A row holds the blocks of its own tokens (its block table); a decode step writes each row's new
@@ -76,7 +37,6 @@ class PagedDecoder:
     row. Greedy rows give `model.generate(do_sample=False)`'s tokens, alone or beside others."""
 
     pending_logprobs: Optional[dict] = None  # row -> (logprob, top ids, top logprobs) per new token
-    packs: Optional[bool] = None  # whether prompts prefill packed (known at the first prefill; see `prefill`)
     capture_lock: Optional[threading.Lock] = None  # held by the background compile while it runs GPU work
 
     def __init__(
@@ -195,179 +155,6 @@ class PagedDecoder:
         for tensor in (*self.keys, *self.values):
             torch._dynamo.mark_static_address(tensor)
 
-    # ---- prefill ----------------------------------------------------------------------------
-
-    def prefill(self, inputs, rows: list[int], params: list[GenerationParams], allowed=None, prior=None) -> list[int]:
-        """Run new items' prompts (a left-padded batch) and place them in `rows`, each with the blocks of its own
-        tokens. `prior`: per row, the tokens it had already generated (a preempted row resumed: they end its
-        prompt). Returns each row's next token.
-
-        Where the family's language model takes only embeddings and positions (`packs`), the prompts go through
-        it packed into one sequence without their padding, each token's keys and values written straight into
-        its blocks; else the whole model runs the padded batch into a scratch cache copied into the blocks."""
-        model = self.model
-        # Positions continue from the prompt's exactly as generate() continues them (M-RoPE too).
-        position_ids = model._prepare_position_ids_for_generation(inputs["input_ids"], dict(inputs))
-        packed = self._language_model_inputs(inputs, position_ids) if self.packs is not False else None
-        self.packs = packed is not None
-        if packed is None:
-            logits, lengths = self._prefill_padded(inputs, position_ids, rows)
-        else:
-            logits, lengths = self._prefill_packed(inputs["attention_mask"].bool(), *packed, rows)
-        return self._start(rows, lengths, logits, position_ids[..., -1:], inputs["input_ids"], params, allowed, prior)
-
-    def _prefill_padded(self, inputs, position_ids, rows: list[int]):
-        from transformers import DynamicCache
-
-        model = self.model
-
-        def forward():  # each try from an empty cache: one cut off midway has some layers' keys already
-            scratch = DynamicCache(config=model.config.get_text_config(decoder=True))
-            return model(
-                **inputs, position_ids=position_ids, past_key_values=scratch, use_cache=True, logits_to_keep=1
-            ), scratch
-
-        output, scratch = _beside_fx_traces(forward)
-        if not self.keys:
-            self._allocate([layer.keys for layer in scratch.layers])
-        kept = inputs["attention_mask"].bool()  # left padding is not copied
-        lengths = kept.sum(dim=1).tolist()
-        slots = self._grow_rows(rows, lengths)
-        for pool_keys, pool_values, layer in zip(self.keys, self.values, scratch.layers):
-            pool_keys.index_copy_(0, slots, layer.keys.transpose(1, 2)[kept].to(pool_keys.dtype))
-            pool_values.index_copy_(0, slots, layer.values.transpose(1, 2)[kept].to(pool_values.dtype))
-        return output.logits[:, -1, :], lengths
-
-    def _prefill_packed(self, kept, embeds, positions, rows: list[int]):
-        """The prompts' embeddings [rows, width, hidden] and positions [..., rows, width] (left-padded; `kept`
-        [rows, width] their tokens) through the language model as one sequence of their tokens only."""
-        import torch
-
-        from runpod_vlm.engine import varlen
-
-        lengths = kept.sum(dim=1).tolist()
-        embeds, positions = embeds[kept][None], positions[..., kept].unsqueeze(-2)
-        if not self.keys:
-            self._allocate_from_config(embeds)
-        slots = self._grow_rows(rows, lengths)
-        ends = torch.tensor(lengths, device=embeds.device).cumsum(0)
-        if varlen.takes(embeds):
-            starts = torch.nn.functional.pad(ends, (1, 0)).to(torch.int32)
-            step = PagedStep(self.keys, self.values, slots, starts=starts, longest=max(lengths))
-        else:  # each token sees the earlier ones of its own prompt, through the gathering path
-            token = torch.arange(len(slots), device=embeds.device)
-            prompt = torch.searchsorted(ends, token, right=True)
-            visible = (prompt[None, :] == prompt[:, None]) & (token[None, :] <= token[:, None])
-            step = PagedStep(self.keys, self.values, slots, slots[None, :], visible[None, None])
-        with paged(step):  # a run cut off midway wrote some layers' slots: run again, it writes them again
-            hidden = _beside_fx_traces(
-                self.model.get_decoder(), inputs_embeds=embeds, position_ids=positions, use_cache=False
-            ).last_hidden_state
-        return self.model.get_output_embeddings()(hidden[0, ends - 1]), lengths
-
-    def _grow_rows(self, rows: list[int], lengths: list[int]):
-        """Blocks for each row's prompt; the pool slots of all their tokens, row after row."""
-        import torch
-
-        for row, length in zip(rows, lengths):
-            self.grow(row, length)
-        return torch.cat([self._slots(row, 0, length) for row, length in zip(rows, lengths)])
-
-    def _language_model_inputs(self, inputs, position_ids):
-        """The embeddings (vision merged in) and positions the family's own forward hands its language model
-        (the vision tower runs here); None when that language model takes more than embeddings, positions and a
-        causal mask (Qwen3-VL's deepstack features, which a chunk could not slice; PaliGemma's and Gemma 3's
-        masks of their own)."""
-        model = self.model
-        language_model, captured = model.get_decoder(), {}
-
-        def capture(module, args, kwargs):
-            captured.update(kwargs)
-            raise _Captured
-
-        def up_to_the_language_model():
-            try:
-                model(**inputs, position_ids=position_ids, use_cache=False)
-            except _Captured:
-                pass
-
-        handle = language_model.register_forward_pre_hook(capture, with_kwargs=True)
-        try:
-            _beside_fx_traces(up_to_the_language_model, rewind=captured.clear)
-        finally:
-            handle.remove()
-        plain = {"input_ids", "inputs_embeds", "position_ids", "attention_mask", "past_key_values", "cache_position"}
-        if any(v is not None and k not in plain and hasattr(v, "shape") for k, v in captured.items()):
-            return None
-        # A mask the family built itself (4D, or one per layer kind) may let tokens attend both ways
-        # (PaliGemma's prefix, Gemma 3's images): a causal one would lose that.
-        mask = captured.get("attention_mask")
-        if isinstance(mask, dict) or getattr(mask, "ndim", 2) > 2:
-            return None
-        embeds = captured.get("inputs_embeds")
-        if embeds is None:
-            embeds = language_model.get_input_embeddings()(inputs["input_ids"])
-        positions = captured.get("position_ids")  # as the language model takes them
-        return embeds, position_ids if positions is None else positions
-
-    def begin_chunks(self, inputs, row: int, params: GenerationParams, prior: int = 0) -> Optional[ChunkedPrefill]:
-        """A one-item prompt's embeddings and positions (`_language_model_inputs`) to enter in chunks; None
-        where its family's language model takes more: prefill it whole."""
-        position_ids = self.model._prepare_position_ids_for_generation(inputs["input_ids"], dict(inputs))
-        found = self._language_model_inputs(inputs, position_ids)
-        if found is None:
-            return None
-        embeds, positions = found
-        return ChunkedPrefill(row, embeds, positions, position_ids, inputs["input_ids"], params, prior)
-
-    def follow_with(self, chunked: ChunkedPrefill, ids: list[int]) -> None:
-        """A chunked prompt followed by tokens it had generated (a preempted row resumed), as its decode steps
-        took them: embedded from the table, each one position on."""
-        import torch
-
-        tail = torch.tensor([ids], dtype=chunked.input_ids.dtype, device=chunked.embeds.device)
-        embedded = self.model.get_decoder().get_input_embeddings()(tail).to(chunked.embeds.dtype)
-        steps = torch.arange(1, len(ids) + 1, dtype=chunked.positions.dtype, device=chunked.positions.device)
-        chunked.embeds = torch.cat([chunked.embeds, embedded], dim=1)
-        chunked.positions = torch.cat([chunked.positions, chunked.positions[..., -1:] + steps], dim=-1)
-        chunked.last_position = chunked.last_position + len(ids)
-        chunked.input_ids = torch.cat([chunked.input_ids, tail], dim=1)
-
-    def prefill_chunk(self, chunked: ChunkedPrefill, size: int, allowed=None) -> Optional[int]:
-        """Run the next `size` tokens of a chunked prompt into its blocks; at its last chunk the row starts
-        decoding and its first token is returned."""
-        import torch
-
-        start, end = chunked.done, min(chunked.done + size, chunked.length)
-        self.grow(chunked.row, end)
-        if not self.keys:
-            self._allocate_from_config(chunked.embeds)
-        index = self._slots(chunked.row, 0, end)
-        positions = torch.arange(end, device=index.device)
-        visible = positions[None, :] <= positions[start:end, None]  # causal, after the earlier chunks
-        step = PagedStep(self.keys, self.values, index[start:end], index[None, :], visible[None, None])
-        with paged(step):  # a run cut off midway wrote some layers' slots: run again, it writes them again
-            hidden = _beside_fx_traces(
-                self.model.get_decoder(),
-                inputs_embeds=chunked.embeds[:, start:end],
-                position_ids=chunked.positions[..., start:end],
-                use_cache=False,
-            ).last_hidden_state
-        chunked.done = end
-        if end < chunked.length:
-            return None
-        logits = self.model.get_output_embeddings()(hidden[:, -1:, :])[:, -1, :]
-        prior = [chunked.prior] if chunked.prior else None
-        return self._start(
-            [chunked.row], [end], logits, chunked.last_position, chunked.input_ids, [chunked.params], allowed, prior
-        )[0]
-
-    def _allocate_from_config(self, embeds) -> None:
-        import torch
-
-        layers, heads, dim = kv_layout(self.model)
-        self._allocate([torch.empty((1, heads, 1, dim), dtype=embeds.dtype, device=embeds.device)] * layers)
-
     def _start(self, rows, lengths, logits, last_position, input_ids, params, allowed, prior) -> list[int]:
         """Rows whose prompts are in their blocks: their settings and first tokens, chosen from `logits`."""
         import torch
@@ -454,7 +241,7 @@ class PagedDecoder:
             visible = (offsets[None, :] <= length[:, None])[:, None, None, :]
             step = PagedStep(self.keys, self.values, slots, index, visible)
         with paged(step):
-            output = _beside_fx_traces(
+            output = beside_fx_traces(
                 self.forwards[bucket],
                 input_ids=rows.token,
                 position_ids=position,

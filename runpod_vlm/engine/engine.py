@@ -14,7 +14,7 @@ from runpod_vlm.engine.admission import Admission
 from runpod_vlm.engine.background_compile import BackgroundCompile
 from runpod_vlm.engine.blocks import BLOCK_SIZE
 from runpod_vlm.engine.compile import set_torch_cache_dirs
-from runpod_vlm.engine.decoder import ChunkedPrefill, PagedDecoder
+from runpod_vlm.engine.decoder import PagedDecoder
 from runpod_vlm.engine.gpu_errors import is_fatal_gpu_error
 from runpod_vlm.engine.grammar import Grammars
 from runpod_vlm.engine.image_cache import ImageEmbeddingCache
@@ -22,6 +22,7 @@ from runpod_vlm.engine.intake import Intake
 from runpod_vlm.engine.loading import load_model
 from runpod_vlm.engine.memory import kv_pool_tokens
 from runpod_vlm.engine.paged_attention import use_paged_attention
+from runpod_vlm.engine.prefill import ChunkedPrefill
 from runpod_vlm.engine.ticket import Ticket, logprob_entries
 from runpod_vlm.engine.vision_attention import use_packed_vision_attention
 from runpod_vlm.families.base import end_tokens
