@@ -116,11 +116,15 @@ class Prefill:
             prompt = torch.searchsorted(ends, token, right=True)
             visible = (prompt[None, :] == prompt[:, None]) & (token[None, :] <= token[:, None])
             step = PagedStep(self.keys, self.values, slots, slots[None, :], visible[None, None])
+        hidden = self._through_language_model(step, embeds, positions)
+        return self.model.get_output_embeddings()(hidden[0, ends - 1]), lengths
+
+    def _through_language_model(self, step: PagedStep, embeds, positions):
+        """The language model's last hidden states for `embeds` at `positions`, attending through `step`."""
         with paged(step):  # a run cut off midway wrote some layers' slots: run again, it writes them again
-            hidden = beside_fx_traces(
+            return beside_fx_traces(
                 self.model.get_decoder(), inputs_embeds=embeds, position_ids=positions, use_cache=False
             ).last_hidden_state
-        return self.model.get_output_embeddings()(hidden[0, ends - 1]), lengths
 
     def _grow_rows(self, rows: list[int], lengths: list[int]):
         """Blocks for each row's prompt; the pool slots of all their tokens, row after row."""
@@ -203,13 +207,7 @@ class Prefill:
         positions = torch.arange(end, device=index.device)
         visible = positions[None, :] <= positions[start:end, None]  # causal, after the earlier chunks
         step = PagedStep(self.keys, self.values, index[start:end], index[None, :], visible[None, None])
-        with paged(step):  # a run cut off midway wrote some layers' slots: run again, it writes them again
-            hidden = beside_fx_traces(
-                self.model.get_decoder(),
-                inputs_embeds=chunked.embeds[:, start:end],
-                position_ids=chunked.positions[..., start:end],
-                use_cache=False,
-            ).last_hidden_state
+        hidden = self._through_language_model(step, chunked.embeds[:, start:end], chunked.positions[..., start:end])
         chunked.done = end
         if end < chunked.length:
             return None
