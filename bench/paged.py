@@ -5,7 +5,7 @@ path; every job is one asyncio task on the handler's path (bench/serving.py's `r
 transformers `generate` is measured in the same process as the peer. Each part runs in a fresh
 process, so a memory cap (`torch.cuda.set_per_process_memory_fraction`) holds from the load on:
 
-    python bench/paged.py --out OUT [--parts h200,cap24,cap48-7b] [--quick]
+    python bench/paged.py --out OUT [--parts h200,cap24,cap48-7b] [--quick] [--prefill-eager]
 
 - h200 (2B, whole GPU): batch 1; uniform 64 x 448x448 x 128; mixed 64 and 256 at once; long requests
   (4 x 1280x720 images, 512 tokens) among 32 short mixed jobs vs the short ones alone; open loop at 8
@@ -94,14 +94,14 @@ async def outcomes(handler, jobs: list[dict]) -> list[dict]:
 
 @contextlib.contextmanager
 def plain_transformers(engine):
-    """The engine's model as transformers runs it: its vision tower's own attention and eager blocks, and
-    SDPA free to choose cuDNN (the engine changes all three in the model it shares with the peer)."""
+    """The engine's model as transformers runs it: its vision tower's own attention, eager vision blocks and decoder
+    layers, and SDPA free to choose cuDNN (the engine changes all of them in the model it shares with the peer)."""
     import torch
 
-    from runpod_vlm.engine.compile import vision_blocks
+    from runpod_vlm.engine.compile import decoder_layers, vision_blocks
 
-    blocks = [block for block in vision_blocks(engine.model) if "forward" in vars(block)]
-    forwards = [vars(block).pop("forward") for block in blocks]
+    modules = [m for m in (*vision_blocks(engine.model), *decoder_layers(engine.model)) if "forward" in vars(m)]
+    forwards = [vars(module).pop("forward") for module in modules]
     vision = getattr(engine.model.config, "vision_config", None)
     attention = getattr(vision, "_attn_implementation", None)
     if engine.packed_vision:
@@ -113,8 +113,8 @@ def plain_transformers(engine):
         torch.backends.cuda.enable_cudnn_sdp(False)
         if engine.packed_vision:
             engine.model.set_attn_implementation({"vision_config": attention})
-        for block, forward in zip(blocks, forwards):
-            block.forward = forward
+        for module, forward in zip(modules, forwards):
+            module.forward = forward
 
 
 def generate_peer(engine, jobs: list[dict]) -> dict:
@@ -155,9 +155,15 @@ def child(part: str, args) -> dict:
     os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", VLM_DTYPE="bf16", VLM_STREAM_INTERVAL_MS="0")
     import handler
 
+    if args.prefill_eager:
+        from runpod_vlm.engine.background_compile import BackgroundCompile
+
+        BackgroundCompile._compiles_prefill = lambda self: False
+
     out_file = Path(args.out) / f"paged-{part}.json"
     results: dict = {"part": part, "shape": shape, "cap_gb": cap_gb, "device": torch.cuda.get_device_name()}
     results["command"] = " ".join(sys.argv)
+    results["prefill_layers"] = "eager" if args.prefill_eager else "compiled"
 
     def save():
         out_file.write_text(json.dumps(results, indent=2))
@@ -277,6 +283,9 @@ def main() -> None:
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--quick", action="store_true", help="fewer jobs (a smoke run)")
     parser.add_argument(
+        "--prefill-eager", action="store_true", help="the prefill's decoder layers left eager (an A/B in one session)"
+    )
+    parser.add_argument(
         "--env", action="append", default=[], help="NAME=VALUE for the worker (e.g. VLM_PREPROCESS_ON_GPU=true)"
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
@@ -289,7 +298,8 @@ def main() -> None:
     for part in args.parts.split(","):
         command = [sys.executable, __file__, "--child", part, "--out", args.out, "--models", args.models]
         command += [f"--env={pair}" for pair in args.env]
-        done = subprocess.run(command + (["--quick"] if args.quick else []), text=True, capture_output=True)
+        command += ["--quick"] * args.quick + ["--prefill-eager"] * args.prefill_eager
+        done = subprocess.run(command, text=True, capture_output=True)
         (Path(args.out) / f"paged-{part}.log").write_text(done.stderr[-200_000:])
         path = Path(args.out) / f"paged-{part}.json"
         summary[part] = json.loads(path.read_text()) if path.exists() else {"error": done.stderr[-3000:]}

@@ -6,11 +6,12 @@ torch.compile(dynamic=True) on two sets of 16 mixed images, and each of its bloc
 (`vision_blocks`: regional compilation, one graph for every block), and (`vision_packed`) transformers' per-image
 SDPA against the packed attention; prefills of shapes met for the first time against the second, with and
 without cuDNN's attention (`shapes`); a batch-1 job's time to first token split into reading, intake and
-admission, for a new image and for the same job again; and (`intake`) 64 one-token jobs at once with
-each phase's spans on a timeline.
+admission, for a new image and for the same job again; (`intake`) 64 one-token jobs at once with each
+phase's spans on a timeline; and (`prefill_layers`) prompts of 40 to 8,000 tokens prefilled through the decoder
+layers compiled with dynamic shapes and eagerly.
 
 python bench/paged_profile.py --out OUT
-    [--parts decode,prefill,prefill_uniform,vision,vision_blocks,vision_packed,shapes,ttft,intake]
+    [--parts decode,prefill,prefill_uniform,vision,vision_blocks,vision_packed,shapes,ttft,intake,prefill_layers]
 
 With the default KV pool the GPU has too little room left for `vision_packed` after other parts: run it
 with VLM_KV_CACHE_TOKENS=600000.
@@ -80,6 +81,7 @@ def main() -> None:
             False,
         ),  # the handler's own path
         "intake": ("intake_64", lambda: intake_timeline(handler, engine), False),
+        "prefill_layers": ("prefill_layers", lambda: prefill_layers(engine, decoder), True),
     }
     for part, (key, measure, inference) in measures.items():
         if part in parts:
@@ -442,6 +444,48 @@ def intake_timeline(handler, engine) -> dict:
         result["vision"] = vision_packed(engine)
     except Exception as error:  # out of memory beside the KV pool: the timeline still counts
         result["vision"] = repr(error)[:300]
+    return result
+
+
+def prefill_layers(engine, decoder) -> dict:
+    """One text prompt of about n tokens prefilled into a free row (the packed path; a chunk runs the same layers),
+    with the decoder layers as the background compile left them (compiled with dynamic shapes) and eager: the
+    engine thread's whole time, host included; medians of 5 after a warm-up."""
+    import statistics
+
+    import torch
+
+    from runpod_vlm.engine.compile import decoder_layers
+    from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, Turn
+
+    layers = decoder_layers(engine.model)
+    compiled = [vars(layer).get("forward") for layer in layers]
+    params = GenerationParams(max_new_tokens=1, temperature=0.0, top_p=1.0, do_sample=False)
+    row = decoder.free_rows()[0]
+    result: dict = {"compiled_layers": sum(f is not None for f in compiled)}
+    for tokens in (40, 300, 1000, 2000, 4000, 8000):
+        item = GenerationRequest("chat", [Turn("user", ["a " * (tokens // 2)])], params)
+        inputs, _ = engine.adapter.batch_inputs(engine.processor, [item], engine.model.device, engine.dtype)
+        timings = {}
+        for mode in ("compiled", "eager"):
+            for layer, forward in zip(layers, compiled):
+                if mode == "eager":
+                    vars(layer).pop("forward", None)
+                elif forward is not None:
+                    layer.forward = forward
+            runs = []
+            for _ in range(6):
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                decoder.prefill(inputs, [row], [params])
+                torch.cuda.synchronize()
+                runs.append(time.perf_counter() - started)
+                decoder.release(row)
+            timings[f"{mode}_ms"] = 1000 * statistics.median(runs[1:])
+        result[str(inputs["input_ids"].shape[1])] = timings
+    for layer, forward in zip(layers, compiled):
+        if forward is not None:
+            layer.forward = forward
     return result
 
 

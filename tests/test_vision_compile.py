@@ -13,7 +13,7 @@ import torch
 import handler
 from runpod_vlm.engine import compile as compile_module
 from runpod_vlm.engine import varlen
-from runpod_vlm.engine.compile import compiled_block_forwards, run_blocks_compiled, vision_blocks
+from runpod_vlm.engine.compile import dynamic_forwards, run_blocks_compiled, vision_blocks
 from sample_images import data_uri, striped
 from test_compile_cache import compile_in_background
 from test_vision_attention import image_features
@@ -66,7 +66,7 @@ def test_every_block_and_image_set_runs_the_one_trace_and_the_engine_thread_neve
     eager = {len(sizes): image_features(engine, sizes) for sizes in (ONE, TWO, THREE)}
     blocks = vision_blocks(engine.model)
     assert len(blocks) == engine.model.config.vision_config.depth >= 2
-    forwards = compiled_block_forwards(blocks)
+    forwards = dynamic_forwards(blocks)
     try:
         run_blocks_compiled(blocks, forwards, recompile=True)  # the compile thread's warm-up
         assert torch.equal(image_features(engine, TWO), eager[2])

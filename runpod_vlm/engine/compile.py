@@ -179,12 +179,18 @@ def _run_layer(compiled_forward, layer, index: int, *args, past_key_values=None,
     return compiled_forward(layer, *args, past_key_values=past_key_values, **kwargs)
 
 
+def decoder_layers(model) -> list:
+    """The language model's decoder layers (`get_decoder().layers`), or []."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    return list(getattr(decoder, "layers", None) or ())
+
+
 def with_compiled_layers(view, **options):
     """`view` with its decoder layers compiled (regional compilation): one layer is traced and compiled per shape and
     runs for all, where compiling the whole unrolled model took 35-40 s a shape on the H200."""
     import torch
 
-    layers = getattr(view.get_decoder(), "layers", None) if hasattr(view, "get_decoder") else None
+    layers = decoder_layers(view)
     if not layers:
         return torch.compile(view.__call__, dynamic=False, **options)
     # One compiled function per layer class: dynamo reuses a trace within one function only.
@@ -200,12 +206,13 @@ def vision_blocks(model) -> list:
     return list(getattr(visual, "blocks", None) or ())
 
 
-def compiled_block_forwards(blocks: list, **options) -> dict:
-    """Each block class's forward compiled with dynamic shapes: one trace serves every block, and every set of
-    images once it has met one image alone and several (a vision tower compiled whole traced anew for each)."""
+def dynamic_forwards(modules: list, **options) -> dict:
+    """Each module class's forward compiled with dynamic shapes: one trace serves every module of the class (the
+    vision blocks, the decoder layers of a prefill), and every count of images or tokens once it has met one (a
+    vision tower compiled whole traced anew for each set of images)."""
     import torch
 
-    return {kind: torch.compile(kind.forward, dynamic=True, **options) for kind in set(map(type, blocks))}
+    return {kind: torch.compile(kind.forward, dynamic=True, **options) for kind in set(map(type, modules))}
 
 
 # On the H200 (bench/paged_profile.py --parts vision_blocks) 5,120 patches took 30 -> 20 ms compiled, 23,552
@@ -214,21 +221,34 @@ def compiled_block_forwards(blocks: list, **options) -> dict:
 COMPILED_FROM_PATCHES = 4096
 
 
-def _compiled_or_eager(compiled_forward, block, hidden_states, *args, **kwargs):
+def _compiled_unless_new(compiled_forward, module, *args, **kwargs):
     import torch
 
-    if hidden_states.shape[0] < COMPILED_FROM_PATCHES:
-        return type(block).forward(block, hidden_states, *args, **kwargs)
     # A shape the compile thread did not meet runs eagerly: compiling it here would stall every row for seconds.
     with torch.compiler.set_stance("eager_on_recompile"):
-        return compiled_forward(block, hidden_states, *args, **kwargs)
+        return compiled_forward(module, *args, **kwargs)
+
+
+def _compiled_or_eager(compiled_forward, block, hidden_states, *args, **kwargs):
+    if hidden_states.shape[0] < COMPILED_FROM_PATCHES:
+        return type(block).forward(block, hidden_states, *args, **kwargs)
+    return _compiled_unless_new(compiled_forward, block, hidden_states, *args, **kwargs)
+
+
+def _run(modules: list, forwards: dict, recompile: bool, run) -> None:
+    for module in modules:
+        forward = forwards[type(module)]
+        module.forward = functools.partial(forward, module) if recompile else functools.partial(run, forward, module)
 
 
 def run_blocks_compiled(blocks: list, forwards: dict, recompile: bool = False) -> None:
-    """`blocks` run `forwards` (`compiled_block_forwards`) from now on, on `COMPILED_FROM_PATCHES` patches or more;
+    """`blocks` run `forwards` (`dynamic_forwards`) from now on, on `COMPILED_FROM_PATCHES` patches or more;
     compiling new shapes only if `recompile` (the compile thread's warm-up, on any number of patches)."""
-    for block in blocks:
-        forward = forwards[type(block)]
-        block.forward = (
-            functools.partial(forward, block) if recompile else functools.partial(_compiled_or_eager, forward, block)
-        )
+    _run(blocks, forwards, recompile, _compiled_or_eager)
+
+
+def run_layers_compiled(layers: list, forwards: dict, recompile: bool = False) -> None:
+    """The engine model's decoder `layers` run `forwards` (`dynamic_forwards`) from now on: prefills and chunks,
+    whatever their tokens; compiling new shapes only if `recompile` (the compile thread's warm-up). A call the
+    warm-up did not meet (a decode step outside the compiled decode forward, `generate()`) runs eagerly."""
+    _run(layers, forwards, recompile, _compiled_unless_new)

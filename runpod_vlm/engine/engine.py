@@ -60,6 +60,7 @@ class Engine(Admission, BackgroundCompile):
         self._compiled_shapes: set = set()  # row buckets compiled in the background
         self._newly_compiled: list = []  # ... ready, not yet switched to by the engine thread
         self._compiled_vision = None  # the vision blocks' compiled forwards, likewise
+        self._compiled_prefill = None  # the prefill's decoder layers' compiled forwards, likewise
         self._answered = threading.Event()  # set at the first answer; the background compile waits for it
         self._load()
         self.image_cache = ImageEmbeddingCache(settings.image_cache_mb * 2**20) if settings.image_cache_mb else None
@@ -202,8 +203,7 @@ class Engine(Admission, BackgroundCompile):
         head = self._queue[0] if self._queue else None
         mates = [t for t in self._queue[: self.settings.max_batch_size] if head is not None and t.call is head.call]
         ready = head is not None and all(t.prepared is None or t.prepared.done() for t in mates)
-        switch = self._newly_compiled or self._compiled_vision is not None
-        return not ready and not self._rows and not self._chunking and not switch
+        return not ready and not self._rows and not self._chunking and not self._switch_due()
 
     def _captures_ahead_due(self) -> bool:
         return self._decoder is not None and self._decoder.captures_ahead_due()
@@ -246,7 +246,7 @@ class Engine(Admission, BackgroundCompile):
                         self._take(waiting[:1])
                         self._run_alone(waiting[0])
                     continue
-                if self._newly_compiled or self._compiled_vision is not None:
+                if self._switch_due():
                     self._switch_to_compiled()
                 self._admit(waiting)
                 if self._chunking is not None:

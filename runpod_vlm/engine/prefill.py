@@ -207,7 +207,13 @@ class Prefill:
         positions = torch.arange(end, device=index.device)
         visible = positions[None, :] <= positions[start:end, None]  # causal, after the earlier chunks
         step = PagedStep(self.keys, self.values, index[start:end], index[None, :], visible[None, None])
-        hidden = self._through_language_model(step, chunked.embeds[:, start:end], chunked.positions[..., start:end])
+        # Copied, strides and all: a slice's (of a dimension of one too) follow the whole prompt's length, and the
+        # compiled layers guard on them.
+        embeds, positions = (
+            part.clone(memory_format=torch.contiguous_format)
+            for part in (chunked.embeds[:, start:end], chunked.positions[..., start:end])
+        )
+        hidden = self._through_language_model(step, embeds, positions)
         chunked.done = end
         if end < chunked.length:
             return None
