@@ -11,7 +11,7 @@ import torch
 
 import handler
 from runpod_vlm.engine import compile as compile_module
-from runpod_vlm.engine.compile import decoder_layers
+from runpod_vlm.engine.compile import decoder_layers, run_layers_compiled
 from sample_images import data_uri, striped
 from test_compile_cache import compile_in_background
 from test_vision_compile import wait_for
@@ -57,6 +57,7 @@ def test_prefills_run_one_dynamic_trace_of_the_layers_compiled_in_the_background
     assert engine.timings["chunk_s"] > 0 and engine.timings["prefix_cached_tokens"] > 0  # both paths were taken
     assert not engine._compiles_prefill()  # on the CPU prefills stay eager
     monkeypatch.setattr(engine, "_compiles_prefill", lambda: True)  # as on the GPU
+    monkeypatch.setattr(compile_module, "COMPILED_PREFILL_FROM_TOKENS", 0)  # the tiny prompts compiled too
     traces, runs, first_of_prefill = [], collections.Counter(), []
 
     def backend(graph, example_inputs):  # runs each graph as traced, counting its runs
@@ -79,12 +80,19 @@ def test_prefills_run_one_dynamic_trace_of_the_layers_compiled_in_the_background
         assert len(prefill_graphs) == 4 and any("mlp" in traces[n].code for n in prefill_graphs)
         engine._notify()  # the engine thread switches at its next step (here: at once, being idle)
         assert wait_for(
-            lambda: all(getattr(layer.forward, "func", None) is compile_module._compiled_unless_new for layer in layers)
+            lambda: all(getattr(layer.forward, "func", None) is compile_module._compiled_or_eager for layer in layers)
         )
         traced = len(traces)
         assert served() == eager and len(traces) == traced  # other lengths: the same trace, never traced here
         # Every layer of every prefill ran it: the packed one, the long prompt's chunks, the repeat's rest.
         assert all(runs[n] >= 3 * len(layers) for n in prefill_graphs)
+        # Fewer tokens than COMPILED_PREFILL_FROM_TOKENS: eager (the host's time is the same either way).
+        ran = sum(runs[n] for n in prefill_graphs)
+        monkeypatch.setattr(compile_module, "COMPILED_PREFILL_FROM_TOKENS", 10**6)  # more than any prefill here
+        run_layers_compiled(layers, {type(layers[0]): layers[0].forward.args[0]})
+        assert served() == eager and sum(runs[n] for n in prefill_graphs) == ran
+        monkeypatch.setattr(compile_module, "COMPILED_PREFILL_FROM_TOKENS", 0)
+        run_layers_compiled(layers, {type(layers[0]): layers[0].forward.args[0]})
         # A call the warm-up did not meet (outside inference mode: dynamo guards on it) runs eagerly, untraced.
         embeds = torch.randn(1, 7, engine.model.config.get_text_config().hidden_size)
         with torch.no_grad():

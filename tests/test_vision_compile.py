@@ -83,6 +83,7 @@ def test_every_block_and_image_set_runs_the_one_trace_and_the_engine_thread_neve
         assert torch.equal(image_features(engine, TWO), eager[2]) and len(calls) == len(blocks)
         patches = sum(w * h for w, h in TWO) // engine.model.config.vision_config.patch_size**2
         monkeypatch.setattr(compile_module, "COMPILED_FROM_PATCHES", patches + 1)  # fewer patches: eager
+        run_blocks_compiled(blocks, counted)
         assert torch.equal(image_features(engine, TWO), eager[2]) and len(calls) == len(blocks)
     finally:
         for block in blocks:

@@ -219,36 +219,40 @@ def dynamic_forwards(modules: list, **options) -> dict:
 # 119 -> 78 ms; with every call compiled, a batch-1 448x448 image (1,024) was answered in 78 ms, not 54-62
 # (not measured apart from the session's other changes): fewer patches stay eager.
 COMPILED_FROM_PATCHES = 4096
+# A prefill through the decoder layers (--parts prefill_layers, the engine thread's whole time): 97 to 2,057 tokens
+# 25-32 ms either way (host-bound: a compiled layer's four graphs cost the host as much as the eager ops); 4,057
+# tokens 38 -> 29 ms compiled, 8,057 78 -> 62 ms.
+COMPILED_PREFILL_FROM_TOKENS = 3072
 
 
-def _compiled_unless_new(compiled_forward, module, *args, **kwargs):
+def _compiled_or_eager(compiled_forward, module, smallest: int, hidden_states, *args, **kwargs):
     import torch
 
+    if hidden_states.numel() < smallest * hidden_states.shape[-1]:  # fewer patches or tokens than `smallest`
+        return type(module).forward(module, hidden_states, *args, **kwargs)
     # A shape the compile thread did not meet runs eagerly: compiling it here would stall every row for seconds.
     with torch.compiler.set_stance("eager_on_recompile"):
-        return compiled_forward(module, *args, **kwargs)
+        return compiled_forward(module, hidden_states, *args, **kwargs)
 
 
-def _compiled_or_eager(compiled_forward, block, hidden_states, *args, **kwargs):
-    if hidden_states.shape[0] < COMPILED_FROM_PATCHES:
-        return type(block).forward(block, hidden_states, *args, **kwargs)
-    return _compiled_unless_new(compiled_forward, block, hidden_states, *args, **kwargs)
-
-
-def _run(modules: list, forwards: dict, recompile: bool, run) -> None:
+def _run(modules: list, forwards: dict, recompile: bool, smallest: int) -> None:
     for module in modules:
         forward = forwards[type(module)]
-        module.forward = functools.partial(forward, module) if recompile else functools.partial(run, forward, module)
+        module.forward = (
+            functools.partial(forward, module)
+            if recompile
+            else functools.partial(_compiled_or_eager, forward, module, smallest)
+        )
 
 
 def run_blocks_compiled(blocks: list, forwards: dict, recompile: bool = False) -> None:
     """`blocks` run `forwards` (`dynamic_forwards`) from now on, on `COMPILED_FROM_PATCHES` patches or more;
     compiling new shapes only if `recompile` (the compile thread's warm-up, on any number of patches)."""
-    _run(blocks, forwards, recompile, _compiled_or_eager)
+    _run(blocks, forwards, recompile, COMPILED_FROM_PATCHES)
 
 
 def run_layers_compiled(layers: list, forwards: dict, recompile: bool = False) -> None:
-    """The engine model's decoder `layers` run `forwards` (`dynamic_forwards`) from now on: prefills and chunks,
-    whatever their tokens; compiling new shapes only if `recompile` (the compile thread's warm-up). A call the
-    warm-up did not meet (a decode step outside the compiled decode forward, `generate()`) runs eagerly."""
-    _run(layers, forwards, recompile, _compiled_unless_new)
+    """The engine model's decoder `layers` run `forwards` (`dynamic_forwards`) from now on, for prefills and chunks
+    of `COMPILED_PREFILL_FROM_TOKENS` tokens or more; compiling new shapes only if `recompile` (the compile thread's
+    warm-up, on any number of tokens). A call the warm-up did not meet (`generate()`'s steps) runs eagerly."""
+    _run(layers, forwards, recompile, COMPILED_PREFILL_FROM_TOKENS)
