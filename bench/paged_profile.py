@@ -10,7 +10,7 @@ admission, for a new image and for the same job again; (`intake`) 64 one-token j
 phase's spans on a timeline; and (`prefill_layers`) prompts of 40 to 8,000 tokens prefilled through the decoder
 layers compiled with dynamic shapes and eagerly.
 
-python bench/paged_profile.py --out OUT
+python bench/paged_profile.py --out OUT [--projections-apart]
     [--parts decode,prefill,prefill_uniform,vision,vision_blocks,vision_packed,shapes,ttft,intake,prefill_layers]
 
 With the default KV pool the GPU has too little room left for `vision_packed` after other parts: run it
@@ -36,6 +36,11 @@ def main() -> None:
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
     parser.add_argument("--parts", default="decode,prefill")
+    parser.add_argument(
+        "--projections-apart",
+        action="store_true",
+        help="every projection its own product in the compiled step (the engine before engine/projections.py)",
+    )
     args = parser.parse_args()
     parts = set(args.parts.split(","))
     import logging
@@ -51,7 +56,11 @@ def main() -> None:
         tiny_models.build("qwen2-vl", folder, "qwen2-vl-2b", device="cuda", dtype="bf16")
     os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", VLM_DTYPE="bf16")
     import handler
+    from runpod_vlm.engine import engine as engine_module
     from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, Turn
+
+    if args.projections_apart:
+        engine_module.share_weights = lambda model: 0
 
     engine = handler.get_engine()
     engine.warm_up()

@@ -36,6 +36,7 @@ from runpod_vlm.engine.compile import (
 )
 from runpod_vlm.engine.decoder import PagedDecoder
 from runpod_vlm.engine.loading import missing_model_files, weights_source
+from runpod_vlm.engine.projections import share_weights
 from runpod_vlm.settings import Settings
 from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, Turn
 
@@ -671,12 +672,14 @@ def test_a_prefill_on_the_engine_thread_during_the_compile_does_not_fail_it(tiny
     assert tokens[0] == tokens[1]
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["projections-apart", "one-product-a-group"])
 def test_jobs_answered_while_the_step_compiles_and_after_get_their_eager_tokens(
-    tiny_model, serve, tmp_path, monkeypatch
+    tiny_model, serve, tmp_path, monkeypatch, shared
 ):
     # The whole background compile for real, on CPU (inductor's C++ backend; no CUDA graphs): jobs of several
     # lengths and images, sent together again and again while the step compiles and once it is switched to,
-    # get exactly the tokens of the plain forward.
+    # get exactly the tokens of the plain forward; also with the projections that share an input computed as one
+    # product (engine/projections.py, as a worker that compiles loads them).
     from sample_images import data_uri, striped
 
     engine = serve(
@@ -698,6 +701,8 @@ def test_jobs_answered_while_the_step_compiles_and_after_get_their_eager_tokens(
     ]
     jobs.append({"messages": [{"role": "user", "content": "No image."}], "max_new_tokens": 12})
     eager = [asyncio.run(handler.local_test_answer({"id": "eager", "input": job})) for job in jobs]
+    if shared:
+        assert share_weights(engine.model) > 0
 
     async def together():
         return await asyncio.gather(

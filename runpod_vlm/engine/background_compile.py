@@ -22,6 +22,7 @@ from runpod_vlm.engine.compile import (
     vision_blocks,
     with_compiled_layers,
 )
+from runpod_vlm.engine.projections import one_product_per_input, with_shared_products
 from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, Turn
 
 log = logging.getLogger("runpod-vlm")
@@ -75,7 +76,11 @@ class BackgroundCompile:
         # Inductor's kernel-compiling processes made prefills 12x slower, compiling no faster (bench/contention.py).
         options = {} if os.environ.get("TORCHINDUCTOR_COMPILE_THREADS") else {"options": {"compile_threads": 1}}
         if self._compiled_forward is None:  # here, not on the engine thread: importing the compiler takes seconds
-            self._compiled_forward = with_compiled_layers(model_view(self.model), **options)
+            view = model_view(self.model)
+            step = options
+            if with_shared_products(view):
+                step = {"options": {**options.get("options", {}), "pre_grad_custom_pass": one_product_per_input()}}
+            self._compiled_forward = with_compiled_layers(view, **step)
         rows, interval = self.settings.max_batch_size, self.settings.sync_interval
         key = compile_cache_key(
             self.model_id,

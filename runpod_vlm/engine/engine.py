@@ -23,6 +23,7 @@ from runpod_vlm.engine.loading import load_model
 from runpod_vlm.engine.memory import kv_pool_tokens
 from runpod_vlm.engine.paged_attention import use_paged_attention
 from runpod_vlm.engine.prefill import ChunkedPrefill
+from runpod_vlm.engine.projections import share_weights
 from runpod_vlm.engine.ticket import Ticket, logprob_entries
 from runpod_vlm.engine.vision_attention import use_packed_vision_attention
 from runpod_vlm.families.base import end_tokens
@@ -101,6 +102,8 @@ class Engine(Admission, BackgroundCompile):
             and not longrope
             and use_paged_attention(self.model)
         )
+        if self.compile and self.continuous:
+            share_weights(self.model)  # one product a group of projections in the compiled decode step
         self.prefix_caching = self.settings.prefix_caching and self.adapter.prefix_caching and self.continuous
         self.packed_vision = self.adapter.packed_vision and use_packed_vision_attention(self.model)
         config = self.model.config

@@ -1,0 +1,129 @@
+"""Projections that read the same input (a decoder layer's query, key and value; its MLP's gate and up) as one
+matrix product in the compiled decode step. At 64 rows on the H200 the query, key and value took three launches,
+16 us a layer, and the gate and up two of 11 us (bench/results/profile-graph-step-cuda.txt).
+
+At load, each group's weights move into one tensor and every projection's weight becomes a view of its rows:
+memory and eager code are unchanged. The compiled step runs on a view of the model whose projections are slices
+of their group's product (`with_shared_products`); dynamo traces that product once per slice, and
+`OneProductPerInput` keeps one copy of it for inductor, which by itself keeps all three (it does not merge
+repeated matrix products)."""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+from runpod_vlm.engine.compile import decoder_layers
+
+log = logging.getLogger("runpod-vlm")
+
+GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # the names transformers' families use
+
+
+def share_weights(model) -> int:
+    """Each group of plain linear projections in the decoder layers (same input size, dtype and device; all with a
+    bias or none) takes its weights from one tensor; returns the number of groups joined."""
+    import torch
+
+    joined = 0
+    for layer in decoder_layers(model):
+        for parent in layer.modules():
+            for names in GROUPS:
+                linears = [getattr(parent, name, None) for name in names]
+                if not _joinable(linears):
+                    continue
+                with torch.no_grad():
+                    weight = torch.cat([linear.weight for linear in linears])
+                    bias = torch.cat([linear.bias for linear in linears]) if linears[0].bias is not None else None
+                start, slices = 0, []
+                for linear in linears:
+                    end = start + linear.out_features
+                    linear.weight = torch.nn.Parameter(weight[start:end], requires_grad=False)
+                    if bias is not None:
+                        linear.bias = torch.nn.Parameter(bias[start:end], requires_grad=False)
+                    slices.append(slice(start, end))
+                    start = end
+                # A plain attribute (no parameter): a view of the model shares it, and nothing counts it twice.
+                vars(parent).setdefault("shared_products", []).append((names, weight, bias, slices))
+                joined += 1
+    if joined:
+        log.info("%d groups of projections share one weight each (one product a group in the compiled step)", joined)
+    return joined
+
+
+def _joinable(linears: list) -> bool:
+    import torch
+
+    if not all(type(linear) is torch.nn.Linear for linear in linears):  # quantized layers are other classes
+        return False
+    first = linears[0]
+    return all(
+        linear.in_features == first.in_features
+        and linear.weight.dtype == first.weight.dtype
+        and linear.weight.device == first.weight.device
+        and (linear.bias is None) == (first.bias is None)
+        for linear in linears
+    )
+
+
+@functools.cache
+def _slice_of_product():
+    """The module class of one projection of a group: its columns of the group's product (made here: this package
+    imports torch only when it runs)."""
+    import torch
+
+    class SliceOfProduct(torch.nn.Module):
+        def __init__(self, product, columns: slice):
+            super().__init__()
+            self.product, self.start, self.end = product, columns.start, columns.stop
+
+        def forward(self, hidden_states):
+            return self.product(hidden_states)[..., self.start : self.end]
+
+    return SliceOfProduct
+
+
+def with_shared_products(view) -> int:
+    """In `view` (a copy of the model's module tree, `compile.model_view`), each group joined by `share_weights`
+    becomes slices of one linear product over the group's whole weight; returns the number of groups."""
+    import torch
+
+    groups = 0
+    for layer in decoder_layers(view):
+        for parent in layer.modules():
+            for names, weight, bias, slices in vars(parent).get("shared_products", ()):
+                product = torch.nn.Linear(weight.shape[1], weight.shape[0], bias is not None, device="meta")
+                product.weight = torch.nn.Parameter(weight, requires_grad=False)
+                if bias is not None:
+                    product.bias = torch.nn.Parameter(bias, requires_grad=False)
+                for name, columns in zip(names, slices):
+                    parent._modules[name] = _slice_of_product()(product, columns)
+                groups += 1
+    return groups
+
+
+@functools.cache
+def one_product_per_input():
+    """The pre-grad graph pass (for torch.compile's `options`) that keeps the first of repeated linear products of
+    the same input, weight and bias: a group's slices each traced its product."""
+    import torch
+    from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+
+    linear = {torch._C._nn.linear, torch.nn.functional.linear}
+
+    class OneProductPerInput(CustomGraphPass):
+        def __call__(self, graph) -> None:
+            first: dict = {}
+            for node in list(graph.nodes):
+                if node.op != "call_function" or node.target not in linear:
+                    continue
+                key = (node.target, node.args, tuple(sorted(node.kwargs.items())))
+                kept = first.setdefault(key, node)
+                if kept is not node:
+                    node.replace_all_uses_with(kept)
+                    graph.erase_node(node)
+
+        def uuid(self) -> bytes:  # inductor's cache keys compiled graphs by it
+            return get_hash_for_files((__file__,))
+
+    return OneProductPerInput()
