@@ -4,6 +4,8 @@ a layer's query, key and value and one for its gate and up, with the eager engin
 
 from __future__ import annotations
 
+import pickle
+
 import torch
 
 from runpod_vlm.engine.compile import decoder_layers
@@ -54,3 +56,11 @@ def test_a_groups_weights_share_a_tensor_and_the_compiled_step_computes_one_prod
     assert wait_for(lambda: engine._decoder is not None and engine._decoder.steps_only_with(engine._compiled_forward))
     assert answers(JOBS) == eager
     assert len(products) == 4  # traced once, on the compile thread
+
+
+def test_the_graph_pass_pickles_as_inductors_cache_keys_need():
+    # torch 2.11 pickles inductor's options, this pass included, into the key of every compiled graph: on the H200
+    # a pass of a function's own class failed it ("Can't pickle local object"), and no graph was cached.
+    graph_pass = one_product_per_input()
+    again = pickle.loads(pickle.dumps(graph_pass))
+    assert type(again) is type(graph_pass) and again.uuid() == graph_pass.uuid()

@@ -126,4 +126,13 @@ def one_product_per_input():
         def uuid(self) -> bytes:  # inductor's cache keys compiled graphs by it
             return get_hash_for_files((__file__,))
 
+    # Pickled by its name in this module (`__getattr__`): torch 2.11 pickles inductor's options into its cache keys,
+    # and a class of a function's own could not be, which left every graph uncached (no compile artifacts).
+    OneProductPerInput.__qualname__ = OneProductPerInput.__name__
     return OneProductPerInput()
+
+
+def __getattr__(name: str):
+    if name == "OneProductPerInput":  # made at first use: this package imports torch only when it runs
+        return type(one_product_per_input())
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
