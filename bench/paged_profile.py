@@ -458,30 +458,34 @@ def intake_timeline(handler, engine) -> dict:
 
 def prefill_layers(engine, decoder) -> dict:
     """One text prompt of about n tokens prefilled into a free row (the packed path; a chunk runs the same layers),
-    with the decoder layers as the background compile left them (compiled with dynamic shapes) and eager: the
-    engine thread's whole time, host included; medians of 5 after a warm-up."""
+    through the decoder layers the background compile left (compiled with dynamic shapes, here at every size, below
+    `COMPILED_PREFILL_FROM_TOKENS` too) and eagerly: the engine thread's whole time, host included; medians of 5
+    after a warm-up."""
     import statistics
 
     import torch
 
-    from runpod_vlm.engine.compile import decoder_layers
+    from runpod_vlm.engine import compile as compile_module
     from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, Turn
 
-    layers = decoder_layers(engine.model)
-    compiled = [vars(layer).get("forward") for layer in layers]
+    layers = compile_module.decoder_layers(engine.model)
+    installed = [vars(layer).get("forward") for layer in layers]
+    forwards = {type(layer): forward.args[0] for layer, forward in zip(layers, installed) if forward is not None}
+    threshold = compile_module.COMPILED_PREFILL_FROM_TOKENS
     params = GenerationParams(max_new_tokens=1, temperature=0.0, top_p=1.0, do_sample=False)
     row = decoder.free_rows()[0]
-    result: dict = {"compiled_layers": sum(f is not None for f in compiled)}
+    result: dict = {"compiled_layers": sum(f is not None for f in installed)}
     for tokens in (40, 300, 1000, 2000, 4000, 8000):
         item = GenerationRequest("chat", [Turn("user", ["a " * (tokens // 2)])], params)
         inputs, _ = engine.adapter.batch_inputs(engine.processor, [item], engine.model.device, engine.dtype)
         timings = {}
-        for mode in ("compiled", "eager"):
-            for layer, forward in zip(layers, compiled):
-                if mode == "eager":
-                    vars(layer).pop("forward", None)
-                elif forward is not None:
-                    layer.forward = forward
+        for mode in ("compiled", "eager") if forwards else ("eager",):
+            for layer in layers:
+                vars(layer).pop("forward", None)
+            if mode == "compiled":
+                compile_module.COMPILED_PREFILL_FROM_TOKENS = 0
+                compile_module.run_layers_compiled(layers, forwards)
+                compile_module.COMPILED_PREFILL_FROM_TOKENS = threshold
             runs = []
             for _ in range(6):
                 torch.cuda.synchronize()
@@ -492,7 +496,8 @@ def prefill_layers(engine, decoder) -> dict:
                 decoder.release(row)
             timings[f"{mode}_ms"] = 1000 * statistics.median(runs[1:])
         result[str(inputs["input_ids"].shape[1])] = timings
-    for layer, forward in zip(layers, compiled):
+    for layer, forward in zip(layers, installed):  # as the engine ran them
+        vars(layer).pop("forward", None)
         if forward is not None:
             layer.forward = forward
     return result
