@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import threading
 
 import torch
 
@@ -121,3 +122,36 @@ def test_a_family_that_prefills_padded_keeps_eager_layers(tiny_model, serve, mon
     finally:
         torch._dynamo.reset()
     assert not any("forward" in vars(layer) for layer in decoder_layers(engine.model))
+
+
+def test_the_language_models_inputs_are_caught_on_their_own_thread_only(tiny_model, serve, monkeypatch):
+    """While the engine thread catches a prompt's inputs at the language model (a hook on the module), the compile
+    thread's shadow decoder runs the same module: its forward goes through, as the engine's own does after."""
+    engine = serve(tiny_model("qwen2-vl"))
+    decoder = engine._current_decoder()
+    language_model = engine.model.get_decoder()
+    embedding = language_model.get_input_embeddings()
+    real = embedding.forward
+    other_thread: list = []
+
+    def embed_then_run_the_language_model_elsewhere(ids):
+        def run():
+            try:
+                with torch.inference_mode():
+                    other_thread.append(language_model(inputs_embeds=real(ids[:, :4]), use_cache=False))
+            except BaseException as error:
+                other_thread.append(error)
+
+        if not other_thread:
+            thread = threading.Thread(target=run)
+            thread.start()
+            thread.join()
+        return real(ids)
+
+    monkeypatch.setattr(embedding, "forward", embed_then_run_the_language_model_elsewhere)
+    item = handler.read_job_item(JOBS[0], engine.settings, engine.model_id, None)[1]
+    inputs, _ = engine.adapter.batch_inputs(engine.processor, [item], "cpu", engine.dtype)
+    with torch.inference_mode():
+        chunked = decoder.begin_chunks(inputs, 0, item.params)
+    assert chunked is not None and chunked.length == inputs["input_ids"].shape[1]
+    assert len(other_thread) == 1 and not isinstance(other_thread[0], BaseException), other_thread

@@ -3,6 +3,7 @@ or one long prompt in chunks."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Optional
 
@@ -141,10 +142,13 @@ class Prefill:
         masks of their own)."""
         model = self.model
         language_model, captured = model.get_decoder(), {}
+        this_thread = threading.get_ident()
 
         def capture(module, args, kwargs):
-            captured.update(kwargs)
-            raise _Captured
+            # The hook is on the module both threads run (the engine's and the compile thread's shadow decoder).
+            if threading.get_ident() == this_thread:
+                captured.update(kwargs)
+                raise _Captured
 
         def up_to_the_language_model():
             try:
