@@ -12,6 +12,7 @@ from runpod_vlm.engine import decode_kernel
 from runpod_vlm.engine.blocks import BlockPool
 from runpod_vlm.engine.paged_attention import PagedStep, paged
 from runpod_vlm.engine.prefill import Prefill, beside_fx_traces
+from runpod_vlm.engine.prefill_graphs import PrefillGraphs
 from runpod_vlm.engine.sampling import Sampler, row_seed
 
 log = logging.getLogger("runpod-vlm")
@@ -68,7 +69,9 @@ class PagedDecoder(Prefill):
         self.graphs: dict = {}  # (bucket, span, any sampled row, logprobs, constrained) -> CUDA graph of one step
         self.ahead: list = []  # (bucket, sampled) graphs to record while the engine is idle
         self.decode_kernel = decode_kernel.usable(model)  # else a step gathers each row's slots (span)
-        self.graph_pool = None  # their shared memory pool (a graph each held its own: GBs at 256 rows)
+        # Made before the graphs' memory pool, so that they go before it (the other way round a process aborted at exit).
+        self.prefill_graphs = PrefillGraphs(self, rows)
+        self.graph_pool = None  # the graphs' shared memory pool, the prefills' too (each its own: GBs at 256 rows)
         self.keys: list = []  # per layer [slots, kv heads, head dim]: made at the first prefill, from its shapes
         self.values: list = []
         self.sampler = Sampler(model, eos_ids)
@@ -336,13 +339,16 @@ class PagedDecoder(Prefill):
 
     def captures_ahead_due(self) -> bool:
         """Whether `capture_one_ahead` has one to record: the KV pool exists (made by the first prefill)."""
-        return bool(self.ahead and self.use_graph and self.keys and self.position is not None)
+        wanted = self.ahead or (self.prefill_graphs is not None and self.prefill_graphs.wanted)
+        return bool(wanted and self.use_graph and self.keys and self.position is not None)
 
     def capture_one_ahead(self) -> None:
-        """Record one graph `capture_ahead` asked for (one at a time: a request that comes meanwhile waits on
-        one capture at most)."""
+        """Record one graph `capture_ahead` asked for, else one of a prefill's shape met (one at a time: a request
+        that comes meanwhile waits on one capture at most)."""
         if not self.captures_ahead_due():
             return
+        if not self.ahead:
+            return self._capture_prefill()
         bucket, sample = self.ahead.pop(0)
         flags = self.any_sample, self.any_logprobs, self.any_constrained
         self.any_sample, self.any_logprobs, self.any_constrained = sample, False, False
@@ -353,6 +359,32 @@ class PagedDecoder(Prefill):
             log.warning("CUDA graph capture ahead of the %d-row steps failed", bucket, exc_info=True)
         finally:
             self.any_sample, self.any_logprobs, self.any_constrained = flags
+
+    def _capture_prefill(self) -> None:
+        """Record a prefill shape's graph, unless the background compile holds the GPU (then it is asked for again
+        when a prefill meets the shape)."""
+        lock = self.capture_lock
+        if lock is not None and not lock.acquire(blocking=False):
+            self.prefill_graphs.wanted.pop(0)
+            return
+        try:
+            self.prefill_graphs.capture_one(self._graph_memory())
+        except Exception:  # the prefill runs eagerly, as before
+            log.warning("CUDA graph capture of a prefill failed", exc_info=True)
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def _graph_memory(self):
+        """The memory pool every graph records into: they never replay at once."""
+        import torch
+
+        if self.graph_pool is None:
+            # A MemPool, not a bare graph_pool_handle(): it holds the pool open, so that capturing into it
+            # after every graph in it was dropped (a bucket switching to the compiled forward) does not
+            # trip the allocator's `use_count > 0` assert, as it did on a fresh H200.
+            self.graph_pool = torch.cuda.MemPool()
+        return self.graph_pool.id
 
     def _capture_unless_compiling(self, bucket: int, span: int) -> None:
         """Record a step's graph unless the background compile holds the GPU: its synchronizing benchmarks
@@ -386,12 +418,7 @@ class PagedDecoder(Prefill):
             tensor.copy_(value)
         self.ring_index.zero_()
         graph = torch.cuda.CUDAGraph()
-        if self.graph_pool is None:  # one memory pool for every graph: they never replay at once
-            # A MemPool, not a bare graph_pool_handle(): it holds the pool open, so that capturing into it
-            # after every graph in it was dropped (a bucket switching to the compiled forward) does not
-            # trip the allocator's `use_count > 0` assert, as it did on a fresh H200.
-            self.graph_pool = torch.cuda.MemPool()
-        with torch.cuda.graph(graph, pool=self.graph_pool.id, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self._graph_memory(), capture_error_mode="thread_local"):
             self._advance(bucket, span)
         for tensor, value in kept:
             tensor.copy_(value)

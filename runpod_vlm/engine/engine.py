@@ -450,7 +450,7 @@ class Engine(Admission, BackgroundCompile):
         return decoder
 
     def _kv_pool_blocks(self) -> int:
-        return max(2, kv_pool_tokens(self.model, self.settings, self.dtype) // BLOCK_SIZE + 1)
+        return max(2, kv_pool_tokens(self.model, self.settings, self.dtype, self.use_graphs) // BLOCK_SIZE + 1)
 
     def warm_up(self) -> None:
         """Start compiling the decode step in the background; the engine switches shape by shape."""

@@ -27,7 +27,9 @@ class PagedStep:
     to and `visible` [query rows, 1, query length, length] which of them it may see, or (a decode step
     through the kernel) `table` [rows, columns] each row's blocks and `seen` [rows] how many of its
     tokens it attends to, or (new prompts packed into one query row) `starts` [prompts + 1] where each
-    begins and `longest` the longest's length: each attends causally to its own keys, all new."""
+    begins and `longest` the longest's length: each attends causally to its own keys, all new; or, with
+    `key_slots` [keys] the pool slots of each prompt's keys (its cached prefix, then its new tokens) packed
+    likewise (`key_starts`, `longest_keys`), to those."""
 
     keys: list  # per layer [pool slots, kv heads, head dim]
     values: list
@@ -39,6 +41,9 @@ class PagedStep:
     block_size: int = 0
     starts: Any = None
     longest: int = 0
+    key_slots: Any = None
+    key_starts: Any = None
+    longest_keys: int = 0
 
 
 @contextlib.contextmanager
@@ -72,7 +77,10 @@ def _paged_attention(layer: int, step: PagedStep, query, key, value, scaling):
         from runpod_vlm.engine import varlen
 
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
-        return varlen.causal(q, k, v, step.starts, step.longest, scaling).unsqueeze(0), None
+        if step.key_slots is not None:
+            k, v = pool_keys[step.key_slots], pool_values[step.key_slots]
+        keys = (step.key_starts, step.longest_keys) if step.key_slots is not None else ()
+        return varlen.causal(q, k, v, step.starts, step.longest, scaling, *keys).unsqueeze(0), None
     if step.index is None:
         from runpod_vlm.engine.decode_kernel import paged_decode_attention
 

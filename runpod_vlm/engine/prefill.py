@@ -54,6 +54,7 @@ class Prefill:
     """Part of PagedDecoder (its base): prompts into rows' blocks; each row then starts decoding (`_start`)."""
 
     packs: Optional[bool] = None  # whether prompts prefill packed (known at the first prefill; see `prefill`)
+    prefill_graphs = None  # short prefills' CUDA graphs (`prefill_graphs.PrefillGraphs`)
 
     def prefill(self, inputs, rows: list[int], params: list[GenerationParams], allowed=None, prior=None) -> list[int]:
         """Run new items' prompts (a left-padded batch) and place them in `rows`, each with the blocks of its own
@@ -109,6 +110,9 @@ class Prefill:
             self._allocate_from_config(embeds)
         slots = self._grow_rows(rows, lengths)
         ends = torch.tensor(lengths, device=embeds.device).cumsum(0)
+        if self._graphs_take(embeds, len(slots), len(slots), len(lengths)):
+            hidden = self.prefill_graphs.run(embeds, positions, slots, slots, lengths, lengths)
+            return self.model.get_output_embeddings()(hidden[0, ends - 1]), lengths
         if varlen.takes(embeds):
             starts = torch.nn.functional.pad(ends, (1, 0)).to(torch.int32)
             step = PagedStep(self.keys, self.values, slots, starts=starts, longest=max(lengths))
@@ -119,6 +123,13 @@ class Prefill:
             step = PagedStep(self.keys, self.values, slots, slots[None, :], visible[None, None])
         hidden = self._through_language_model(step, embeds, positions)
         return self.model.get_output_embeddings()(hidden[0, ends - 1]), lengths
+
+    def _graphs_take(self, embeds, tokens: int, keys: int, sequences: int) -> bool:
+        """Whether a prefill of this size goes through `prefill_graphs` (on the GPU, through varlen)."""
+        from runpod_vlm.engine import varlen
+
+        graphs = self.prefill_graphs
+        return bool(self.use_graph and graphs and graphs.fits(tokens, keys, sequences)) and varlen.takes(embeds)
 
     def _through_language_model(self, step: PagedStep, embeds, positions):
         """The language model's last hidden states for `embeds` at `positions`, attending through `step`."""
@@ -208,16 +219,20 @@ class Prefill:
         if not self.keys:
             self._allocate_from_config(chunked.embeds)
         index = self._slots(chunked.row, 0, end)
-        positions = torch.arange(end, device=index.device)
-        visible = positions[None, :] <= positions[start:end, None]  # causal, after the earlier chunks
-        step = PagedStep(self.keys, self.values, index[start:end], index[None, :], visible[None, None])
-        # Copied, strides and all: a slice's (of a dimension of one too) follow the whole prompt's length, and the
-        # compiled layers guard on them.
-        embeds, positions = (
-            part.clone(memory_format=torch.contiguous_format)
-            for part in (chunked.embeds[:, start:end], chunked.positions[..., start:end])
-        )
-        hidden = self._through_language_model(step, embeds, positions)
+        if self._graphs_take(chunked.embeds, end - start, end, 1):
+            embeds, positions = chunked.embeds[:, start:end], chunked.positions[..., start:end]
+            hidden = self.prefill_graphs.run(embeds, positions, index[start:end], index, [end - start], [end])
+        else:
+            positions = torch.arange(end, device=index.device)
+            visible = positions[None, :] <= positions[start:end, None]  # causal, after the earlier chunks
+            step = PagedStep(self.keys, self.values, index[start:end], index[None, :], visible[None, None])
+            # Copied, strides and all: a slice's (of a dimension of one too) follow the whole prompt's length, and
+            # the compiled layers guard on them.
+            embeds, positions = (
+                part.clone(memory_format=torch.contiguous_format)
+                for part in (chunked.embeds[:, start:end], chunked.positions[..., start:end])
+            )
+            hidden = self._through_language_model(step, embeds, positions)
         chunked.done = end
         if end < chunked.length:
             return None

@@ -32,9 +32,11 @@ def _parameters(function) -> frozenset:
     return frozenset(inspect.signature(function).parameters)
 
 
-def causal(query, key, value, cu_seqlens, longest: int, scale=None):
-    """Causal attention within each packed sequence: query [tokens, heads, dim], key and value [tokens, kv heads,
-    dim] (grouped heads repeated where the kernel does not take them) -> [tokens, heads, dim]."""
+def causal(query, key, value, cu_seqlens, longest: int, scale=None, key_starts=None, longest_keys=None):
+    """Causal attention within each packed sequence: query [tokens, heads, dim], key and value [keys, kv heads,
+    dim] (grouped heads repeated where the kernel does not take them) -> [tokens, heads, dim]. Where a sequence
+    has more keys (`key_starts`, `longest_keys`: a prefix already in the cache) than queries, its queries are
+    its last tokens (the kernel's causal mask aligns them to its keys' end)."""
     function = kernel()
     parameters = _parameters(function)
     # torch 2.10 took `is_causal`; later ones a window, (-1, 0) being causal.
@@ -45,4 +47,6 @@ def causal(query, key, value, cu_seqlens, longest: int, scale=None):
             options["enable_gqa"] = True
         else:
             key, value = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (key, value))
-    return function(query, key, value, cu_seqlens, cu_seqlens, longest, longest, scale=scale, **options)
+    if key_starts is None:
+        key_starts, longest_keys = cu_seqlens, longest
+    return function(query, key, value, cu_seqlens, key_starts, longest, longest_keys, scale=scale, **options)

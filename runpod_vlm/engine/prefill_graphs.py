@@ -1,0 +1,150 @@
+"""Short prefills replayed as CUDA graphs: new prompts packed together, or a prompt's last chunk after its cached
+prefix, of up to `GRAPH_TOKENS` tokens. Run eagerly, such a prefill costs the host 25-32 ms whatever its size (the
+decoder's kernels launched one by one through Python, bench/results/profile-prefill-layers.json); a graph launches
+them all at once.
+
+A graph has fixed shapes, so a prefill is padded to buckets: its tokens to a power of two (the padding one more
+sequence, whose keys and values go to block 0, never handed out), the keys it reads back from the pool to one of
+`KEY_BUCKETS`, its sequences' starts to a power of two (zero-length ones at the end). The first prefill of a shape
+runs the same padded forward eagerly and asks for its graph, which the decoder records while the engine is idle
+(`PagedDecoder.capture_one_ahead`); a single prompt's shapes of up to 1,024 keys are asked for at the first prefill."""
+
+from __future__ import annotations
+
+import types
+
+from runpod_vlm.engine.paged_attention import PagedStep
+
+GRAPH_TOKENS = 2048  # from 3,072 tokens the prefill's layers run compiled (compile.COMPILED_PREFILL_FROM_TOKENS)
+# Few, so that a chat's turns share their graphs: reading back a whole bucket of slots (block 0's past the keys) costs
+# little beside the layers (16,384 slots: 16 MB a layer at the 2B's shapes).
+KEY_BUCKETS = (1024, 4096, 16384)  # a longer cached prefix's last chunk runs eagerly
+MAX_GRAPHS = 48  # shapes recorded at most; others run padded, eagerly
+SMALLEST = 64
+
+
+def bucket(count: int, smallest: int = SMALLEST) -> int:
+    """The power of two (at least `smallest`) that holds `count`."""
+    size = smallest
+    while size < count:
+        size *= 2
+    return size
+
+
+def key_bucket(keys: int) -> int:
+    return next((size for size in KEY_BUCKETS if size >= keys), keys)
+
+
+def _starts(lengths: list[int], padded: int, entries: int) -> list[int]:
+    """Where each sequence starts, then the padding's sequence (to `padded`), then empty ones: `entries` in all."""
+    starts = [0]
+    for length in lengths:
+        starts.append(starts[-1] + length)
+    return starts + [padded] * (entries - len(starts))
+
+
+class PrefillGraphs:
+    """The graphs of one decoder's short prefills, one per (tokens, keys, sequences) bucket, over shared buffers."""
+
+    def __init__(self, decoder, rows: int):
+        self.decoder = decoder  # the PagedDecoder whose pool and language model the prefills run
+        self.sequences = bucket(rows + 1, 2)  # the most starts a prefill takes, its padding's included
+        self.graphs: dict = {}
+        # shapes to record: a single prompt's of up to 1,024 keys, then those met
+        self.wanted: list = [(bucket(tokens), KEY_BUCKETS[0], 2) for tokens in range(SMALLEST, KEY_BUCKETS[0] + 1, 64)]
+        self.wanted = sorted(set(self.wanted))
+        self.failures, self.capture_s = 0, 0.0  # recording seconds (benchmarks)
+        self.buffers = None
+
+    def fits(self, tokens: int, keys: int, sequences: int) -> bool:
+        return self.failures < 3 and tokens <= GRAPH_TOKENS and keys <= KEY_BUCKETS[-1] and sequences < self.sequences
+
+    def run(self, embeds, positions, slots, key_slots, lengths: list[int], key_lengths: list[int]):
+        """The language model's last hidden states [1, tokens, hidden] for `embeds` [1, tokens, hidden] at
+        `positions` [..., 1, tokens]: sequences of `lengths` tokens packed, their keys and values written at
+        `slots`; each attends causally to its `key_lengths` keys, read back at `key_slots` (its cached prefix, then
+        its new tokens)."""
+        import torch
+
+        tokens, keys = len(slots), len(key_slots)
+        shape = bucket(tokens), key_bucket(keys), bucket(len(lengths) + 1, 2)
+        padded_tokens, padded_keys, sequences = shape
+        held = self._buffers(embeds, positions)
+        for buffer, value, padded in (
+            (held.embeds[0], embeds[0], padded_tokens),
+            (held.slots, slots, padded_tokens),  # the padding's keys and values go to block 0
+            (held.key_slots, key_slots, padded_keys),
+        ):
+            buffer[: len(value)].copy_(value)
+            buffer[len(value) : padded].zero_()
+        held.positions[..., :tokens].copy_(positions)
+        held.positions[..., tokens:padded_tokens].zero_()
+        starts = [_starts(lengths, padded_tokens, sequences + 1), _starts(key_lengths, padded_keys, sequences + 1)]
+        held.starts[:, : sequences + 1].copy_(torch.tensor(starts, dtype=torch.int32))
+        graph = self.graphs.get(shape)
+        if graph is not None:
+            graph.replay()
+        else:
+            self._forward(shape)
+            if shape not in self.wanted and len(self.graphs) + len(self.wanted) < MAX_GRAPHS:
+                self.wanted.append(shape)
+        return held.hidden[:, :tokens]
+
+    def _buffers(self, embeds, positions) -> types.SimpleNamespace:
+        import torch
+
+        if self.buffers is None:
+            device, hidden = embeds.device, embeds.shape[-1]
+            zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
+            self.buffers = types.SimpleNamespace(
+                embeds=zeros(1, GRAPH_TOKENS, hidden, dtype=embeds.dtype),
+                positions=zeros(*positions.shape[:-1], GRAPH_TOKENS, dtype=positions.dtype),
+                slots=zeros(GRAPH_TOKENS),
+                key_slots=zeros(KEY_BUCKETS[-1]),
+                starts=zeros(2, self.sequences + 1, dtype=torch.int32),  # the queries', then the keys'
+                hidden=zeros(1, GRAPH_TOKENS, hidden, dtype=embeds.dtype),
+            )
+        return self.buffers
+
+    def _forward(self, shape: tuple) -> None:
+        """The padded prefill of `shape` from the buffers, its hidden states into `buffers.hidden`."""
+        tokens, keys, sequences = shape
+        held, decoder = self.buffers, self.decoder
+        step = PagedStep(
+            decoder.keys,
+            decoder.values,
+            held.slots[:tokens],
+            starts=held.starts[0, : sequences + 1],
+            longest=tokens,
+            key_slots=held.key_slots[:keys],
+            key_starts=held.starts[1, : sequences + 1],
+            longest_keys=keys,
+        )
+        hidden = decoder._through_language_model(step, held.embeds[:, :tokens], held.positions[..., :tokens])
+        held.hidden[:, :tokens].copy_(hidden)
+
+    def capture_one(self, pool) -> None:
+        """Record the first wanted shape's graph into the memory `pool` (once a prefill made the buffers)."""
+        import time
+
+        shape = self.wanted.pop(0)
+        if self.buffers is None or shape in self.graphs:
+            return
+        started = time.perf_counter()
+        try:
+            self.graphs[shape] = self._record(shape, pool)
+        except Exception:
+            self.failures += 1  # at three, prefills run as before (`fits`)
+            raise
+        finally:
+            self.capture_s += time.perf_counter() - started
+
+    def _record(self, shape: tuple, pool):
+        """No warm-up runs: each would cost the engine as much as the recording (the host's time), and the kernels
+        are loaded (a prefill ran before the graphs were asked for)."""
+        import torch
+
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            self._forward(shape)
+        return graph

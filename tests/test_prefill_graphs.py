@@ -1,0 +1,120 @@
+"""Short prefills as CUDA graphs (engine/prefill_graphs.py) on the CPU: the padded forward a graph records, and its
+replays from buffers filled anew, give every job its solo `generate()` tokens, new prompts packed and a prompt's
+last chunk after its cached prefix alike. Recording a real graph needs a GPU: here a stand-in replays the padded
+forward from the same buffers (bench/paged.py checks the GPU's)."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from runpod_vlm.answers import generate_all
+from runpod_vlm.engine import varlen
+from runpod_vlm.engine.decoder import PagedDecoder
+from runpod_vlm.engine.prefill_graphs import KEY_BUCKETS, PrefillGraphs, bucket
+from sample_images import data_uri, striped
+from test_paged_engine import items_of, language_model_inputs, packed_prefill_jobs, solo_generate
+from test_vision_compile import wait_for
+
+
+def varlen_reference(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, -1), enable_gqa=False):
+    """varlen_attn's result, sequence by sequence: with more keys than queries, the queries are its last tokens
+    (the causal mask aligned to the keys' end); a query that sees no key gets zeros, as the kernel gives them."""
+    output = torch.zeros_like(q)
+    for b in range(len(cu_q) - 1):
+        q_start, q_end, k_start, k_end = (int(x) for x in (cu_q[b], cu_q[b + 1], cu_k[b], cu_k[b + 1]))
+        queries, keys = q_end - q_start, k_end - k_start
+        if queries == 0 or keys == 0:
+            continue
+        mask = torch.ones(queries, keys, dtype=torch.bool)
+        if window_size == (-1, 0):
+            mask = torch.arange(keys)[None, :] <= torch.arange(queries)[:, None] + (keys - queries)
+        parts = (q[q_start:q_end], k[k_start:k_end], v[k_start:k_end])
+        query, key, value = (t.transpose(0, 1) for t in parts)
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key, value, attn_mask=mask, scale=scale, enable_gqa=enable_gqa
+        ).transpose(0, 1)
+        output[q_start:q_end] = torch.where(mask.any(dim=1)[:, None, None], out, 0)
+    return output
+
+
+@pytest.fixture
+def graphs_on_cpu(monkeypatch):
+    """The GPU's prefill path on the CPU: varlen through the reference, the decoder using graphs, each recording a
+    stand-in whose replay runs the padded forward from the buffers (decode steps stay eager). Returns the shapes
+    replayed."""
+    replayed: list = []
+
+    def record(self, shape, pool):
+        return types.SimpleNamespace(replay=lambda: replayed.append(shape) or self._forward(shape))
+
+    monkeypatch.setattr(varlen, "takes", lambda query: True)
+    monkeypatch.setattr(varlen, "kernel", lambda: varlen_reference)
+    monkeypatch.setattr(PrefillGraphs, "_record", record)
+    monkeypatch.setattr(PagedDecoder, "_capture", lambda self, bucket, span: None)
+    monkeypatch.setattr(PagedDecoder, "_graph_memory", lambda self: None)
+    return replayed
+
+
+def with_graphs(engine) -> PrefillGraphs:
+    decoder = engine._current_decoder()
+    decoder.use_graph = decoder.packs = True
+    return decoder.prefill_graphs
+
+
+def test_new_prompts_padded_to_a_graphs_shape_get_their_solo_tokens_run_eagerly_then_replayed(
+    tiny_model, serve, monkeypatch, graphs_on_cpu
+):
+    engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_TOKENS="1024", VLM_PREFIX_CACHING="false")
+    graphs = with_graphs(engine)
+    items = items_of(engine, packed_prefill_jobs())
+    solo = solo_generate(engine, items)
+    tokens = sum(outcome.prompt_tokens for outcome in solo)
+    shapes = language_model_inputs(monkeypatch, engine)
+    assert generate_all(engine, items) == solo
+    padded = bucket(tokens)
+    assert tokens < padded and shapes[0][:2] == (1, padded)  # the four prompts and their padding, at once
+    shape = (padded, KEY_BUCKETS[0], 8)  # four prompts and the padding's sequence: eight starts' room
+    assert wait_for(lambda: shape in graphs.graphs)  # recorded while the engine was idle
+    assert graphs_on_cpu == []
+    fewer = items_of(engine, packed_prefill_jobs()[::-1])  # the same prompts in another order: the same shape
+    assert generate_all(engine, fewer) == solo[::-1]
+    assert graphs_on_cpu == [shape]
+    decoder = engine._current_decoder()
+    assert decoder.pool.free == decoder.pool.capacity
+
+
+def test_a_prompts_last_chunk_after_its_cached_prefix_attends_to_the_prefix_through_the_graphs_path(
+    tiny_model, serve, monkeypatch, graphs_on_cpu
+):
+    """The same prompt again reads its cached blocks and runs only its last tokens, which attend to the cached keys
+    too, through the graph of its shape (a single prompt's, recorded after the first prefill)."""
+    engine = serve(tiny_model("qwen2-vl"))
+    graphs = with_graphs(engine)
+    job = {
+        "task": "vqa",
+        "image_url": data_uri(striped((64, 48))),
+        "question": "What is in the picture, and why? Say it in many words.",
+        "max_new_tokens": 8,
+        "min_new_tokens": 8,
+    }
+    items = items_of(engine, [job])
+    solo = solo_generate(engine, items)
+    runs: list = []
+    real = PrefillGraphs.run
+
+    def run(self, embeds, positions, slots, key_slots, lengths, key_lengths):
+        runs.append((lengths, key_lengths))
+        return real(self, embeds, positions, slots, key_slots, lengths, key_lengths)
+
+    monkeypatch.setattr(PrefillGraphs, "run", run)
+    for _ in range(3):
+        assert generate_all(engine, items) == solo
+        assert wait_for(lambda: not graphs.wanted)
+    prompt = solo[0].prompt_tokens
+    (new,), (keys,) = runs[1]
+    assert runs[0] == ([prompt], [prompt]) and keys == prompt and 0 < new < prompt  # the second read its prefix
+    assert runs[2] == runs[1] and graphs_on_cpu == [(bucket(new), KEY_BUCKETS[0], 2)] * 2
+    assert engine.timings["prefix_cached_tokens"] == 2 * (prompt - new)
