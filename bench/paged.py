@@ -193,10 +193,12 @@ def child(part: str, args) -> dict:
     if part == "h200":
         results["gpu_parity"] = gpu_parity(handler, engine)
         # Its first prefill made the KV pool: the engine now records the decode graphs ahead while idle (a new
-        # worker's first second of idle time); batch 1 is timed after that, as a worker serves once warm.
+        # worker's first second of idle time), and the graph of the parity's prefill; batch 1 is timed after that,
+        # as a worker serves once warm.
         deadline = time.monotonic() + 60
         while engine._current_decoder().captures_ahead_due() and time.monotonic() < deadline:
             time.sleep(0.05)
+        results["gpu_parity_prefill_replayed"] = gpu_parity(handler, engine)  # the same prefill's shape, its graph
         from serving import run_job
 
         def first(n):  # a new image each time: a repeated one is answered from the image and prefix caches
@@ -267,6 +269,8 @@ def child(part: str, args) -> dict:
             "sixteen_images_beside_8_short", lambda: {"outcomes": asyncio.run(outcomes(handler, [big, *short[:8]]))}
         )
     results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
+    graphs = engine._current_decoder().prefill_graphs
+    results["prefill_graphs"] = None if graphs is None else sorted(graphs.graphs)  # (tokens, keys, starts) recorded
     results["pool"] = {
         "blocks": decoder.pool.capacity,
         "tokens": decoder.pool.capacity_tokens,
