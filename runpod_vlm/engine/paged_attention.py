@@ -3,7 +3,8 @@
 Outside a paged forward it is transformers' own SDPA (a prefill into a scratch cache). Inside one, each
 layer writes its new keys/values into the pool at the step's slots, then attends: a decode step on the
 GPU through `decode_kernel` (each row reads its own blocks), new prompts packed into one sequence on the
-GPU through `varlen.causal` (each within its own span), a prompt chunk (and any step on the CPU) by
+GPU through `varlen.causal` (each within its own span; a short prefill's prompts reading their keys back from the
+pool, a cached prefix's too: `prefill_graphs`), a longer prompt chunk (and any step on the CPU) by
 gathering the slots each query row reads and running SDPA on them, each key/value head repeated for its
 query heads (with a mask, only SDPA's math kernel takes grouped heads: 2.0 s of chunks on the H200 against 0.8 s).
 Hand-written: transformers' paged implementations repeat K/V per head (`paged|sdpa`: 708 tok/s for 64
