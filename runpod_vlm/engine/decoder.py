@@ -69,7 +69,7 @@ class PagedDecoder(Prefill):
         self.graphs: dict = {}  # (bucket, span, any sampled row, logprobs, constrained) -> CUDA graph of one step
         self.ahead: list = []  # (bucket, sampled) graphs to record while the engine is idle
         self.decode_kernel = decode_kernel.usable(model)  # else a step gathers each row's slots (span)
-        # Made before the graphs' memory pool, so that they go before it (the other way round a process aborted at exit).
+        # Made before the graphs' memory pool, so that they go first at teardown (made after: an abort at exit).
         self.prefill_graphs = PrefillGraphs(self, rows)
         self.graph_pool = None  # the graphs' shared memory pool, the prefills' too (each its own: GBs at 256 rows)
         self.keys: list = []  # per layer [slots, kv heads, head dim]: made at the first prefill, from its shapes
