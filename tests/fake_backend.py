@@ -1863,7 +1863,7 @@ def hub(monkeypatch):
     monkeypatch.setattr(engine_module, "use_packed_vision_attention", lambda model: True)
     # GPU memory is asked of the fake torch.cuda; the work memory is measured on the GPU (bench/serving.py).
     monkeypatch.setattr(
-        memory_module, "measured_work_memory", lambda model, settings, dtype, graphs=False: HUB.work_memory
+        memory_module, "measured_work_memory", lambda model, settings, dtype, graph_tokens=0: HUB.work_memory
     )
     monkeypatch.setattr(memory_module, "kv_bytes_per_token", lambda model: HUB.kv_bytes_per_token)
     # The compile-artifact file is torch's (tests/test_compile_cache.py runs it for real): here the

@@ -376,9 +376,12 @@ class PagedDecoder(Prefill):
                 lock.release()
 
     def _graph_memory(self):
-        """The memory pool every graph records into: they never replay at once."""
+        """The memory pool every graph records into: they never replay at once. Called before each recording: it
+        first gives the caching allocator's free blocks back to the GPU, which a recording cannot do (capped to
+        24 GB, a recording ran out of memory beside 1 GB of them)."""
         import torch
 
+        torch.cuda.empty_cache()
         if self.graph_pool is None:
             # A MemPool, not a bare graph_pool_handle(): it holds the pool open, so that capturing into it
             # after every graph in it was dropped (a bucket switching to the compiled forward) does not

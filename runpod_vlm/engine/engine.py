@@ -23,6 +23,7 @@ from runpod_vlm.engine.loading import load_model
 from runpod_vlm.engine.memory import kv_pool_tokens
 from runpod_vlm.engine.paged_attention import use_paged_attention
 from runpod_vlm.engine.prefill import ChunkedPrefill
+from runpod_vlm.engine.prefill_graphs import GRAPH_TOKENS
 from runpod_vlm.engine.projections import share_weights
 from runpod_vlm.engine.ticket import Ticket, logprob_entries
 from runpod_vlm.engine.vision_attention import use_packed_vision_attention
@@ -450,7 +451,8 @@ class Engine(Admission, BackgroundCompile):
         return decoder
 
     def _kv_pool_blocks(self) -> int:
-        return max(2, kv_pool_tokens(self.model, self.settings, self.dtype, self.use_graphs) // BLOCK_SIZE + 1)
+        graph_tokens = GRAPH_TOKENS if self.use_graphs else 0
+        return max(2, kv_pool_tokens(self.model, self.settings, self.dtype, graph_tokens) // BLOCK_SIZE + 1)
 
     def warm_up(self) -> None:
         """Start compiling the decode step in the background; the engine switches shape by shape."""

@@ -11,9 +11,9 @@ log = logging.getLogger("runpod-vlm")
 CPU_KV_CACHE_TOKENS = 32768
 
 
-def kv_pool_tokens(model, settings: Settings, dtype, graphs: bool = False) -> int:
-    """VLM_KV_CACHE_TOKENS, else what the GPU holds beside the weights and a step's measured work memory (and,
-    with CUDA `graphs`, the short prefills' graphs' own), within VLM_GPU_MEMORY_UTILIZATION of the memory this
+def kv_pool_tokens(model, settings: Settings, dtype, graph_tokens: int = 0) -> int:
+    """VLM_KV_CACHE_TOKENS, else what the GPU holds beside the weights and a step's measured work memory (and the
+    prefill graphs' own, for prefills of up to `graph_tokens`), within VLM_GPU_MEMORY_UTILIZATION of the memory this
     process may use (its cap, when it has one)."""
     import torch
 
@@ -27,7 +27,7 @@ def kv_pool_tokens(model, settings: Settings, dtype, graphs: bool = False) -> in
     # had no headroom left for a large request's vision pass, which then ran out of memory on the H200.
     limit = total * settings.gpu_memory_utilization * torch.cuda.get_per_process_memory_fraction(device)
     limit = min(limit, torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device))
-    work = measured_work_memory(model, settings, dtype, graphs)
+    work = measured_work_memory(model, settings, dtype, graph_tokens)
     weights = torch.cuda.memory_allocated(device)
     images = settings.image_cache_mb * 2**20
     tokens = max(0, int((limit - weights - work - images) // kv_bytes_per_token(model)))
@@ -60,16 +60,14 @@ def kv_bytes_per_token(model) -> int:
     return 2 * layers * heads * dim * model.get_output_embeddings().weight.element_size()
 
 
-def measured_work_memory(model, settings: Settings, dtype, graphs: bool = False) -> int:
+def measured_work_memory(model, settings: Settings, dtype, graph_tokens: int = 0) -> int:
     """Peak memory beyond the weights of a prefill at the step's token budget (text: the vision tower's
     share comes out of the headroom VLM_GPU_MEMORY_UTILIZATION leaves), plus the sampler's at full rows, plus
-    with `graphs` a prefill at their largest size (their memory pool holds it beside the eager prefills')."""
-    from runpod_vlm.engine.prefill_graphs import GRAPH_TOKENS
-
+    that of a prefill of `graph_tokens` (the prefill graphs' memory pool holds it beside the eager prefills')."""
     vocab = model.get_output_embeddings().weight.shape[0]
     sampler = 8 * settings.max_batch_size * vocab * 4  # float32 logits, probabilities, sort, noise
     prefill = _prefill_peak(model, settings.max_batch_tokens, dtype)
-    return prefill + sampler + (_prefill_peak(model, GRAPH_TOKENS, dtype) if graphs else 0)
+    return prefill + sampler + (_prefill_peak(model, graph_tokens, dtype) if graph_tokens else 0)
 
 
 def _prefill_peak(model, tokens: int, dtype) -> int:
