@@ -50,9 +50,8 @@ class PrefillGraphs:
         self.decoder = decoder  # the PagedDecoder whose pool and language model the prefills run
         self.sequences = bucket(rows + 1, 2)  # the most starts a prefill takes, its padding's included
         self.graphs: dict = {}
-        # shapes to record: a single prompt's of up to 1,024 keys, then those met
-        self.wanted: list = [(bucket(tokens), KEY_BUCKETS[0], 2) for tokens in range(SMALLEST, KEY_BUCKETS[0] + 1, 64)]
-        self.wanted = sorted(set(self.wanted))
+        # shapes to record: a single prompt's of 64 to 1,024 tokens and up to 1,024 keys, then those met
+        self.wanted: list = [(SMALLEST * 2**n, KEY_BUCKETS[0], 2) for n in range(5)]
         self.failures, self.capture_s = 0, 0.0  # recording seconds (benchmarks)
         self.buffers = None
 
