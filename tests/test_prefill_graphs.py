@@ -118,3 +118,29 @@ def test_a_prompts_last_chunk_after_its_cached_prefix_attends_to_the_prefix_thro
     assert runs[0] == ([prompt], [prompt]) and keys == prompt and 0 < new < prompt  # the second read its prefix
     assert runs[2] == runs[1] and graphs_on_cpu == [(bucket(new), KEY_BUCKETS[0], 2)] * 2
     assert engine.timings["prefix_cached_tokens"] == 2 * (prompt - new)
+
+
+def test_a_shape_that_cannot_be_recorded_runs_eagerly_and_three_failures_end_the_graphs(
+    tiny_model, serve, monkeypatch, graphs_on_cpu, caplog
+):
+    """Recording fails (a capture error, memory): the prefill still answers, eagerly; after three failures
+    prefills stop asking for graphs and run as they did before them."""
+    engine = serve(tiny_model("qwen2-vl"), VLM_PREFIX_CACHING="false")
+    graphs = with_graphs(engine)
+
+    def record(self, shape, pool):
+        raise RuntimeError("capture failed")
+
+    monkeypatch.setattr(PrefillGraphs, "_record", record)
+    padded: list = []
+    real = PrefillGraphs._forward
+    monkeypatch.setattr(PrefillGraphs, "_forward", lambda self, shape: padded.append(shape) or real(self, shape))
+    jobs = [dict(job, max_new_tokens=4, min_new_tokens=4) for job in packed_prefill_jobs()[1:3]]
+    items = items_of(engine, jobs)
+    solo = solo_generate(engine, items)
+    assert generate_all(engine, items[:1]) == solo[:1]
+    assert wait_for(lambda: graphs.failures == 3)  # the shapes asked for at the first prefill
+    assert "CUDA graph capture of a prefill failed" in caplog.text
+    before = len(padded)
+    assert generate_all(engine, items) == solo
+    assert len(padded) == before and not graphs.graphs  # the prefills ran the unpadded path

@@ -133,7 +133,9 @@ class PrefillGraphs:
         try:
             self.graphs[shape] = self._record(shape, pool)
         except Exception:
-            self.failures += 1  # at three, prefills run as before (`fits`)
+            self.failures += 1
+            if self.failures == 3:  # prefills run as before (`fits`), and none is recorded
+                self.wanted.clear()
             raise
         finally:
             self.capture_s += time.perf_counter() - started
