@@ -14,8 +14,8 @@ from runpod_vlm.answers import generate_all
 from runpod_vlm.engine import varlen
 from runpod_vlm.engine.decoder import PagedDecoder
 from runpod_vlm.engine.prefill_graphs import KEY_BUCKETS, PrefillGraphs, bucket
-from sample_images import data_uri, striped
 from test_paged_engine import items_of, language_model_inputs, packed_prefill_jobs, solo_generate
+from test_prefill_compile import vqa
 from test_vision_compile import wait_for
 
 
@@ -93,14 +93,7 @@ def test_a_prompts_last_chunk_after_its_cached_prefix_attends_to_the_prefix_thro
     too, through the graph of its shape (a single prompt's, recorded after the first prefill)."""
     engine = serve(tiny_model("qwen2-vl"))
     graphs = with_graphs(engine)
-    job = {
-        "task": "vqa",
-        "image_url": data_uri(striped((64, 48))),
-        "question": "What is in the picture, and why? Say it in many words.",
-        "max_new_tokens": 8,
-        "min_new_tokens": 8,
-    }
-    items = items_of(engine, [job])
+    items = items_of(engine, [vqa((64, 48), "What is in the picture, and why? Say it in many words.", 8)])
     solo = solo_generate(engine, items)
     runs: list = []
     real = PrefillGraphs.run
