@@ -50,9 +50,13 @@ def read_images(item: GenerationRequest, settings: Settings) -> None:
 
 def fetched(sources: list[tuple[str, str]], policy: MediaPolicy, kind: str = "image") -> Iterator[bytes]:
     """The bytes of each (spec text, field) in order, fetched side by side under one deadline (`kind`, image or
-    video, names them in errors); the fetches still running are cancelled when the iteration is closed."""
+    video, names them in errors); the fetches still running are cancelled when the iteration is closed. Without
+    a URL among them (data URIs, base64) they are read here: starting the threads took longer than reading."""
     import concurrent.futures
 
+    if not any(_is_web_url(text) for text, _ in sources):
+        yield from (image_bytes(text, policy, where, kind=kind) for text, where in sources)
+        return
     deadline = time.monotonic() + policy.fetch_deadline
     pool = ThreadPoolExecutor(MAX_PARALLEL_FETCHES, thread_name_prefix="vlm-fetch")  # threads start as needed
     try:
@@ -65,6 +69,11 @@ def fetched(sources: list[tuple[str, str]], policy: MediaPolicy, kind: str = "im
                 raise RequestError("fetch_timeout", message, where) from None
     finally:
         pool.shutdown(wait=False, cancel_futures=True)
+
+
+def _is_web_url(spec: str) -> bool:
+    scheme = URL_SCHEME.match(spec)
+    return scheme is not None and scheme.group(1).lower() in ("http", "https")
 
 
 def image_key(image, max_pixels: Optional[int]) -> bytes:

@@ -176,7 +176,7 @@ def _field_path(parent: Optional[str], key: Any) -> str:
 def _check_text(text: str, where: Optional[str], what: str) -> None:
     if "\x00" in text:
         raise RequestError("invalid_request", f"the {what} holds a NUL character", where or "input")
-    if _SURROGATE.search(text):
+    if not text.isascii() and _SURROGATE.search(text):  # isascii() reads a flag: a data URI is not scanned
         raise RequestError("invalid_request", f"the {what} holds invalid Unicode (a lone surrogate)", where or "input")
 
 
