@@ -137,3 +137,17 @@ def test_a_shape_that_cannot_be_recorded_runs_eagerly_and_three_failures_end_the
     before = len(padded)
     assert generate_all(engine, items) == solo
     assert len(padded) == before and not graphs.graphs  # the prefills ran the unpadded path
+
+
+def test_no_prefill_graph_is_recorded_while_a_shape_compiles(tiny_model, serve, graphs_on_cpu):
+    """While the background compile holds the GPU the shapes asked for are dropped, not recorded; a prefill that
+    meets one again asks for it again."""
+    engine = serve(tiny_model("qwen2-vl"), VLM_PREFIX_CACHING="false")
+    graphs = with_graphs(engine)
+    items = items_of(engine, packed_prefill_jobs()[1:2])
+    with engine._capture_lock:
+        held = generate_all(engine, items)
+        assert wait_for(lambda: not graphs.wanted)
+        assert not graphs.graphs
+    assert generate_all(engine, items) == held
+    assert wait_for(lambda: len(graphs.graphs) == 1)

@@ -363,17 +363,12 @@ class PagedDecoder(Prefill):
     def _capture_prefill(self) -> None:
         """Record a prefill shape's graph, unless the background compile holds the GPU (then it is asked for again
         when a prefill meets the shape)."""
-        lock = self.capture_lock
-        if lock is not None and not lock.acquire(blocking=False):
-            self.prefill_graphs.wanted.pop(0)
-            return
+        graphs = self.prefill_graphs
         try:
-            self.prefill_graphs.capture_one(self._graph_memory())
+            if not self._unless_compiling(lambda: graphs.capture_one(self._graph_memory())):
+                graphs.wanted.pop(0)
         except Exception:  # the prefill runs eagerly, as before
             log.warning("CUDA graph capture of a prefill failed", exc_info=True)
-        finally:
-            if lock is not None:
-                lock.release()
 
     def _graph_memory(self):
         """The memory pool every graph records into: they never replay at once. Called before each recording: it
@@ -390,16 +385,21 @@ class PagedDecoder(Prefill):
         return self.graph_pool.id
 
     def _capture_unless_compiling(self, bucket: int, span: int) -> None:
-        """Record a step's graph unless the background compile holds the GPU: its synchronizing benchmarks
-        void a capture, and the capture its compile (tried again at a later step)."""
+        """Record a step's graph unless the background compile holds the GPU (tried again at a later step)."""
+        self._unless_compiling(lambda: self._capture(bucket, span))
+
+    def _unless_compiling(self, record) -> bool:
+        """Run `record` (a graph's recording) unless the background compile holds the GPU: its synchronizing
+        benchmarks void a capture, and the capture its compile. Whether it ran."""
         lock = self.capture_lock
         if lock is not None and not lock.acquire(blocking=False):
-            return
+            return False
         try:
-            self._capture(bucket, span)
+            record()
         finally:
             if lock is not None:
                 lock.release()
+        return True
 
     def _capture(self, bucket: int, span: int) -> None:
         """Record one step as a CUDA graph. The steps run to record it write each row's next slots (written
