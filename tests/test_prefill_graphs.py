@@ -79,8 +79,8 @@ def test_new_prompts_padded_to_a_graphs_shape_get_their_solo_tokens_run_eagerly_
     shape = (padded, KEY_BUCKETS[0], 8)  # four prompts and the padding's sequence: eight starts' room
     assert wait_for(lambda: shape in graphs.graphs)  # recorded while the engine was idle
     assert graphs_on_cpu == []
-    fewer = items_of(engine, packed_prefill_jobs()[::-1])  # the same prompts in another order: the same shape
-    assert generate_all(engine, fewer) == solo[::-1]
+    reordered = items_of(engine, packed_prefill_jobs()[::-1])  # the same prompts in another order: the same shape
+    assert generate_all(engine, reordered) == solo[::-1]
     assert graphs_on_cpu == [shape]
     decoder = engine._current_decoder()
     assert decoder.pool.free == decoder.pool.capacity
