@@ -54,7 +54,7 @@ def fetched(sources: list[tuple[str, str]], policy: MediaPolicy, kind: str = "im
     a URL among them (data URIs, base64) they are read here: starting the threads took longer than reading."""
     import concurrent.futures
 
-    if not any(_is_web_url(text) for text, _ in sources):
+    if not any(_scheme(text) in ("http", "https") for text, _ in sources):
         yield from (image_bytes(text, policy, where, kind=kind) for text, where in sources)
         return
     deadline = time.monotonic() + policy.fetch_deadline
@@ -71,9 +71,10 @@ def fetched(sources: list[tuple[str, str]], policy: MediaPolicy, kind: str = "im
         pool.shutdown(wait=False, cancel_futures=True)
 
 
-def _is_web_url(spec: str) -> bool:
+def _scheme(spec: str) -> Optional[str]:
+    """An image spec's URL scheme, lower-cased; None for base64 and paths."""
     scheme = URL_SCHEME.match(spec)
-    return scheme is not None and scheme.group(1).lower() in ("http", "https")
+    return scheme.group(1).lower() if scheme else None
 
 
 def image_key(image, max_pixels: Optional[int]) -> bytes:
@@ -102,8 +103,7 @@ def image_bytes(
 ) -> bytes:
     """The bytes an image spec names (or a video's: `kind` names it in errors); `deadline` (time.monotonic())
     bounds a URL fetch further."""
-    scheme = URL_SCHEME.match(spec)
-    scheme = scheme.group(1).lower() if scheme else None
+    scheme = _scheme(spec)
     if scheme == "data":
         return _data_uri_bytes(spec, policy, param, kind)
     if scheme in ("http", "https"):
