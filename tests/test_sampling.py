@@ -86,3 +86,35 @@ def test_counter_noise_is_uniform_and_depends_on_the_row_alone():
     reordered = counter_uniform(seeds.flip(0), steps.flip(0), torch.arange(50_000))
     assert torch.equal(reordered.flip(0), draws)  # a row's draws do not depend on its neighbours
     assert torch.corrcoef(torch.stack([draws[0], draws[2]]))[0, 1].abs() < 0.05
+
+
+def test_sampling_draws_within_each_rows_nucleus_as_argmax_of_p_over_exponential_noise():
+    """Each row's draw: among the tokens whose more likely ones hold at most its top_p, the argmax of p / Exp(1)
+    with Exp(1) = -log(its counter noise); the sampler's in-place steps give exactly that."""
+    import types
+
+    from runpod_vlm.engine.sampling import Sampler
+
+    rows, vocab = 64, 1000
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(rows, vocab, generator=generator) * 3
+    state = types.SimpleNamespace(
+        temperature=torch.rand(rows, generator=generator) + 0.3,
+        top_p=torch.tensor([0.0, 1.0, 0.5, 0.9] * (rows // 4)),
+        seed=torch.arange(rows) * 7919,
+        count=torch.arange(rows) % 5,
+    )
+    sampler = Sampler.__new__(Sampler)
+    sampler.vocab_index = torch.arange(vocab)
+    drawn = sampler._sampled(logits.clone(), state)
+
+    probs = torch.softmax(logits / state.temperature[:, None], dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    kept = (sorted_probs.cumsum(dim=-1) - sorted_probs) <= state.top_p[:, None]
+    nucleus = torch.zeros_like(kept).scatter(1, order, kept)
+    exponential = -torch.log(counter_uniform(state.seed, state.count, sampler.vocab_index))
+    expected = torch.where(nucleus, probs / exponential, torch.zeros_like(probs)).argmax(dim=-1)
+    assert torch.equal(drawn, expected)
+    assert nucleus.gather(1, drawn[:, None]).all()
+    assert torch.equal(drawn[state.top_p == 0], probs.argmax(dim=-1)[state.top_p == 0])  # top_p 0: greedy
+    assert (drawn != probs.argmax(dim=-1)).sum() > rows // 8  # the others do sample
