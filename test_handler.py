@@ -1639,15 +1639,61 @@ def test_the_image_cache_keeps_the_most_recently_used_within_its_bytes():
 
 
 def test_an_images_cache_key_is_its_pixels_and_the_bound_on_its_size():
-    from runpod_vlm.media import image_key
+    from runpod_vlm.media import image_key, pixels_digest
+
+    def key(image, max_pixels=None):
+        return image_key(pixels_digest(image), max_pixels)
 
     image = plain((200, 30, 40), (32, 24))
     same = plain((200, 30, 40), (32, 24))
-    assert image_key(image, None) == image_key(same, None)
-    assert image_key(image, None) != image_key(image, 512 * 512)  # detail: low, or a request's max_pixels
+    assert key(image) == key(same)
+    assert key(image) != key(image, 512 * 512)  # detail: low, or a request's max_pixels
     same.putpixel((0, 0), (1, 2, 3))
-    assert image_key(image, None) != image_key(same, None)
-    assert image_key(image.convert("L"), None) != image_key(image, None)
+    assert key(image) != key(same)
+    assert key(image.convert("L")) != key(image)
+    assert key(plain((200, 30, 40), (24, 32))) != key(image)  # the same bytes of pixels, another shape
+
+
+def test_image_bytes_sent_again_are_recalled_not_decoded_and_still_checked_against_the_budget(monkeypatch):
+    import runpod_vlm.media as media
+    from runpod_vlm.lru import BytesLRU
+    from runpod_vlm.vocabulary import RequestError
+
+    decoded, real_decode = [], media.decode_image
+    monkeypatch.setattr(media, "decode_image", lambda *args: decoded.append(args[2]) or real_decode(*args))
+    memo, policy = BytesLRU(10**6, media._pixel_bytes, "decoded images"), MediaPolicy()
+    data = png((32, 24))
+    image, pixels = media.decode_or_recall(data, policy, "images[0]", memo)
+    assert media.decode_or_recall(data, policy, "images[1]", memo) == (image, pixels)  # the same image object
+    assert decoded == ["images[0]"] and (memo.hits, memo.held) == (1, 32 * 24 * 3)
+    assert pixels == media.pixels_digest(real_decode(data, policy, "x"))
+    other_bytes = encode(plain(size=(32, 24)), compress_level=0)  # the same pixels written otherwise
+    assert media.decode_or_recall(other_bytes, policy, "images[2]", memo)[1] == pixels  # one embedding cache key
+    assert decoded == ["images[0]", "images[2]"]
+    narrowed = dataclasses.replace(policy, max_image_pixels=32 * 24 - 1)  # a request's images past its budget
+    with pytest.raises(RequestError) as refused:
+        media.decode_or_recall(data, narrowed, "images[3]", memo)
+    assert (refused.value.code, refused.value.param) == ("image_too_large", "images[3]")
+    for attempt in range(2):  # bytes that fail to decode are never kept
+        with pytest.raises(RequestError):
+            media.decode_or_recall(b"\x89PNG\r\n\x1a\n broken", policy, f"bad[{attempt}]", memo)
+    assert decoded[-2:] == ["bad[0]", "bad[1]"]
+    assert media.decode_or_recall(data, policy, "images[4]", None)[1] == pixels and decoded[-1] == "images[4]"
+
+
+def test_a_request_reads_an_image_sent_twice_once_unless_the_decoded_image_cache_is_off(monkeypatch):
+    import runpod_vlm.media as media
+
+    decoded, real_decode = [], media.decode_image
+    monkeypatch.setattr(media, "decode_image", lambda *args: decoded.append(args[2]) or real_decode(*args))
+    twice = {"task": "caption", "images": [b64(png((40, 30), (1, 2, 3)))] * 2}
+    media.decoded_images.cache_clear()  # the worker's cache: no image an earlier test sent
+    for setting, decodes in ((256, 1), (0, 2)):
+        decoded.clear()
+        settings = Settings(decoded_image_cache_mb=setting)
+        item = handler.read_job_item(twice, settings, "model")[1]
+        assert len(decoded) == decodes
+        assert item.image_keys[0] == item.image_keys[1]
 
 
 def test_the_block_pool_hands_out_whole_blocks_all_or_nothing_and_reuses_freed_ones_last():

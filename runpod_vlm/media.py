@@ -6,6 +6,8 @@ import base64
 import binascii
 import contextlib
 import dataclasses
+import functools
+import hashlib
 import io
 import os
 import time
@@ -14,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
 from runpod_vlm.fetch import SVG_MESSAGE, URL_SCHEME, fetch_image_url, size_text
+from runpod_vlm.lru import BytesLRU
 from runpod_vlm.settings import MediaPolicy, Settings
 from runpod_vlm.vocabulary import GenerationRequest, ImageSpec, RequestError, join_param
 
@@ -29,6 +32,7 @@ def read_images(item: GenerationRequest, settings: Settings) -> None:
         turn, k = pending[settings.max_images]
         raise RequestError("too_many_images", f"at most {settings.max_images} images per request", turn.parts[k].param)
     policy, used = settings.media, 0
+    memo = decoded_images(settings.decoded_image_cache_mb * 2**20) if settings.decoded_image_cache_mb else None
     sources = [image_source(turn.parts[k].spec, turn.parts[k].param) for turn, k in pending]
     with contextlib.closing(fetched(sources, policy)) as arriving:
         for (turn, k), data, (_, where) in zip(pending, arriving, sources):
@@ -36,7 +40,7 @@ def read_images(item: GenerationRequest, settings: Settings) -> None:
             narrowed = remaining < policy.max_image_pixels
             budget = dataclasses.replace(policy, max_image_pixels=max(remaining, 1)) if narrowed else policy
             try:
-                image = decode_image(data, budget, where)
+                image, pixels = decode_or_recall(data, budget, where, memo)
             except RequestError as error:
                 if narrowed and error.code == "image_too_large":
                     message = f"the request's images hold over {settings.max_total_pixels} pixels together"
@@ -44,7 +48,7 @@ def read_images(item: GenerationRequest, settings: Settings) -> None:
                 raise
             used += image.width * image.height
             item.image_max_pixels.append(turn.parts[k].max_pixels)
-            item.image_keys.append(image_key(image, turn.parts[k].max_pixels))
+            item.image_keys.append(image_key(pixels, turn.parts[k].max_pixels))
             turn.parts[k] = image
 
 
@@ -77,14 +81,46 @@ def _scheme(spec: str) -> Optional[str]:
     return scheme.group(1).lower() if scheme else None
 
 
-def image_key(image, max_pixels: Optional[int]) -> bytes:
-    """An image's identity for the vision-embedding cache: its decoded pixels and the request's bound on
-    its size (which changes what the encoder sees)."""
-    import hashlib
+@functools.lru_cache(maxsize=1)
+def decoded_images(max_bytes: int) -> BytesLRU:
+    """The worker's decoded images, by their bytes' digest: (image, pixels_digest)."""
+    return BytesLRU(max_bytes, _pixel_bytes, "decoded images")
 
+
+def _pixel_bytes(entry: tuple) -> int:
+    image = entry[0]
+    return image.width * image.height * len(image.getbands())
+
+
+def decode_or_recall(data: bytes, policy: MediaPolicy, param: str, memo: Optional[BytesLRU]) -> tuple[Any, bytes]:
+    """`decode_image`'s image and its pixels' digest; bytes decoded before come from `memo` (an image sent again:
+    each turn of a chat resends its images), their size checked again against this request's budget. The image is
+    shared: nothing changes an image in place."""
+    if memo is None:
+        image = decode_image(data, policy, param)
+        return image, pixels_digest(image)
+    digest = hashlib.blake2b(data, digest_size=16).digest()
+    recalled = memo.get(digest)
+    if recalled is not None:
+        check_dimensions(*recalled[0].size, policy, param)
+        return recalled
+    image = decode_image(data, policy, param)
+    entry = image, pixels_digest(image)
+    memo.put(digest, entry)
+    return entry
+
+
+def pixels_digest(image) -> bytes:
+    """A digest of a decoded image's pixels, mode and size."""
     digest = hashlib.blake2b(image.tobytes(), digest_size=16)
-    digest.update(f"{image.mode} {image.size} {max_pixels}".encode())
+    digest.update(f"{image.mode} {image.size}".encode())
     return digest.digest()
+
+
+def image_key(pixels: bytes, max_pixels: Optional[int]) -> bytes:
+    """An image's identity for the vision-embedding cache: its pixels' digest and the request's bound on its
+    size (which changes what the encoder sees)."""
+    return pixels + str(max_pixels).encode()
 
 
 def image_source(spec: Any, param: str) -> tuple[str, str]:

@@ -136,6 +136,7 @@ class Settings:
     max_batch_tokens: Annotated[int, Field(ge=256)] = 8192  # prompt tokens per prefill; longer prompts go in chunks
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9  # of the GPU (or process cap): weights, KV, work
     image_cache_mb: pydantic.NonNegativeInt = 512  # vision-encoder outputs kept for images sent again; 0: off
+    decoded_image_cache_mb: pydantic.NonNegativeInt = 256  # host memory: images sent again skip decoding; 0: off
     prefix_caching: bool = True  # full KV blocks of earlier prompts shared by a prompt that starts the same way
     kv_cache_tokens: pydantic.NonNegativeInt = 0  # the KV pool in tokens; 0: sized from free GPU memory (CPU: 32768)
     compile_cache_dir: str = ""  # compiled kernels kept here are reused by a restarted worker

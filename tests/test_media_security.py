@@ -1125,7 +1125,9 @@ def test_request_pixel_budget_refuses_from_the_header_before_decoding(worker, mo
         return image
 
     monkeypatch.setattr(intake, "decode_image", counting_decode)
-    answer = worker({"input": {"task": "caption", "images": [b64(GOOD_PNG)] * 3}})
+    three = [b64(png((32, 24), (200, 30, n))) for n in range(3)]  # other bytes each: none recalled, all decoded
+    intake.decoded_images.cache_clear()
+    answer = worker({"input": {"task": "caption", "images": three}})
     assert answer["code"] == "image_too_large" and answer["param"] == "images[2]"
     assert "together" in answer["error"] and str(32 * 24 * 2 + 10) in answer["error"]
     assert len(decoded) == 2  # the third never came out of the decoder
