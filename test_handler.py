@@ -1625,17 +1625,20 @@ def test_the_image_cache_keeps_the_most_recently_used_within_its_bytes():
     from runpod_vlm.engine.image_cache import ImageEmbeddingCache
 
     cache = ImageEmbeddingCache(max_bytes=250)
-    a, b, c = Embeds(100), Embeds(100), Embeds(100)
+    a, b, c = ((Embeds(100), (1, 2, 2)) for _ in range(3))  # (embeddings, grid) entries
     cache.put("a", a)
     cache.put("b", b)
     assert cache.get("a") is a  # now the most recent: b goes first
     cache.put("c", c)
     assert (cache.get("b"), cache.get("a"), cache.get("c")) == (None, a, c)
     assert (cache.hits, cache.misses, cache.held, len(cache)) == (3, 1, 200, 2)
-    cache.put("huge", Embeds(251))  # larger than the whole cache: not kept, nothing evicted for it
+    cache.put("huge", (Embeds(251), (1, 2, 2)))  # larger than the whole cache: not kept, nothing evicted for it
     assert cache.get("huge") is None and len(cache) == 2
-    cache.put("a", Embeds(150))  # replaced: its old bytes are given back first
+    cache.put("a", (Embeds(150), (1, 2, 2)))  # replaced: its old bytes are given back first
     assert cache.held == 250 and cache.get("c") is c
+    assert cache.peek("c") is c and cache.peek("b") is None and (cache.hits, cache.misses) == (4, 2)  # not counted
+    held = cache.holding({"b": b})  # an entry an item took when prepared, gone from the cache since
+    assert held.get("b") is b and held.get("c") is c and held.get("d") is None
 
 
 def test_an_images_cache_key_is_its_pixels_and_the_bound_on_its_size():

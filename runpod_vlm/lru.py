@@ -38,6 +38,11 @@ class BytesLRU:
         self._log_now_and_then()
         return value
 
+    def peek(self, key) -> Optional[Any]:
+        """The value, if held, counted neither a hit nor a miss: for a look ahead of the use that counts."""
+        with self._lock:
+            return self._entries.get(key)
+
     def put(self, key, value) -> None:
         size = self.size_of(value)
         if size > self.max_bytes:

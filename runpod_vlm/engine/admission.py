@@ -40,7 +40,7 @@ class Admission:
             if not ticket.prepared.done() or len(group) == (ticket.group_limit or len(free)):
                 break
             try:
-                inputs, size = ticket.prepared.result()
+                inputs, size, held = ticket.prepared.result()
             except Exception as error:
                 self._take([ticket])
                 if isinstance(error, RequestError):  # the family's adapter refused it
@@ -61,7 +61,7 @@ class Admission:
             if group and (tokens > self.settings.max_batch_tokens or ticket.ids or group[0].ids):
                 break  # a prefill within the token budget; a preempted item resumes alone
             group.append(ticket)
-            prepared.append((inputs, size))
+            prepared.append((inputs, size, held))
         if not group:
             return
         self._take(group)
@@ -87,8 +87,11 @@ class Admission:
             return
         prepared = [p for t, p in zip(group, prepared) if t in kept]
         group = kept
-        input_sizes = [size for _, size in prepared]
-        inputs = prepared[0][0] if len(group) == 1 else self.adapter.collate(self.processor, [p for p, _ in prepared])
+        input_sizes = [size for _, size, _ in prepared]
+        held = {key: entry for _, _, entries in prepared for key, entry in entries.items()}
+        inputs = (
+            prepared[0][0] if len(group) == 1 else self.adapter.collate(self.processor, [p for p, _, _ in prepared])
+        )
         if inputs is None and any(t.item.videos for t in group):
             # Prepared together, SmolVLM2's videos of other lengths changed each other's prompts: one at a time.
             return self._requeue(group, limit=1)
@@ -137,8 +140,7 @@ class Admission:
         hit = decoder.pool.cached_prefix(group[0].prefix[: (lengths[0] - 1) // decoder.block_size]) if alone else []
         if long or hit or placeholder:
             try:
-                with self._images_cached(group):
-                    chunked = self._begin_chunks(decoder, inputs, free[0], group[0])
+                chunked = self._begin_chunks(decoder, inputs, free[0], group[0], held)
             except Exception as error:
                 if not is_out_of_memory(error):
                     raise
@@ -159,7 +161,7 @@ class Admission:
         rows = free[: len(group)]
         started = time.perf_counter()
         try:
-            with self._images_cached(group):
+            with self._images_cached(group, held):
                 first = decoder.prefill(
                     inputs,
                     rows,
@@ -197,31 +199,35 @@ class Admission:
         that token would be taken for an image's, so its prompt enters in chunks and its tokens follow as text."""
         return any(token in self.media_token_ids for token in ticket.ids)
 
-    def _images_cached(self, group: list[Ticket]):
-        """Where the family can, the group's images already encoded come from the embedding cache."""
+    def _images_cached(self, group: list[Ticket], held: dict):
+        """Where the family can, the group's images already encoded come from the embedding cache, or from the
+        entries `held` since their items were prepared without their pixels (Intake._recalled)."""
         keys = [key for ticket in group for key in ticket.item.image_keys]
         cached = (
-            self.adapter.cached_images(self.model, self.image_cache, keys)
+            self.adapter.cached_images(self.model, self.image_cache.holding(held), keys)
             if self.image_cache is not None and keys
             else None
         )
         return cached or contextlib.nullcontext()
 
-    def _begin_chunks(self, decoder: PagedDecoder, inputs, row: int, ticket: Ticket) -> Optional[ChunkedPrefill]:
+    def _begin_chunks(
+        self, decoder: PagedDecoder, inputs, row: int, ticket: Ticket, held: dict
+    ) -> Optional[ChunkedPrefill]:
         """A long prompt's embeddings: the vision pass of all its images at once, else, out of memory, of
         one image at a time where the family can (the KV pool leaves less room than many large images need)."""
         import torch
 
         begin = functools.partial(decoder.begin_chunks, inputs, row, ticket.item.params, len(ticket.ids))
         try:
-            return begin()
+            with self._images_cached([ticket], held):
+                return begin()
         except Exception as error:
             one_at_a_time = self.adapter.images_one_at_a_time(self.model)
             if not is_out_of_memory(error) or one_at_a_time is None:
                 raise
         torch.cuda.empty_cache()
         log.info("a long prompt's images ran out of memory at once: encoding them one at a time")
-        with one_at_a_time:
+        with one_at_a_time, self._images_cached([ticket], held):  # the cache first: images prepared without pixels
             return begin()
 
     def _prompt_ids(self, inputs) -> list[list[int]]:

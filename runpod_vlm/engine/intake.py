@@ -15,14 +15,15 @@ from runpod_vlm.vocabulary import GenerationRequest
 
 class Intake:
     """Threads that run each item's processor call alone (its `batch_inputs` of one item) and hand back
-    its inputs and first image's input size as a Future. Threads, not processes: the processors' image
-    work runs in PIL, numpy and torch, which release the GIL, and their tensors need no copying between
-    processes. Two: with eight, the engine thread waited for the GIL at every kernel launch of a prefill
-    (500 ms a prefill of six 720p images on the H200)."""
+    its inputs, first image's input size and the image-cache entries it took as a Future. Threads, not
+    processes: the processors' image work runs in PIL, numpy and torch, which release the GIL, and their
+    tensors need no copying between processes. Two: with eight, the engine thread waited for the GIL at
+    every kernel launch of a prefill (500 ms a prefill of six 720p images on the H200)."""
 
-    def __init__(self, adapter, processor, dtype, device: str, timings: collections.Counter):
+    def __init__(self, adapter, processor, dtype, device: str, timings: collections.Counter, image_cache=None):
         """`device`: where the inputs go ("cpu", or the GPU for torchvision-backed image processing)."""
         self.adapter, self.processor, self.dtype, self.device, self.timings = adapter, processor, dtype, device, timings
+        self.image_cache = image_cache
         self.pool = ThreadPoolExecutor(
             max_workers=max(1, min(2, (os.cpu_count() or 2) - 1)), thread_name_prefix="vlm-intake"
         )
@@ -37,13 +38,28 @@ class Intake:
         """The first call runs alone: a fast tokenizer sets its padding state then, which concurrent calls race for."""
         started = time.perf_counter()
         image_device = None if self.device == "cpu" else self.device
+        processor, held = self._recalled(item)
         with self._first if not self._warm else contextlib.nullcontext():
             inputs, sizes = self.adapter.batch_inputs(
-                self.processor, [item], self.device, self.dtype, image_device=image_device
+                processor, [item], self.device, self.dtype, image_device=image_device
             )
             self._warm = True
         self.timings["intake_s"] += time.perf_counter() - started
-        return inputs, sizes[0]
+        return inputs, sizes[0], held
+
+    def _recalled(self, item: GenerationRequest) -> tuple:
+        """The processor for `item`, and the image-cache entries it holds on to: where every image's encoding is
+        cached, one that skips their pixels (its family's), holding the entries until the forward reads them."""
+        cache = self.image_cache
+        if cache is None or not item.image_keys or item.videos:
+            return self.processor, {}
+        entries = [cache.peek(key) for key in item.image_keys]
+        if any(entry is None for entry in entries):
+            return self.processor, {}
+        recalled = self.adapter.recalled_images_processor(self.processor, [grid for _, grid in entries])
+        if recalled is None:
+            return self.processor, {}
+        return recalled, dict(zip(item.image_keys, entries))
 
 
 def with_generated(inputs, ids: list[int], token_types: dict) -> None:

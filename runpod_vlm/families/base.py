@@ -61,6 +61,11 @@ class FamilyAdapter:
         the family has none."""
         return None
 
+    def recalled_images_processor(self, processor, grids: list):
+        """A processor for an item whose images' encodings all come from the embedding cache, that skips their
+        pixels and gives them `grids` (each as the cache entry holds it); None where the family has none."""
+        return None
+
     def after_load(self, model, processor, source: str) -> None:
         """What the card does to the loaded model and processor before they answer (Phi-4-multimodal)."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 
@@ -57,6 +58,15 @@ class QwenVLAdapter(FamilyAdapter):
         language = self._image_encoding_model(model)
         return None if language is None else _cached(language, cache, keys)
 
+    def recalled_images_processor(self, processor, grids: list):
+        """A copy of `processor` whose image processor only hands back `grids` (as it gave them to those images
+        before) and zero pixels of their shape, for images whose encodings the forward takes from the cache."""
+        if self.model_type not in ("qwen2_vl", "qwen2_5_vl"):  # as _image_encoding_model
+            return None
+        recalled = copy.copy(processor)
+        recalled.image_processor = _RecalledImages(processor.image_processor, grids)
+        return recalled
+
     def takes_video(self, model_type) -> bool:
         return model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
@@ -85,6 +95,29 @@ class QwenVLAdapter(FamilyAdapter):
         grids = iter(inputs["image_grid_thw"].tolist())  # (frames, rows, columns) per image, in order
         firsts = [[next(grids) for _ in item.images][:1] for item in items]
         return [(first[0][2] * patch, first[0][1] * patch) if first else None for first in firsts]
+
+
+class _RecalledImages:
+    """Stands in for a Qwen image processor (every other attribute is the real one's): the grids the real one gave
+    the images, and rows of zeros where their pixels' patches would be (never encoded)."""
+
+    def __init__(self, real, grids: list):
+        self.real, self.grids = real, grids
+
+    def __getattr__(self, name: str):
+        return getattr(self.real, name)
+
+    def fetch_images(self, images):
+        return images
+
+    def __call__(self, images, **kwargs):
+        import torch
+        from transformers.feature_extraction_utils import BatchFeature
+
+        grid = torch.tensor(self.grids, dtype=torch.long)
+        width = 3 * self.real.temporal_patch_size * self.real.patch_size**2  # a patch's RGB values
+        pixels = torch.zeros(int(grid.prod(-1).sum()), width)
+        return BatchFeature({"pixel_values": pixels, "image_grid_thw": grid})
 
 
 def _card_resized(video, patch_size: int):
@@ -147,22 +180,19 @@ def _cached(model, cache, keys: list):
             patches = image_grid_thw.prod(-1).tolist()
             if len(patches) != len(keys):  # not this forward's images
                 return whole(pixel_values, image_grid_thw, **kwargs)
-            found = {key: cache.get(key) for key in dict.fromkeys(keys)}
-            missing = [key for key, embeds in found.items() if embeds is None]
+            found = {key: cache.get(key) for key in dict.fromkeys(keys)}  # (embeddings, grid) entries
+            missing = [key for key, entry in found.items() if entry is None]
             if missing:
                 import torch
 
-                first = {key: keys.index(key) for key in missing}  # one encoding per distinct image
+                first = [keys.index(key) for key in missing]  # one encoding per distinct image
                 pieces = pixel_values.split(patches)
-                encoded = whole(
-                    torch.cat([pieces[first[key]] for key in missing]),
-                    image_grid_thw[[first[key] for key in missing]],
-                    **kwargs,
-                )
-                for key, embeds in zip(missing, encoded.pooler_output):
-                    found[key] = embeds.clone()  # not a view that would keep the whole batch's output
+                grids = image_grid_thw[first]
+                encoded = whole(torch.cat([pieces[n] for n in first]), grids, **kwargs)
+                for key, embeds, grid in zip(missing, encoded.pooler_output, grids.tolist()):
+                    found[key] = (embeds.clone(), tuple(grid))  # not a view that would keep the whole batch's output
                     cache.put(key, found[key])
-            return BaseModelOutputWithPooling(pooler_output=tuple(found[key] for key in keys))
+            return BaseModelOutputWithPooling(pooler_output=tuple(found[key][0] for key in keys))
 
         return features
 
