@@ -170,22 +170,25 @@ class PagedDecoder(Prefill):
             self.position = torch.zeros(shape, dtype=last_position.dtype, device=last_position.device)
         self.position.index_copy_(-2, index, last_position + 1)
 
-        def column(values, dtype):
-            return torch.tensor(values, dtype=dtype, device=index.device)
-
+        # One copy to the GPU for all the rows' settings, each a column of float64 (exact for these ints: seeds
+        # have 31 bits), instead of one synchronizing copy per setting.
+        kinds = {
+            "count": (prior or [0] * len(rows), torch.long),
+            "min_new": ([p.min_new_tokens for p in params], torch.long),
+            "sample": ([p.do_sample for p in params], torch.bool),
+            "temperature": ([p.temperature for p in params], torch.float),
+            "top_p": ([p.top_p for p in params], torch.float),
+            "seed": ([row_seed(p.seed) for p in params], torch.long),
+            "logprobs": ([p.logprobs for p in params], torch.bool),
+            "constrained": ([p.json_schema is not None for p in params], torch.bool),
+            "length": (lengths, torch.long),
+            "busy": ([1] * len(rows), torch.long),
+        }
+        table = torch.tensor([values for values, _ in kinds.values()], dtype=torch.float64).to(index.device)
         new = types.SimpleNamespace(
-            count=column(prior or [0] * len(rows), torch.long),
+            **{name: column.to(dtype) for (name, (_, dtype)), column in zip(kinds.items(), table)},
             seen=None,
-            min_new=column([p.min_new_tokens for p in params], torch.long),
-            sample=column([p.do_sample for p in params], torch.bool),
-            temperature=column([p.temperature for p in params], torch.float),
-            top_p=column([p.top_p for p in params], torch.float),
-            seed=column([row_seed(p.seed) for p in params], torch.long),
-            logprobs=column([p.logprobs for p in params], torch.bool),
-            constrained=column([p.json_schema is not None for p in params], torch.bool),
             allowed=None if allowed is None else allowed.to(index.device),
-            length=column(lengths, torch.long),
-            busy=column([1] * len(rows), torch.long),
         )
         if self.sampler.penalty:
             new.seen = torch.zeros((len(rows), state.seen.shape[1]), dtype=torch.bool, device=index.device)
