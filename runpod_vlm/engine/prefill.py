@@ -64,9 +64,7 @@ class Prefill:
         Where the family's language model takes only embeddings and positions (`packs`), the prompts go through
         it packed into one sequence without their padding, each token's keys and values written straight into
         its blocks; else the whole model runs the padded batch into a scratch cache copied into the blocks."""
-        model = self.model
-        # Positions continue from the prompt's exactly as generate() continues them (M-RoPE too).
-        position_ids = model._prepare_position_ids_for_generation(inputs["input_ids"], dict(inputs))
+        position_ids = self._positions(inputs)
         packed = self._language_model_inputs(inputs, position_ids) if self.packs is not False else None
         self.packs = packed is not None
         if packed is None:
@@ -74,6 +72,19 @@ class Prefill:
         else:
             logits, lengths = self._prefill_packed(inputs["attention_mask"].bool(), *packed, rows)
         return self._start(rows, lengths, logits, position_ids[..., -1:], inputs["input_ids"], params, allowed, prior)
+
+    def _positions(self, inputs):
+        """Each prompt token's position, as generate() continues them (M-RoPE's too), computed from host copies of
+        the prompt's small inputs: transformers' M-RoPE index is tens of small ops and host syncs, which on the GPU
+        took the engine thread 2-3 ms a prefill (bench/README.md, seventh session)."""
+        import torch
+
+        host = {
+            name: value.cpu() if torch.is_tensor(value) and not name.startswith("pixel_values") else value
+            for name, value in inputs.items()
+        }
+        position_ids = self.model._prepare_position_ids_for_generation(host["input_ids"], host)
+        return position_ids.to(inputs["input_ids"].device)
 
     def _prefill_padded(self, inputs, position_ids, rows: list[int]):
         from transformers import DynamicCache
@@ -189,7 +200,7 @@ class Prefill:
     def begin_chunks(self, inputs, row: int, params: GenerationParams, prior: int = 0) -> Optional[ChunkedPrefill]:
         """A one-item prompt's embeddings and positions (`_language_model_inputs`) to enter in chunks; None
         where its family's language model takes more: prefill it whole."""
-        position_ids = self.model._prepare_position_ids_for_generation(inputs["input_ids"], dict(inputs))
+        position_ids = self._positions(inputs)
         found = self._language_model_inputs(inputs, position_ids)
         if found is None:
             return None
