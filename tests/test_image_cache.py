@@ -82,7 +82,7 @@ def test_a_chat_resending_two_images_of_other_sizes_gets_the_tokens_of_a_cold_ru
     engine = serve(tiny_model("qwen2-vl"), VLM_IMAGE_CACHE_MB="64")
     processed = image_processor_calls(engine, monkeypatch)
     assert [generate_all(engine, items(engine, [chat(n, (PHOTO, OTHER))]))[0] for n in (1, 2)] == expected
-    assert processed == [2]  # the second turn's four images, each with its own grid, came from the cache
+    assert processed == [2]  # the first turn's two; the second turn's four, each with its own grid, came from the cache
 
 
 def test_an_entry_the_cache_let_go_after_its_item_was_prepared_still_answers(tiny_model, serve, monkeypatch):
