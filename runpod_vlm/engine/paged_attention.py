@@ -78,10 +78,10 @@ def _paged_attention(layer: int, step: PagedStep, query, key, value, scaling):
         from runpod_vlm.engine import varlen
 
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [tokens, heads, dim]
-        if step.key_slots is not None:
+        if step.key_slots is not None:  # its keys read back from the pool (else its own new ones, as the queries)
             k, v = pool_keys[step.key_slots], pool_values[step.key_slots]
-        keys = (step.key_starts, step.longest_keys) if step.key_slots is not None else ()
-        return varlen.causal(q, k, v, step.starts, step.longest, scaling, *keys).unsqueeze(0), None
+        output = varlen.causal(q, k, v, step.starts, step.longest, scaling, step.key_starts, step.longest_keys)
+        return output.unsqueeze(0), None
     if step.index is None:
         from runpod_vlm.engine.decode_kernel import paged_decode_attention
 
