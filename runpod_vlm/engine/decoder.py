@@ -103,6 +103,8 @@ class PagedDecoder(Prefill):
         )
         self.position = None  # shaped like the family's position ids at the first prefill
         self.lengths: dict[int, int] = {}  # busy row -> tokens in its blocks (host copy of state.length)
+        self.flags: dict[int, tuple] = {}  # busy row -> whether it samples, wants logprobs, is constrained
+        self.table_writes: list[tuple] = []  # (row, column, block) not yet in `table` (`_write_table`)
         self.any_sample = self.any_logprobs = self.any_constrained = False
         self.capture_failures = 0  # e.g. voided by the background compile's GPU work
         self.eager_steps, self.capture_s = 0, 0.0  # steps run without a graph, seconds spent recording (benchmarks)
@@ -113,33 +115,44 @@ class PagedDecoder(Prefill):
         return [row for row in range(self.rows) if row not in self.lengths]
 
     def grow(self, row, tokens: int) -> None:
-        """Give `row` the blocks for `tokens` tokens; raises PoolExhausted."""
-        import torch
-
+        """Give `row` the blocks for `tokens` tokens; raises PoolExhausted. Only decode steps read the GPU's block
+        table: its new entries wait for the next `step`, which writes every row's in one copy."""
         held = len(self.pool.table(row))
         new = self.pool.grow(row, tokens)
-        if new:
-            self.table[row, held : held + len(new)] = torch.tensor(new, device=self.table.device)
+        self.table_writes.extend((row, held + n, block) for n, block in enumerate(new))
 
     def share(self, row, blocks: list[int]) -> None:
         """`row` (holding nothing) starts with cached blocks of a prompt prefix."""
+        self.pool.share(row, blocks)
+        self.table_writes.extend((row, n, block) for n, block in enumerate(blocks))
+
+    def _write_table(self) -> None:
+        """The block-table entries given since the last step, in one copy that does not wait for the GPU."""
         import torch
 
-        self.pool.share(row, blocks)
-        self.table[row, : len(blocks)] = torch.tensor(blocks, device=self.table.device)
+        if self.table_writes:
+            rows, columns, blocks = torch.tensor(self.table_writes, dtype=torch.long).T.to(
+                self.table.device, non_blocking=True
+            )
+            self.table[rows, columns] = blocks
+            self.table_writes = []
 
     def _slots(self, row, start: int, end: int):
         """The pool slots of a holder's tokens [start, end)."""
+        return self._host_slots(row, start, end).to(self.offsets.device, non_blocking=True)
+
+    def _host_slots(self, row, start: int, end: int):
         import torch
 
         blocks = torch.tensor(self.pool.table(row), dtype=torch.long)
-        slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
-        return slots[start:end].to(self.offsets.device)
+        return (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()[start:end]
 
     def release(self, row: int) -> None:
         """Free a row and its blocks: it may be given to a new item."""
         self.pool.release(row)
         self.lengths.pop(row, None)
+        self.flags.pop(row, None)
+        self.table_writes = [write for write in self.table_writes if write[0] != row]
         self.table[row] = 0
         self.state.busy[row] = 0
         self.state.length[row] = 0
@@ -208,14 +221,15 @@ class PagedDecoder(Prefill):
         state.token[index] = token[:, None]
         state.count[index] = new.count + 1
         self.lengths.update(zip(rows, lengths))
+        self.flags.update((row, (p.do_sample, p.logprobs, p.json_schema is not None)) for row, p in zip(rows, params))
         self._update_any_sample()
         return token.tolist()
 
     def _update_any_sample(self) -> None:
-        busy = sorted(self.lengths)
-        self.any_sample = bool(self.state.sample[busy].any()) if busy else False
-        self.any_logprobs = bool(self.state.logprobs[busy].any()) if busy else False
-        self.any_constrained = bool(self.state.constrained[busy].any()) if busy else False
+        flags = self.flags.values()
+        self.any_sample = any(sample for sample, _, _ in flags)
+        self.any_logprobs = any(logprobs for _, logprobs, _ in flags)
+        self.any_constrained = any(constrained for _, _, constrained in flags)
 
     def set_allowed(self, rows: list[int], allowed) -> None:
         """The tokens each of `rows` may take at the next step (a grammar's masks, CPU int32 [len(rows), words])."""
@@ -287,6 +301,7 @@ class PagedDecoder(Prefill):
     def step(self, steps: int) -> list[list[int]]:
         """Run `steps` (at most `interval`) decode steps; each busy bucket row's new tokens. Every busy row
         must hold the blocks for `steps` more tokens (`grow`)."""
+        self._write_table()
         bucket, span = self.bucket(), self.span(steps)
         key = self._graph_key(bucket, span)
         if self.use_graph and key not in self.graphs and self.lengths:
@@ -409,6 +424,7 @@ class PagedDecoder(Prefill):
         again by the real steps before any reads them) or block 0's; what they advance is put back."""
         import torch
 
+        self._write_table()
         state = self.state
         kept = [
             (t, t.clone()) for t in (state.token, self.position, state.count, state.length, state.seen) if t is not None
