@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import threading
 
 import pytest
 import torch
@@ -348,17 +347,17 @@ def test_running_out_of_memory_while_pixels_move_to_the_gpu_splits_then_fails_th
 ):
     # A 7B worker at a 48 GB cap answered a 16-image request with generation_failed: the OOM was raised while
     # the batch's pixel values moved to the GPU, outside the out-of-memory path.
-    from transformers import BatchFeature
+    from runpod_vlm.engine import admission
 
     serve(tiny_model("qwen2-vl"))
-    real_to = BatchFeature.to
+    real_on_device = admission.on_device
 
-    def to(self, *args, **kwargs):  # on the engine thread, a batch with the image, or the image alone
-        if threading.current_thread().name == "vlm-engine" and "pixel_values" in self:
+    def on_device(inputs, *args, **kwargs):  # the image's pixels, in a batch or alone
+        if "pixel_values" in inputs:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return real_to(self, *args, **kwargs)
+        return real_on_device(inputs, *args, **kwargs)
 
-    monkeypatch.setattr(BatchFeature, "to", to)
+    monkeypatch.setattr(admission, "on_device", on_device)
     image = {"task": "vqa", "image_url": data_uri(striped((64, 48))), "question": "What?", "max_new_tokens": 3}
     short = {"messages": [{"role": "user", "content": "Hi"}], "max_new_tokens": 3}
     out = asyncio.run(handler.local_test_answer({"id": "j", "input": {"requests": [image, short]}}))

@@ -13,7 +13,7 @@ from typing import Optional
 from runpod_vlm.engine.blocks import PoolExhausted, prefix_digests
 from runpod_vlm.engine.decoder import PagedDecoder
 from runpod_vlm.engine.gpu_errors import is_fatal_gpu_error, is_out_of_memory
-from runpod_vlm.engine.intake import with_generated
+from runpod_vlm.engine.intake import on_device, with_generated
 from runpod_vlm.engine.prefill import ChunkedPrefill
 from runpod_vlm.engine.ticket import Ticket
 from runpod_vlm.vocabulary import GENERATION_FAILED, GPU_FAILURE, GenerationRequest, RequestError
@@ -89,19 +89,19 @@ class Admission:
         group = kept
         input_sizes = [size for _, size, _ in prepared]
         held = {key: entry for _, _, entries in prepared for key, entry in entries.items()}
-        inputs = (
-            prepared[0][0] if len(group) == 1 else self.adapter.collate(self.processor, [p for p, _, _ in prepared])
-        )
-        if inputs is None and any(t.item.videos for t in group):
-            # Prepared together, SmolVLM2's videos of other lengths changed each other's prompts: one at a time.
-            return self._requeue(group, limit=1)
         try:
+            # The pixels go to the GPU item by item and are joined there; the integer tensors stay on the host for
+            # the counts below, and the decoder moves them (after positions computed on the host).
+            parts = [on_device(part, self.model.device, floating_only=True) for part, _, _ in prepared]
+            inputs = parts[0] if len(group) == 1 else self.adapter.collate(self.processor, parts)
+            if inputs is None and any(t.item.videos for t in group):
+                # Prepared together, SmolVLM2's videos of other lengths changed each other's prompts: one at a time.
+                return self._requeue(group, limit=1)
             if inputs is None:  # parts that do not stack: the group prepared together
                 inputs, input_sizes = self.adapter.batch_inputs(
                     self.processor, [t.item for t in group], "cpu", self.dtype
                 )
-            inputs = type(inputs)({name: value for name, value in inputs.items()})  # a resumed item lengthens its own
-            inputs = inputs.to(self.model.device)
+                inputs = on_device(inputs, self.model.device, floating_only=True)
         except Exception as error:
             if is_out_of_memory(error):  # the pixels moving to the GPU: halves, then the item alone fails
                 torch.cuda.empty_cache()

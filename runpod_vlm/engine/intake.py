@@ -62,6 +62,26 @@ class Intake:
         return recalled, dict(zip(item.image_keys, entries))
 
 
+def on_device(inputs, device, floating_only: bool = False):
+    """`inputs` with its tensors (`floating_only`: the pixels) on `device`, each copy queued without waiting for the
+    GPU's earlier work; a repeated row goes once."""
+    import torch
+
+    def moved(value):
+        if not isinstance(value, torch.Tensor) or (floating_only and not value.is_floating_point()):
+            return value
+        if _repeated_row(value):
+            return value[:1].to(device, non_blocking=True).expand(value.shape)
+        return value.to(device, non_blocking=True)
+
+    return type(inputs)({name: moved(value) for name, value in inputs.items()})
+
+
+def _repeated_row(value) -> bool:
+    """Whether a tensor is one row repeated (stride 0: the zero pixels standing in for cached images)."""
+    return value.ndim > 0 and value.stride(0) == 0 and value.shape[0] > 1
+
+
 def with_generated(inputs, ids: list[int], token_types: dict) -> None:
     """A one-item prompt's inputs followed by `ids` it had generated, in every per-token tensor: the attention
     mask, and the others as `token_types` names them, else 0 (text, e.g. in Qwen's mm_token_type_ids)."""

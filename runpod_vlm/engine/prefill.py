@@ -7,6 +7,7 @@ import threading
 import time
 from typing import Optional
 
+from runpod_vlm.engine.intake import on_device
 from runpod_vlm.engine.memory import kv_layout
 from runpod_vlm.engine.paged_attention import PagedStep, paged
 from runpod_vlm.vocabulary import GenerationParams
@@ -65,6 +66,7 @@ class Prefill:
         it packed into one sequence without their padding, each token's keys and values written straight into
         its blocks; else the whole model runs the padded batch into a scratch cache copied into the blocks."""
         position_ids = self._positions(inputs)
+        inputs = on_device(inputs, self.offsets.device)
         packed = self._language_model_inputs(inputs, position_ids) if self.packs is not False else None
         self.packs = packed is not None
         if packed is None:
@@ -84,7 +86,7 @@ class Prefill:
             for name, value in inputs.items()
         }
         position_ids = self.model._prepare_position_ids_for_generation(host["input_ids"], host)
-        return position_ids.to(inputs["input_ids"].device)
+        return position_ids.to(self.offsets.device, non_blocking=True)
 
     def _prefill_padded(self, inputs, position_ids, rows: list[int]):
         from transformers import DynamicCache
@@ -155,7 +157,8 @@ class Prefill:
 
         for row, length in zip(rows, lengths):
             self.grow(row, length)
-        return torch.cat([self._slots(row, 0, length) for row, length in zip(rows, lengths)])
+        slots = torch.cat([self._host_slots(row, 0, length) for row, length in zip(rows, lengths)])
+        return slots.to(self.offsets.device, non_blocking=True)
 
     def _language_model_inputs(self, inputs, position_ids):
         """The embeddings (vision merged in) and positions the family's own forward hands its language model
@@ -201,6 +204,7 @@ class Prefill:
         """A one-item prompt's embeddings and positions (`_language_model_inputs`) to enter in chunks; None
         where its family's language model takes more: prefill it whole."""
         position_ids = self._positions(inputs)
+        inputs = on_device(inputs, self.offsets.device)
         found = self._language_model_inputs(inputs, position_ids)
         if found is None:
             return None
