@@ -138,7 +138,9 @@ class FamilyAdapter:
         inputs = processor(**kwargs).to(device)
         for name in ("pixel_values", "pixel_values_videos"):
             if name in inputs:
-                inputs[name] = inputs[name].to(dtype)
+                value = inputs[name]  # one row repeated (the stand-in of cached images'): converted, not copied whole
+                repeated = value.ndim > 0 and value.stride(0) == 0
+                inputs[name] = value[:1].to(dtype).expand(value.shape) if repeated else value.to(dtype)
         return inputs, self.input_sizes(processor, inputs, items)
 
     def collate(self, processor, parts: list):

@@ -116,7 +116,7 @@ class _RecalledImages:
 
         grid = torch.tensor(self.grids, dtype=torch.long)
         width = 3 * self.real.temporal_patch_size * self.real.patch_size**2  # a patch's RGB values
-        pixels = torch.zeros(int(grid.prod(-1).sum()), width)
+        pixels = torch.zeros(1, width).expand(int(grid.prod(-1).sum()), width)  # one row, never copied whole
         return BatchFeature({"pixel_values": pixels, "image_grid_thw": grid})
 
 
