@@ -1,0 +1,296 @@
+"""Where a concurrent run's time goes (GPU): the engine thread's spans (admission, placement, prefill, decode
+steps, handing out tokens), the intake's and the reading's, and how busy the GPU was.
+
+    python bench/timeline.py --out OUT [--runs uniform,mixed,images] [--variants switch_0.1ms,...]
+
+Random weights at Qwen2-VL-2B shapes, DEFAULT settings, jobs on the handler's path as in bench/paged.py:
+`uniform` 64 x 448x448 x 128 tokens, `mixed` 64 mixed jobs, `images` 64 one-token jobs of a new 448x448
+image. Each is run on new images: first and again with spans only (timeline.json); with each of VARIANTS (Python's
+GIL switch interval at 0.1 ms, one or four intake threads, the jobs read beforehand, two jobs' images read at a
+time); the uniform run under torch.profiler (the GPU's busy time; its trace as timeline-uniform-trace.json.gz); and
+with the engine loop under cProfile (timeline-RUN-python.txt; on Python 3.12 it sees every thread while enabled).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import contextlib
+import gzip
+import json
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
+
+from paged import vqa  # noqa: E402
+from serving import concurrent, data_uri, gpu_parity, mixed_jobs  # noqa: E402
+
+ENGINE_TOP = ("_admit", "_prefill_next_chunk", "_decode_interval")  # what one engine-loop turn does
+
+
+async def submitted(engine, items: list) -> dict:
+    """Items already read, submitted at once (no reading threads beside the engine)."""
+    from runpod_vlm.answers import stream_generation
+
+    async def one(item):
+        return [event async for event in stream_generation(engine, item)][-1]
+
+    started = time.perf_counter()
+    outcomes = await asyncio.gather(*(one(item) for item in items))
+    seconds = time.perf_counter() - started
+    tokens = sum(outcome.completion_tokens for outcome in outcomes)
+    return {"jobs": len(items), "seconds": seconds, "tokens": tokens, "tokens_per_s": tokens / seconds}
+
+
+@contextlib.contextmanager
+def switch_interval(engine, seconds: float = 0.0001):
+    kept = sys.getswitchinterval()
+    sys.setswitchinterval(seconds)
+    try:
+        yield None
+    finally:
+        sys.setswitchinterval(kept)
+
+
+@contextlib.contextmanager
+def intake_threads(engine, count: int):
+    pool = engine._intake_of().pool
+    kept, pool._max_workers = pool._max_workers, count
+    try:
+        yield None
+    finally:
+        pool._max_workers = kept
+
+
+@contextlib.contextmanager
+def read_first(engine):
+    yield submitted
+
+
+@contextlib.contextmanager
+def images_read_two_at_a_time(engine):
+    """At most two jobs' images fetched and decoded at once (the handler's other reading threads wait, off the GIL)."""
+    import handler
+
+    real, gate = handler.read_images, threading.BoundedSemaphore(2)
+
+    def gated(*args, **kwargs):
+        with gate:
+            return real(*args, **kwargs)
+
+    handler.read_images = gated
+    try:
+        yield None
+    finally:
+        handler.read_images = real
+
+
+VARIANTS = {  # mode -> what it changes, as a context giving None (jobs on the handler's path) or a submitter of items
+    "switch_0.1ms": switch_interval,
+    "intake_1": lambda engine: intake_threads(engine, 1),
+    "intake_4": lambda engine: intake_threads(engine, 4),
+    "read_first": read_first,
+    "reads_2": images_read_two_at_a_time,
+}
+
+
+class Spans:
+    """Named spans of wrapped functions, per thread."""
+
+    def __init__(self):
+        self.marks: list[tuple] = []  # (name, thread, start, end)
+        self._undo: list = []
+
+    def wrap(self, owner, name: str, label: str | None = None) -> None:
+        real, label = getattr(owner, name), label or name
+
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return real(*args, **kwargs)
+            finally:
+                self.marks.append((label, threading.current_thread().name, start, time.perf_counter()))
+
+        had_own = name in vars(owner) if not isinstance(owner, type) else True
+        setattr(owner, name, wrapper)
+        self._undo.append((owner, name, real, had_own))
+
+    def unwrap(self) -> None:
+        for owner, name, real, had_own in reversed(self._undo):
+            if had_own:
+                setattr(owner, name, real)
+            else:
+                delattr(owner, name)
+        self._undo.clear()
+
+    def summary(self, started: float, ended: float) -> dict:
+        totals: dict = collections.defaultdict(lambda: [0, 0.0])
+        for name, thread, start, end in self.marks:
+            key = f"{thread.split('_')[0]}:{name}"
+            totals[key][0] += 1
+            totals[key][1] += end - start
+        engine = sorted((m for m in self.marks if m[0] in ENGINE_TOP), key=lambda m: m[2])
+        busy = sum(m[3] - m[2] for m in engine)
+        return {
+            "seconds": ended - started,
+            "spans": {k: {"count": c, "s": round(s, 4)} for k, (c, s) in sorted(totals.items())},
+            "engine_turns_s": round(busy, 4),
+            "engine_outside_turns_s": round(ended - started - busy, 4),
+            "engine_timeline": [[round(m[2] - started, 4), round(m[3] - m[2], 4), m[0]] for m in engine[:400]],
+        }
+
+
+def gpu_busy(prof) -> dict:
+    """The GPU's busy time (the union of its kernels and copies) against the span from its first to its last."""
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type.name == "CUDA" and e.time_range.end > e.time_range.start
+    )
+    busy, end = 0.0, None
+    for start, stop in kernels:
+        if end is None or start > end:
+            busy, end = busy + stop - start, stop
+        elif stop > end:
+            busy, end = busy + stop - end, stop
+    if not kernels:
+        return {"kernels": 0}
+    return {"kernels": len(kernels), "first_to_last_s": (end - kernels[0][0]) / 1e6, "busy_s": busy / 1e6}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
+    parser.add_argument("--runs", default="uniform,mixed,images")
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    args = parser.parse_args()
+    import logging
+
+    import torch
+
+    import tiny_models
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    out = Path(args.out)
+    folder = Path(args.models) / "qwen2-vl-2b"
+    if not (folder / "config.json").exists():
+        tiny_models.build("qwen2-vl", folder, "qwen2-vl-2b", device="cuda", dtype="bf16")
+        torch.cuda.empty_cache()
+    os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", VLM_DTYPE="bf16", VLM_STREAM_INTERVAL_MS="0")
+    import handler
+    from runpod_vlm.engine.intake import Intake
+
+    engine = handler.get_engine()
+    engine.warm_up()
+    engine.wait_until_compiled(600 if torch.cuda.is_available() else 0)  # nothing compiles on the CPU
+    parity = gpu_parity(handler, engine)  # its first prefill makes the KV pool; the decode graphs are then recorded
+    deadline = time.monotonic() + 60
+    while engine._current_decoder().captures_ahead_due() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+    def one_token(n):
+        return {"id": f"i{n}", "input": {"task": "vqa", "question": "What is shown?", "max_new_tokens": 1,
+                                         "image_url": data_uri(448, 448, n)}}  # fmt: skip
+
+    makers = {
+        "uniform": lambda first: [vqa(f"u{i}", [data_uri(448, 448, first + i)], 128) for i in range(64)],
+        "mixed": lambda first: mixed_jobs(64, seed=11, first_image=first),
+        "images": lambda first: [one_token(first + i) for i in range(64)],
+    }
+    results: dict = {"engine": engine.describe(), "gpu_parity": parity}
+    first_image = 2_000_000
+    for run in args.runs.split(","):
+        spans = Spans()
+        decoder = engine._current_decoder()
+        for name in (*ENGINE_TOP, "_place", "_make_room", "_accept", "_next_grammar_masks", "_requeue"):
+            spans.wrap(engine, name)
+        for name in ("prefill", "step", "begin_chunks", "prefill_chunk"):
+            spans.wrap(decoder, name, f"decoder.{name}")
+        spans.wrap(engine.adapter, "collate", "adapter.collate")
+        spans.wrap(Intake, "_prepare", "intake")
+        spans.wrap(handler, "read_job_item", "read")
+        result: dict = {}
+        try:
+            for mode in ("first", "spans", *args.variants.split(","), "profiled", "python"):
+                if mode == "profiled" and run != "uniform":
+                    continue
+                first_image += 1000
+                jobs = makers[run](first_image)
+                if mode == "python":
+                    result[mode] = python_profiled(engine, jobs, out / f"timeline-{run}-python.txt")
+                    continue
+                with VARIANTS[mode](engine) if mode in VARIANTS else contextlib.nullcontext() as submit:
+                    items = submit and [handler.read_job_item(job["input"], *handler.served_model())[1] for job in jobs]
+                    profiler = None
+                    if mode == "profiled":
+                        from torch.profiler import ProfilerActivity, profile
+
+                        gpu = torch.cuda.is_available()
+                        profiler = profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU])
+                    spans.marks.clear()
+                    started = time.perf_counter()
+                    with profiler or contextlib.nullcontext():
+                        record = asyncio.run(submit(engine, items) if submit else concurrent(handler, jobs))
+                    ended = time.perf_counter()
+                result[mode] = {"run": record, **spans.summary(started, ended)}
+                if profiler is not None:
+                    result[mode]["gpu"] = gpu_busy(profiler)
+                    trace = out / f"timeline-{run}-trace.json"
+                    profiler.export_chrome_trace(str(trace))
+                    with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb", compresslevel=6) as packed:
+                        packed.write(raw.read())
+                    trace.unlink()
+                print(run, mode, json.dumps({k: v for k, v in result[mode].items() if k != "engine_timeline"}))
+        finally:
+            spans.unwrap()
+        results[run] = result
+        (out / "timeline.json").write_text(json.dumps(results, indent=1))
+
+
+def python_profiled(engine, jobs: list[dict], path: Path) -> dict:
+    """The run with the engine loop's turns under cProfile (their sum, by tottime and cumulative)."""
+    import cProfile
+    import io
+    import pstats
+
+    import handler
+
+    profiler = cProfile.Profile()
+    real = {name: getattr(engine, name) for name in ENGINE_TOP}
+
+    def profiled(method):
+        def run(*args, **kwargs):
+            profiler.enable()
+            try:
+                return real[method](*args, **kwargs)
+            finally:
+                profiler.disable()
+
+        return run
+
+    for name in ENGINE_TOP:
+        setattr(engine, name, profiled(name))
+    try:
+        started = time.perf_counter()
+        record = asyncio.run(concurrent(handler, jobs))
+        seconds = time.perf_counter() - started
+    finally:
+        for name in ENGINE_TOP:
+            setattr(engine, name, real[name])
+    text = io.StringIO()
+    stats = pstats.Stats(profiler, stream=text)
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(70)
+    path.write_text(text.getvalue())
+    return {"run": record, "seconds": seconds}
+
+
+if __name__ == "__main__":
+    main()
