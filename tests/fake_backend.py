@@ -62,6 +62,10 @@ STUBBED_API = frozenset(
         "torch.Tensor.tolist",
         "torch.Tensor.to",
         "torch.Tensor.sum",
+        # torch: pixels moved to the GPU (the stand-in of cached images, one row repeated, moved once)
+        "torch.Tensor.ndim",
+        "torch.Tensor.stride",
+        "torch.Tensor.is_floating_point",
         "torch.Tensor.__len__",
         # torch: a preempted request's prompt followed by its tokens
         "torch.tensor",
@@ -470,6 +474,23 @@ class FakeTensor:
         device = kwargs.get("device") or next((a for a in args if isinstance(a, str)), self._device)
         return FakeTensor(self._data, dtype, str(device))
 
+    @property
+    def ndim(self) -> int:
+        _use("torch.Tensor.ndim")
+        return len(self.dims)
+
+    def stride(self, dim: int) -> int:
+        """A dense row-major tensor's (a fake never repeats a row without copying it)."""
+        _use("torch.Tensor.stride")
+        n = 1
+        for d in self.dims[dim + 1 :]:
+            n *= d
+        return n
+
+    def is_floating_point(self) -> bool:
+        _use("torch.Tensor.is_floating_point")
+        return self._dtype.kind == "float"
+
     @_op
     def sum(self, dim=None):
         _use("torch.Tensor.sum")
@@ -681,6 +702,18 @@ class FakeImageTensor:
         dtype = kwargs.get("dtype") or next((a for a in args if isinstance(a, FakeDtype)), self._dtype)
         device = kwargs.get("device") or next((a for a in args if isinstance(a, str)), self._device)
         return FakeImageTensor(self.dims, self.tiles, dtype, str(device), self.normalized)
+
+    @property
+    def ndim(self) -> int:
+        _use("torch.Tensor.ndim")
+        return len(self.dims)
+
+    def stride(self, dim: int) -> int:
+        _use("torch.Tensor.stride")
+        n = 1
+        for d in self.dims[dim + 1 :]:
+            n *= d
+        return n
 
 
 def _ensure_tensor(value, dtype=None, device=None) -> FakeTensor:
