@@ -357,7 +357,25 @@ def _elementwise(name: str, fn, dtype=None, in_place=False):
     return _op(operator)
 
 
-class FakeTensor:
+class _Dense:
+    """A fake tensor's layout: dense, row-major (a fake never repeats a row without copying it)."""
+
+    dims: tuple
+
+    @property
+    def ndim(self) -> int:
+        _use("torch.Tensor.ndim")
+        return len(self.dims)
+
+    def stride(self, dim: int) -> int:
+        _use("torch.Tensor.stride")
+        n = 1
+        for d in self.dims[dim + 1 :]:
+            n *= d
+        return n
+
+
+class FakeTensor(_Dense):
     """Just enough of torch.Tensor for the engine: nested lists with broadcasting."""
 
     def __init__(self, data, dtype: FakeDtype = None, device="cpu"):
@@ -473,19 +491,6 @@ class FakeTensor:
         dtype = kwargs.get("dtype") or next((a for a in args if isinstance(a, FakeDtype)), self._dtype)
         device = kwargs.get("device") or next((a for a in args if isinstance(a, str)), self._device)
         return FakeTensor(self._data, dtype, str(device))
-
-    @property
-    def ndim(self) -> int:
-        _use("torch.Tensor.ndim")
-        return len(self.dims)
-
-    def stride(self, dim: int) -> int:
-        """A dense row-major tensor's (a fake never repeats a row without copying it)."""
-        _use("torch.Tensor.stride")
-        n = 1
-        for d in self.dims[dim + 1 :]:
-            n *= d
-        return n
 
     def is_floating_point(self) -> bool:
         _use("torch.Tensor.is_floating_point")
@@ -682,7 +687,7 @@ class FakeTensor:
         return FakeTensor(_map(self._data, bound), self._dtype, self._device)
 
 
-class FakeImageTensor:
+class FakeImageTensor(_Dense):
     """Stacked InternVL tiles: a shape and the tiles it came from, no pixel data."""
 
     def __init__(self, shape: tuple, tiles: list, dtype=F32, device="cpu", normalized=False):
@@ -702,18 +707,6 @@ class FakeImageTensor:
         dtype = kwargs.get("dtype") or next((a for a in args if isinstance(a, FakeDtype)), self._dtype)
         device = kwargs.get("device") or next((a for a in args if isinstance(a, str)), self._device)
         return FakeImageTensor(self.dims, self.tiles, dtype, str(device), self.normalized)
-
-    @property
-    def ndim(self) -> int:
-        _use("torch.Tensor.ndim")
-        return len(self.dims)
-
-    def stride(self, dim: int) -> int:
-        _use("torch.Tensor.stride")
-        n = 1
-        for d in self.dims[dim + 1 :]:
-            n *= d
-        return n
 
 
 def _ensure_tensor(value, dtype=None, device=None) -> FakeTensor:
