@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from runpod_vlm.families.base import repeated_row
 from runpod_vlm.vocabulary import GenerationRequest
 
 
@@ -70,16 +71,11 @@ def on_device(inputs, device, floating_only: bool = False):
     def moved(value):
         if not isinstance(value, torch.Tensor) or (floating_only and not value.is_floating_point()):
             return value
-        if _repeated_row(value):
+        if repeated_row(value):
             return value[:1].to(device, non_blocking=True).expand(value.shape)
         return value.to(device, non_blocking=True)
 
     return type(inputs)({name: moved(value) for name, value in inputs.items()})
-
-
-def _repeated_row(value) -> bool:
-    """Whether a tensor is one row repeated (stride 0: the zero pixels standing in for cached images)."""
-    return value.ndim > 0 and value.stride(0) == 0 and value.shape[0] > 1
 
 
 def with_generated(inputs, ids: list[int], token_types: dict) -> None:

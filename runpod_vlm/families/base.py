@@ -10,6 +10,11 @@ from runpod_vlm.settings import Settings, SettingsError
 from runpod_vlm.vocabulary import GenerationRequest, Turn, Video
 
 
+def repeated_row(value) -> bool:
+    """Whether a tensor is one row repeated (stride 0: the zero pixels standing in for cached images)."""
+    return value.ndim > 0 and value.stride(0) == 0 and value.shape[0] > 1
+
+
 class FamilyAdapter:
     """The model cards' generic recipe for prompting a family; a FAMILIES row or a subclass adjusts it."""
 
@@ -138,9 +143,8 @@ class FamilyAdapter:
         inputs = processor(**kwargs).to(device)
         for name in ("pixel_values", "pixel_values_videos"):
             if name in inputs:
-                value = inputs[name]  # one row repeated (the stand-in of cached images'): converted, not copied whole
-                repeated = value.ndim > 0 and value.stride(0) == 0
-                inputs[name] = value[:1].to(dtype).expand(value.shape) if repeated else value.to(dtype)
+                value = inputs[name]  # a repeated row is converted once, not copied whole
+                inputs[name] = value[:1].to(dtype).expand(value.shape) if repeated_row(value) else value.to(dtype)
         return inputs, self.input_sizes(processor, inputs, items)
 
     def collate(self, processor, parts: list):
