@@ -117,7 +117,7 @@ class Spans:
             finally:
                 self.marks.append((label, threading.current_thread().name, start, time.perf_counter()))
 
-        had_own = name in vars(owner) if not isinstance(owner, type) else True
+        had_own = isinstance(owner, type) or name in vars(owner)  # else an instance's attribute hides its class's
         setattr(owner, name, wrapper)
         self._undo.append((owner, name, real, had_own))
 
