@@ -2032,6 +2032,14 @@ def test_the_forward_is_compiled_once_per_decode_shape_in_the_background(monkeyp
     assert [action for action, _ in hub.artifacts] == ["load", "save"]
 
 
+def test_waiting_for_the_compile_returns_at_once_where_nothing_compiles(monkeypatch, hub):
+    serve(monkeypatch, QWEN)  # a CPU: no CUDA graphs, so no background compile
+    engine = handler.get_engine()
+    engine.warm_up()
+    monkeypatch.setattr(background_compile.time, "sleep", lambda s: pytest.fail("waited for a compile that never runs"))
+    assert not engine.wait_until_compiled(timeout=600)
+
+
 def test_a_failed_background_compile_leaves_decoding_uncompiled_and_right(monkeypatch, hub, caplog):
     compiled_engine(monkeypatch, hub)
     monkeypatch.setattr(

@@ -218,10 +218,11 @@ class BackgroundCompile:
         return True
 
     def wait_until_compiled(self, timeout: float) -> bool:
-        """Whether every shape of the current decoder decodes compiled (benchmarks, tests)."""
+        """Whether every shape of the current decoder decodes compiled (benchmarks, tests); False at once where
+        nothing compiles (compile off, or no CUDA graphs: a CPU)."""
         deadline = time.monotonic() + timeout
         while not ((decoder := self._decoder) and decoder.steps_only_with(self._compiled_forward)):
-            if time.monotonic() >= deadline:
+            if not self.compile or time.monotonic() >= deadline:
                 return False
             time.sleep(0.05)
         return True
