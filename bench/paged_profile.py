@@ -510,7 +510,7 @@ def ttft_breakdown(handler, engine, out: Path) -> dict:
     import statistics
     import threading
 
-    from serving import QUESTIONS, data_uri
+    from serving import QUESTIONS, data_uri, python_profile
 
     def once(n: int) -> dict:
         job = {"task": "vqa", "question": QUESTIONS[0], "image_url": data_uri(448, 448, 8000 + n),
@@ -555,32 +555,9 @@ def ttft_breakdown(handler, engine, out: Path) -> dict:
         (out / f"profile_ttft_{name}_cuda.txt").write_text(averages.table(sort_by="cuda_time_total", row_limit=25))
     # The engine thread's Python calls while it places the job and prefills it (torch.profiler records only this
     # thread's ops); a prompt that starts from cached blocks is prefilled by `_prefill_next_chunk`.
-    import cProfile
-    import io
-    import pstats
-
-    names = ("_place", "_prefill_next_chunk")
-    real = {name: getattr(engine, name) for name in names}
     for name, n in (("new_image", 300), ("same_again", 0)):
-        profiler = cProfile.Profile()
-        for method in names:
-
-            def profiled(*args, method=method, profiler=profiler, **kwargs):
-                profiler.enable()
-                try:
-                    return real[method](*args, **kwargs)
-                finally:
-                    profiler.disable()
-
-            setattr(engine, method, profiled)
-        try:
+        with python_profile(engine, ("_place", "_prefill_next_chunk"), out / f"profile_ttft_{name}_python.txt"):
             result[f"python_profiled_{name}"] = once(n)
-        finally:
-            for method in names:
-                setattr(engine, method, real[method])
-        text = io.StringIO()
-        pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(60)
-        (out / f"profile_ttft_{name}_python.txt").write_text(text.getvalue())
     return result
 
 

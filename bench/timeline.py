@@ -29,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
 
 from paged import vqa  # noqa: E402
-from serving import concurrent, data_uri, gpu_parity, mixed_jobs  # noqa: E402
+from serving import concurrent, data_uri, gpu_parity, mixed_jobs, python_profile  # noqa: E402
 
 ENGINE_TOP = ("_admit", "_prefill_next_chunk", "_decode_interval")  # what one engine-loop turn does
 
@@ -189,7 +189,7 @@ def main() -> None:
 
     engine = handler.get_engine()
     engine.warm_up()
-    engine.wait_until_compiled(600 if torch.cuda.is_available() else 0)  # nothing compiles on the CPU
+    engine.wait_until_compiled(600)
     parity = gpu_parity(handler, engine)  # its first prefill makes the KV pool; the decode graphs are then recorded
     deadline = time.monotonic() + 60
     while engine._current_decoder().captures_ahead_due() and time.monotonic() < deadline:
@@ -256,39 +256,12 @@ def main() -> None:
 
 def python_profiled(engine, jobs: list[dict], path: Path) -> dict:
     """The run with the engine loop's turns under cProfile (their sum, by tottime and cumulative)."""
-    import cProfile
-    import io
-    import pstats
-
     import handler
 
-    profiler = cProfile.Profile()
-    real = {name: getattr(engine, name) for name in ENGINE_TOP}
-
-    def profiled(method):
-        def run(*args, **kwargs):
-            profiler.enable()
-            try:
-                return real[method](*args, **kwargs)
-            finally:
-                profiler.disable()
-
-        return run
-
-    for name in ENGINE_TOP:
-        setattr(engine, name, profiled(name))
-    try:
+    with python_profile(engine, ENGINE_TOP, path, (("tottime", 45), ("cumulative", 70))):
         started = time.perf_counter()
         record = asyncio.run(concurrent(handler, jobs))
         seconds = time.perf_counter() - started
-    finally:
-        for name in ENGINE_TOP:
-            setattr(engine, name, real[name])
-    text = io.StringIO()
-    stats = pstats.Stats(profiler, stream=text)
-    stats.sort_stats("tottime").print_stats(45)
-    stats.sort_stats("cumulative").print_stats(70)
-    path.write_text(text.getvalue())
     return {"run": record, "seconds": seconds}
 
 
