@@ -1,0 +1,129 @@
+"""The same concurrent runs on several code trees (GPU), a fresh worker each, taken in turns:
+
+    python bench/ab.py --out OUT --tree old=PATH --tree new=. [--rounds 2] [--variant new:gc_freeze]
+
+A tree is a checkout of the worker (`git archive REV | tar -x -C PATH`); each worker imports `handler` and
+`runpod_vlm` from its tree, and the jobs from this tree's bench/. Trees go in turns (old, new, old, new, ...) so a
+drift of the machine falls on every one. Each worker, Qwen2-VL-2B shapes at DEFAULT settings, waits for its
+background compile, then runs on new images each time: 64 mixed jobs (warm-up, not counted), then three times 32
+short mixed jobs (bench/paged.py's short_32_alone), 64 uniform (448x448 x 128), 64 mixed jobs and 64 one-token jobs
+of a new 448x448 image (their tokens/s: images a second), all at once. A variant `TREE:gc_freeze` freezes the
+garbage collector's objects after the warm-up; `TREE:after_mixed_256` warms up with 256 mixed jobs at once (as
+bench/paged.py runs them before its short jobs); `TREE:NAME=VALUE,...` sets the worker's environment (e.g.
+VLM_SYNC_INTERVAL=16). Results: OUT/ab.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def child(tree: str, variant: str, models: str) -> dict:
+    if "=" in variant:
+        os.environ.update(pair.split("=", 1) for pair in variant.split(","))
+    sys.path[:0] = [str(Path(tree).resolve()), str(ROOT / "tools"), str(ROOT / "bench")]
+    import gc
+
+    import torch
+
+    import tiny_models
+
+    folder = Path(models) / "qwen2-vl-2b"
+    if not (folder / "config.json").exists():
+        tiny_models.build("qwen2-vl", folder, "qwen2-vl-2b", device="cuda", dtype="bf16")  # on a CPU: pass a tiny one
+        torch.cuda.empty_cache()
+    os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", VLM_DTYPE="bf16", VLM_STREAM_INTERVAL_MS="0")
+    import importlib
+
+    handler = importlib.import_module("handler")  # first: bench's modules put their own checkout ahead on sys.path
+    runpod_vlm = importlib.import_module("runpod_vlm")
+    from paged import vqa
+    from serving import concurrent, data_uri, mixed_jobs
+
+    for module in (handler, runpod_vlm):  # the tree's own code, not this one's
+        assert Path(module.__file__).resolve().is_relative_to(Path(tree).resolve()), module.__file__
+    engine = handler.get_engine()
+    engine.warm_up()
+    compiled = engine.wait_until_compiled(600)
+    warm_up = 256 if variant == "after_mixed_256" else 64  # the former: bench/paged.py's run before short_32_alone
+    asyncio.run(concurrent(handler, mixed_jobs(warm_up, seed=1, first_image=900_000)))
+    if variant == "gc_freeze":
+        gc.collect()
+        gc.freeze()
+    runs: dict = {"short_32": [], "uniform_64": [], "mixed_64": [], "images_64": []}
+    for n in range(3):
+        base = 1_000_000 + 10_000 * n
+        for name, jobs in (
+            ("short_32", mixed_jobs(32, seed=5, first_image=base)),
+            ("uniform_64", [vqa(f"u{i}", [data_uri(448, 448, base + 1000 + i)], 128) for i in range(64)]),
+            ("mixed_64", mixed_jobs(64, seed=7, first_image=base + 2000)),
+            ("images_64", [vqa(f"i{i}", [data_uri(448, 448, base + 3000 + i)], 1) for i in range(64)]),
+        ):
+            before = dict(engine.timings)
+            result = asyncio.run(concurrent(handler, jobs))
+            result["phases"] = {k: round(v - before.get(k, 0), 3) for k, v in engine.timings.items()}
+            runs[name].append(result)
+    pool = engine._current_decoder().pool
+    kv = {"blocks": pool.capacity, "free": pool.free, "cached": pool.cached}
+    return {"compiled": compiled, "runs": runs, "pool": kv}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
+    parser.add_argument("--tree", action="append", default=[], help="NAME=PATH of a worker checkout")
+    parser.add_argument(
+        "--variant", action="append", default=[], help="TREE:gc_freeze|after_mixed_256|NAME=VALUE,...: a worker more"
+    )
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        return print("RESULT " + json.dumps(child(*args.child, args.models)))
+    trees = dict(pair.split("=", 1) for pair in args.tree) or {"here": str(ROOT)}
+    workers = [(name, "plain") for name in trees] + [tuple(v.split(":", 1)) for v in args.variant]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results: dict = {"command": " ".join(sys.argv), "trees": trees, "workers": []}
+    for round_ in range(args.rounds):
+        for name, variant in workers:
+            started = time.perf_counter()
+            command = [sys.executable, __file__, "--models", args.models, "--child", trees[name], variant]
+            done = subprocess.run(command, text=True, capture_output=True)
+            label = name if variant == "plain" else f"{name}:{variant}"
+            (out / f"ab-{label.replace(':', '-')}-{round_}.log").write_text(done.stderr[-100_000:])
+            lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+            record = json.loads(lines[-1][7:]) if lines else {"error": done.stderr[-2000:]}
+            record.update(worker=label, round=round_, wall_s=time.perf_counter() - started)
+            results["workers"].append(record)
+            (out / "ab.json").write_text(json.dumps(results, indent=2))
+            if "runs" in record:
+                print(
+                    label,
+                    {k: [round(r["tokens_per_s"]) for r in v] for k, v in record["runs"].items()},
+                    flush=True,
+                )
+    summary: dict = {}
+    for record in results["workers"]:
+        for run, values in record.get("runs", {}).items():
+            summary.setdefault(record["worker"], {}).setdefault(run, []).extend(r["tokens_per_s"] for r in values)
+    results["median_tokens_per_s"] = {
+        worker: {run: round(statistics.median(v)) for run, v in runs.items()} for worker, runs in summary.items()
+    }
+    (out / "ab.json").write_text(json.dumps(results, indent=2))
+    print(json.dumps(results["median_tokens_per_s"], indent=2))
+
+
+if __name__ == "__main__":
+    main()
