@@ -10,7 +10,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
-from runpod_vlm.families.base import repeated_row
+from runpod_vlm.families.base import to_without_copying_repeats
 from runpod_vlm.vocabulary import GenerationRequest
 
 
@@ -72,9 +72,7 @@ def on_device(inputs, device, floating_only: bool = False):
     def moved(value):
         if not isinstance(value, torch.Tensor) or (floating_only and not value.is_floating_point()):
             return value
-        if repeated_row(value):
-            return value[:1].to(device, non_blocking=True).expand(value.shape)
-        return value.to(device, non_blocking=True)
+        return to_without_copying_repeats(value, device, non_blocking=True)
 
     return type(inputs)({name: moved(value) for name, value in inputs.items()})
 

@@ -10,9 +10,12 @@ from runpod_vlm.settings import Settings, SettingsError
 from runpod_vlm.vocabulary import GenerationRequest, Turn, Video
 
 
-def repeated_row(value) -> bool:
-    """Whether a tensor is one row repeated (stride 0: the zero pixels standing in for cached images)."""
-    return value.ndim > 0 and value.stride(0) == 0 and value.shape[0] > 1
+def to_without_copying_repeats(value, *args, **kwargs):
+    """`value.to(*args, **kwargs)`; a tensor that is one row repeated (stride 0: the zero pixels standing in for
+    cached images) converts or moves that row once and stays repeated."""
+    if value.ndim > 0 and value.stride(0) == 0 and value.shape[0] > 1:
+        return value[:1].to(*args, **kwargs).expand(value.shape)
+    return value.to(*args, **kwargs)
 
 
 class FamilyAdapter:
@@ -143,8 +146,7 @@ class FamilyAdapter:
         inputs = processor(**kwargs).to(device)
         for name in ("pixel_values", "pixel_values_videos"):
             if name in inputs:
-                value = inputs[name]  # a repeated row is converted once, not copied whole
-                inputs[name] = value[:1].to(dtype).expand(value.shape) if repeated_row(value) else value.to(dtype)
+                inputs[name] = to_without_copying_repeats(inputs[name], dtype)
         return inputs, self.input_sizes(processor, inputs, items)
 
     def collate(self, processor, parts: list):
