@@ -156,6 +156,7 @@ def model_view(model):
     """The model's module tree copied, weights and buffers shared: what a forward sets on a module (Qwen's
     rope_deltas at a prefill) stays apart, so the engine thread cannot change what the compile's guards read."""
     view = copy.copy(model)
+    view.__dict__.pop("forward", None)  # one set on the module (the graphed vision tower's) runs the engine's module
     view.__dict__["_modules"] = {
         name: None if child is None else model_view(child) for name, child in model._modules.items()
     }

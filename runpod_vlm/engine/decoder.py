@@ -14,6 +14,7 @@ from runpod_vlm.engine.paged_attention import PagedStep, paged
 from runpod_vlm.engine.prefill import Prefill, beside_fx_traces
 from runpod_vlm.engine.prefill_graphs import PrefillGraphs
 from runpod_vlm.engine.sampling import Sampler, row_seed
+from runpod_vlm.engine.vision_graphs import VisionGraphs, tower
 
 log = logging.getLogger("runpod-vlm")
 
@@ -71,6 +72,8 @@ class PagedDecoder(Prefill):
         self.decode_kernel = decode_kernel.usable(model)  # else a step gathers each row's slots (span)
         # Made before the graphs' memory pool, so that they go first at teardown (made after: an abort at exit).
         self.prefill_graphs = PrefillGraphs(self, rows)
+        visual = tower(model) if use_graph else None
+        self.vision_graphs = VisionGraphs(visual) if visual is not None else None
         self.graph_pool = None  # the graphs' shared memory pool, the prefills' too (each its own: GBs at 256 rows)
         self.keys: list = []  # per layer [slots, kv heads, head dim]: made at the first prefill, from its shapes
         self.values: list = []
@@ -357,16 +360,16 @@ class PagedDecoder(Prefill):
 
     def captures_ahead_due(self) -> bool:
         """Whether `capture_one_ahead` has one to record: the KV pool exists (made by the first prefill)."""
-        wanted = self.ahead or (self.prefill_graphs is not None and self.prefill_graphs.wanted)
+        wanted = self.ahead or any(graphs is not None and graphs.wanted for graphs in self._pass_graphs())
         return bool(wanted and self.use_graph and self.keys and self.position is not None)
 
     def capture_one_ahead(self) -> None:
-        """Record one graph `capture_ahead` asked for, else one of a prefill's shape met (one at a time: a request
-        that comes meanwhile waits on one capture at most)."""
+        """Record one graph `capture_ahead` asked for, else one of a vision pass's or a prefill's shape met (one at a
+        time: a request that comes meanwhile waits on one capture at most)."""
         if not self.captures_ahead_due():
             return
         if not self.ahead:
-            return self._capture_prefill()
+            return self._capture_pass()
         bucket, sample = self.ahead.pop(0)
         flags = self.any_sample, self.any_logprobs, self.any_constrained
         self.any_sample, self.any_logprobs, self.any_constrained = sample, False, False
@@ -378,15 +381,18 @@ class PagedDecoder(Prefill):
         finally:
             self.any_sample, self.any_logprobs, self.any_constrained = flags
 
-    def _capture_prefill(self) -> None:
-        """Record a prefill shape's graph, unless the background compile holds the GPU (then it is asked for again
-        when a prefill meets the shape)."""
-        graphs = self.prefill_graphs
+    def _pass_graphs(self) -> tuple:
+        return self.vision_graphs, self.prefill_graphs
+
+    def _capture_pass(self) -> None:
+        """Record a vision pass's or a prefill's graph of a shape met, unless the background compile holds the GPU
+        (then it is asked for again when a pass meets the shape)."""
+        graphs = next(graphs for graphs in self._pass_graphs() if graphs is not None and graphs.wanted)
         try:
             if not self._unless_compiling(lambda: graphs.capture_one(self._graph_memory())):
                 graphs.wanted.pop(0)
-        except Exception:  # the prefill runs eagerly, as before
-            log.warning("CUDA graph capture of a prefill failed", exc_info=True)
+        except Exception:  # the pass runs eagerly, as before
+            log.warning("CUDA graph capture of a %s failed", graphs.kind, exc_info=True)
 
     def _graph_memory(self):
         """The memory pool every graph records into: they never replay at once. Called before each recording: it

@@ -3,6 +3,7 @@ or one long prompt in chunks."""
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Optional
@@ -56,6 +57,10 @@ class Prefill:
 
     packs: Optional[bool] = None  # whether prompts prefill packed (known at the first prefill; see `prefill`)
     prefill_graphs = None  # short prefills' CUDA graphs (`prefill_graphs.PrefillGraphs`)
+    vision_graphs = None  # the vision tower's small passes' CUDA graphs (`vision_graphs.VisionGraphs`)
+
+    def _vision_graphs_engaged(self):
+        return self.vision_graphs.engaged() if self.vision_graphs is not None else contextlib.nullcontext()
 
     def prefill(self, inputs, rows: list[int], params: list[GenerationParams], allowed=None, prior=None) -> list[int]:
         """Run new items' prompts (a left-padded batch) and place them in `rows`, each with the blocks of its own
@@ -99,7 +104,8 @@ class Prefill:
                 **inputs, position_ids=position_ids, past_key_values=scratch, use_cache=True, logits_to_keep=1
             ), scratch
 
-        output, scratch = beside_fx_traces(forward)
+        with self._vision_graphs_engaged():
+            output, scratch = beside_fx_traces(forward)
         if not self.keys:
             self._allocate([layer.keys for layer in scratch.layers])
         kept = inputs["attention_mask"].bool()  # left padding is not copied
@@ -183,7 +189,8 @@ class Prefill:
 
         handle = language_model.register_forward_pre_hook(capture, with_kwargs=True)
         try:
-            beside_fx_traces(up_to_the_language_model, rewind=captured.clear)
+            with self._vision_graphs_engaged():
+                beside_fx_traces(up_to_the_language_model, rewind=captured.clear)
         finally:
             handle.remove()
         plain = {"input_ids", "inputs_embeds", "position_ids", "attention_mask", "past_key_values", "cache_position"}

@@ -46,6 +46,8 @@ def _starts(lengths: list[int], padded: int, entries: int) -> list[int]:
 class PrefillGraphs:
     """The graphs of one decoder's short prefills, one per (tokens, keys, sequences) bucket, over shared buffers."""
 
+    kind = "prefill"
+
     def __init__(self, decoder, rows: int):
         self.decoder = decoder  # the PagedDecoder whose pool and language model the prefills run
         self.sequences = bucket(rows + 1, 2)  # the most starts a prefill takes, its padding's included

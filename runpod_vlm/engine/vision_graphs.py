@@ -1,0 +1,183 @@
+"""A packed vision tower's small passes replayed as CUDA graphs (Qwen2-VL, Qwen2.5-VL, Qwen3-VL). Below
+`COMPILED_FROM_PATCHES` patches the tower runs eagerly: one 448x448 image is about 700 kernel launches through
+Python, ~20 ms of the engine thread for ~3.5 ms of GPU work, and several times that while other threads take the
+GIL between launches (bench/README.md, eighth session). A graph launches them at once.
+
+A graph has fixed shapes, so a pass is padded: its patches to a multiple of 512, the padding one more image
+(attending only to itself, its features dropped). What the tower computes from its images' grid with host
+syncs (where each image starts, each patch's row and column, Qwen2.5-VL's windows, Qwen3-VL's interpolation) is
+computed for the padded grid by transformers' own helpers, as its exporters precompute them, and handed to the
+tower, so that nothing in the recorded pass reads the grid. The lists of starts are padded with empty images to a
+power of two. The first pass of a shape runs padded, eagerly, and asks for its graph, recorded while the engine is
+idle (`PagedDecoder.capture_one_ahead`)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import types
+import warnings
+
+from runpod_vlm.engine import varlen
+from runpod_vlm.engine.compile import COMPILED_FROM_PATCHES
+from runpod_vlm.engine.prefill_graphs import bucket
+
+GRAPHED_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # towers whose pass reads the grid only through the helpers
+MAX_GRAPHS = 24
+# Patches padded to a multiple of STEP (SMALLEST at least): padded to powers of two, three 448x448 images (3,072
+# patches) replayed at 4,096 took 24 ms where their eager pass took 19 (bench/results/vision-graphs-powers-of-two.json).
+SMALLEST, STEP = 256, 512
+
+
+def padded_patches(patches: int) -> int:
+    return max(SMALLEST, -(-patches // STEP) * STEP)
+
+
+def tower(model):
+    """The model's vision tower, if its passes can be recorded (it attends through the packed kernel), else None."""
+    from runpod_vlm.engine.vision_attention import NAME
+
+    visual = getattr(getattr(model, "model", None), "visual", None)
+    packed = getattr(getattr(visual, "config", None), "_attn_implementation", None) == NAME
+    return visual if packed and model.config.model_type in GRAPHED_TYPES else None
+
+
+class VisionGraphs:
+    """The graphs of one vision tower's padded passes, one per shape; installed as the tower's forward, used on the
+    thread inside `engaged()` (the engine's, while it prefills) and eager anywhere else."""
+
+    kind = "vision pass"
+
+    def __init__(self, visual, record: bool = True):
+        """`record`: recorded as CUDA graphs (on the GPU); False: every pass runs padded, eagerly (the CPU tests)."""
+        with warnings.catch_warnings():  # its import touches torch.jit.script, deprecated in torch 2.14
+            warnings.simplefilter("ignore", FutureWarning)
+            from transformers.exporters.utils import precompute_export_inputs
+
+        self.visual, self.record = visual, record
+        self.precompute = precompute_export_inputs
+        self.unit = visual.spatial_merge_size**2  # patches merged into one feature
+        self.entries: dict = {}  # shape -> its buffers, graph (once recorded) and output
+        self.wanted: list = []  # shapes met, to record
+        self.failures, self.capture_s = 0, 0.0
+        self.passes = self.replays = 0  # passes through here, and of them those replayed (benchmarks)
+        self._engaged: int | None = None  # the thread whose passes go through here
+        visual.forward = self._forward
+
+    @contextlib.contextmanager
+    def engaged(self):
+        """The calling thread's passes through the tower go through here while inside."""
+        self._engaged = threading.get_ident()
+        try:
+            yield
+        finally:
+            self._engaged = None
+
+    def _forward(self, hidden_states, grid_thw, **kwargs):
+        visual = self.visual
+        patches = hidden_states.shape[0]
+        plain = kwargs in ({}, {"return_dict": True})  # as Qwen2-VL and Qwen3-VL call it: their output class
+        graphable = plain and varlen.takes(hidden_states) and patches <= COMPILED_FROM_PATCHES  # else host syncs
+        if not graphable or self._engaged != threading.get_ident() or self.failures >= 3:
+            return type(visual).forward(visual, hidden_states, grid_thw, **kwargs)
+        padded = padded_patches(patches)
+        helpers = self._helpers(grid_thw.cpu(), patches, padded)
+        shape = (padded, *((name, len(value)) for name, value in helpers.items() if name.startswith("cu_")))
+        shape += tuple((name, value) for name, value in helpers.items() if name.startswith("max_"))
+        entry = self.entries.get(shape)
+        if entry is None:
+            if len(self.entries) >= MAX_GRAPHS:
+                return type(visual).forward(visual, hidden_states, grid_thw, **kwargs)
+            entry = self.entries[shape] = self._buffers(hidden_states, helpers, padded)
+        self._fill(entry, hidden_states, helpers)
+        self.passes += 1
+        if entry.graph is not None:
+            entry.graph.replay()
+            self.replays += 1
+        else:
+            self._run(entry)
+            if self.record and shape not in self.wanted:
+                self.wanted.append(shape)
+        return _unpadded(entry.output, padded, patches, self.unit)
+
+    def _helpers(self, grid, patches: int, padded: int) -> dict:
+        """What the tower would compute from the padded grid (host tensors and ints): the images', then the
+        padding's image of 1 x merge x rest patches; lists of starts padded with empty images to a power of two."""
+        import torch
+
+        merge = self.visual.spatial_merge_size
+        if padded > patches:
+            grid = torch.cat([grid, torch.tensor([[1, merge, (padded - patches) // merge]], dtype=grid.dtype)])
+        found = {"grid_thw": grid}
+        self.precompute(self.visual, found)
+        del found["grid_thw"]
+        for name, value in found.items():
+            if name.startswith("cu_"):
+                entries = bucket(len(value), 8)
+                found[name] = torch.cat([value, value[-1:].expand(entries - len(value))])
+            elif name.startswith("max_") and value is not None:
+                found[name] = min(bucket(int(value), 64), padded)  # an upper bound: the kernel takes any
+        return found
+
+    def _buffers(self, hidden_states, helpers: dict, padded: int) -> types.SimpleNamespace:
+        import torch
+
+        device = hidden_states.device
+        pixels = torch.zeros((padded, *hidden_states.shape[1:]), dtype=hidden_states.dtype, device=device)
+        tensors = {name: value.to(device) for name, value in helpers.items() if torch.is_tensor(value)}
+        ints = {name: value for name, value in helpers.items() if not torch.is_tensor(value)}
+        return types.SimpleNamespace(pixels=pixels, tensors=tensors, ints=ints, graph=None, output=None)
+
+    def _fill(self, entry, hidden_states, helpers: dict) -> None:
+        # The padding's rows keep an earlier pass's pixels: that image attends only to itself, its features dropped.
+        entry.pixels[: hidden_states.shape[0]].copy_(hidden_states, non_blocking=True)
+        for name, buffer in entry.tensors.items():
+            buffer.copy_(helpers[name], non_blocking=True)
+
+    def _run(self, entry) -> None:
+        """The tower's pass over the buffers; its output (kept in `entry`) is read back after each replay."""
+        grid = None  # read only through the helpers, which take them from the kwargs
+        entry.output = type(self.visual).forward(self.visual, entry.pixels, grid, **entry.tensors, **entry.ints)
+
+    def capture_one(self, pool) -> None:
+        """Record the first wanted shape's graph into the memory `pool`."""
+        import time
+
+        shape = self.wanted.pop(0)
+        entry = self.entries.get(shape)
+        if entry is None or entry.graph is not None:
+            return
+        started = time.perf_counter()
+        try:
+            entry.graph = self._record(entry, pool)
+        except Exception:
+            self.failures += 1
+            if self.failures == 3:  # passes run eagerly as before
+                self.wanted.clear()
+            raise
+        finally:
+            self.capture_s += time.perf_counter() - started
+
+    def _record(self, entry, pool):
+        """No warm-up run: the shape's eager pass ran before it was asked for."""
+        import torch
+
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            self._run(entry)
+        return graph
+
+
+def _unpadded(output, padded: int, patches: int, unit: int):
+    """`output` (the tower's, over `padded` patches) for the first `patches`: each tensor by patch or by merged
+    feature cut to the images' own, and copied (the next pass overwrites the recorded output)."""
+    import torch
+
+    def cut(value):
+        if torch.is_tensor(value) and value.ndim and value.shape[0] in (padded, padded // unit):
+            return value[: patches if value.shape[0] == padded else patches // unit].clone()
+        if isinstance(value, (list, tuple)):
+            return type(value)(cut(part) for part in value)
+        return value
+
+    return type(output)(**{name: cut(value) for name, value in output.items()})
