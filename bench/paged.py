@@ -125,13 +125,14 @@ def generate_peer(engine, jobs: list[dict]) -> dict:
 
     items = [handler.read_job_item(job["input"], engine.settings, engine.model_id, None)[1] for job in jobs]
     new = max(item.params.max_new_tokens for item in items)
-    torch.cuda.synchronize()
-    started = time.perf_counter()
-    inputs, _ = engine.adapter.batch_inputs(engine.processor, items, engine.model.device, engine.dtype)
-    with torch.inference_mode(), plain_transformers(engine):
-        engine.model.generate(**inputs, max_new_tokens=new, min_new_tokens=new, do_sample=False)
-    torch.cuda.synchronize()
-    seconds = time.perf_counter() - started
+    with engine._capture_lock:  # no graph recorded by the idle engine thread meanwhile: a synchronize here voids it
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        inputs, _ = engine.adapter.batch_inputs(engine.processor, items, engine.model.device, engine.dtype)
+        with torch.inference_mode(), plain_transformers(engine):
+            engine.model.generate(**inputs, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
     useful = sum(item.params.max_new_tokens for item in items)  # padded rows' extra tokens are not counted
     return {"jobs": len(items), "seconds": seconds, "tokens_per_s": useful / seconds}
 
