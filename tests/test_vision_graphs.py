@@ -6,8 +6,10 @@ graph does (bench/gpu_smoke.py checks the GPU's)."""
 
 from __future__ import annotations
 
+import gc
 import threading
 import types
+import weakref
 
 import pytest
 import torch
@@ -152,3 +154,16 @@ def test_images_encoded_one_at_a_time_each_keep_their_own_features(tiny_model, s
             one_by_one = features_of_images(engine, images)
     assert graphs.replays == 2
     assert torch.allclose(one_by_one, expected, atol=1e-5)
+
+
+def test_the_tower_does_not_keep_its_graphs_alive(tiny_model, serve, gpu_layout):
+    """The decoder owns its graphs, freed before its graphs' memory pool: graphs the model kept alive past the pool
+    aborted the process at exit. Once they are gone, the tower runs its own forward."""
+    engine = serve(tiny_model("qwen2-vl"))
+    expected = image_features(engine, [(64, 48)])
+    graphs = graphed(engine)
+    gone = weakref.ref(graphs)
+    del graphs
+    gc.collect()
+    assert gone() is None
+    assert torch.equal(image_features(engine, [(64, 48)]), expected)

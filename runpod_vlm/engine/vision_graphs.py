@@ -17,6 +17,7 @@ import contextlib
 import threading
 import types
 import warnings
+import weakref
 
 from runpod_vlm.engine import varlen
 from runpod_vlm.engine.compile import COMPILED_FROM_PATCHES
@@ -62,7 +63,7 @@ class VisionGraphs:
         self.failures, self.capture_s = 0, 0.0
         self.passes = self.replays = 0  # passes through here, and of them those replayed (benchmarks)
         self._engaged: int | None = None  # the thread whose passes go through here
-        visual.forward = self._forward
+        visual.forward = _through(weakref.ref(self), visual)
 
     @contextlib.contextmanager
     def engaged(self):
@@ -166,6 +167,19 @@ class VisionGraphs:
         with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
             self._run(entry)
         return graph
+
+
+def _through(graphs, visual):
+    """The tower's forward: through its graphs while they live. The model must not keep them alive: freed after the
+    decoder's graph memory pool (at exit), graphs abort the process (bench/paged.py's workers did)."""
+
+    def forward(hidden_states, grid_thw, **kwargs):
+        live = graphs()
+        if live is None:
+            return type(visual).forward(visual, hidden_states, grid_thw, **kwargs)
+        return live._forward(hidden_states, grid_thw, **kwargs)
+
+    return forward
 
 
 def _unpadded(output, padded: int, patches: int, unit: int):
