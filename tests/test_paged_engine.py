@@ -381,3 +381,21 @@ def test_no_cuda_graph_is_recorded_while_a_shape_compiles(tiny_model, serve, mon
     assert not recorded
     assert generate_all(engine, items_of(engine, [job])) == held
     assert recorded
+
+
+def test_the_engine_thread_ends_before_the_interpreter_tears_down(tiny_model, serve, monkeypatch):
+    """A daemon engine thread still recording a CUDA graph while the interpreter tore down aborted the process: the
+    engine is closed at exit, its thread joined, once its step (or recording) is done."""
+    import atexit
+
+    at_exit: list = []
+    monkeypatch.setattr(atexit, "register", lambda function, *args: at_exit.append((function, args)))
+    engine = serve(tiny_model("qwen2-vl"))
+    items = items_of(engine, [{"task": "caption", "image_url": data_uri(striped()), "max_new_tokens": 4}])
+    assert generate_all(engine, items)[0].text is not None
+    thread = engine._thread
+    ours = [(function, args) for function, args in at_exit if function.__module__ == "runpod_vlm.engine.engine"]
+    assert thread.is_alive() and len(ours) == 1
+    function, args = ours[0]
+    function(*args)
+    assert not thread.is_alive() and engine._closed

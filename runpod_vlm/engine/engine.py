@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import atexit
 import collections
 import logging
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -42,6 +44,11 @@ from runpod_vlm.vocabulary import (
 )
 
 log = logging.getLogger("runpod-vlm")
+
+
+def _close_at_exit(engine: weakref.ref) -> None:
+    if engine() is not None:
+        engine().close()
 
 
 class Engine(Admission, BackgroundCompile):
@@ -213,8 +220,11 @@ class Engine(Admission, BackgroundCompile):
         return self._decoder is not None and self._decoder.captures_ahead_due()
 
     def _start_thread(self) -> None:
-        """Start the engine thread once (call with `_wake` held)."""
+        """Start the engine thread once (call with `_wake` held), and end it at the interpreter's exit: a daemon
+        thread still recording a CUDA graph while the interpreter tears down aborted the process (bench/paged.py's
+        workers, "terminate called without an active exception")."""
         if self._thread is None:
+            atexit.register(_close_at_exit, weakref.ref(self))
             # Intake threads and the background compile hold the GIL between the engine thread's kernel
             # launches: it takes the GIL back within 0.5 ms, not Python's 5 (a third of batch-1 speed while compiling).
             sys.setswitchinterval(0.0005)
