@@ -30,7 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
 
-from serving import QUESTIONS, concurrent_records, data_uri, run_job  # noqa: E402
+from serving import QUESTIONS, bench_model, concurrent_records, data_uri, run_job  # noqa: E402
 
 
 def job(name: str, images: list[str], tokens: int, history: list | None = None, question: str = QUESTIONS[0]) -> dict:
@@ -47,20 +47,10 @@ def main() -> None:
     args = parser.parse_args()
     import logging
 
-    import tiny_models
-
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if args.tiny:
-        folder = tiny_models.build("qwen2-vl", Path(args.models) / "qwen2-vl-tiny")
-        os.environ.update(VLM_DEVICE_MAP="cpu", VLM_DTYPE="fp32")
-        size, count, tokens = 64, 8, 4
-    else:
-        folder = Path(args.models) / "qwen2-vl-2b"
-        if not (folder / "config.json").exists():
-            tiny_models.build("qwen2-vl", folder, "qwen2-vl-2b", device="cuda", dtype="bf16")
-        os.environ.update(VLM_DTYPE="bf16")
-        size, count, tokens = 448, 64, 16
-    os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", VLM_STREAM_INTERVAL_MS="0")
+    bench_model(args.models, args.tiny)
+    size, count, tokens = (64, 8, 4) if args.tiny else (448, 64, 16)
+    os.environ.update(VLM_STREAM_INTERVAL_MS="0")
     import handler
 
     engine = handler.get_engine()

@@ -89,6 +89,23 @@ def python_profile(engine, methods, path: Path, sorts=(("cumulative", 60),)):
     path.write_text(text.getvalue())
 
 
+def bench_model(models: str, tiny: bool = False) -> Path:
+    """The model a benchmark runs, with the worker's environment set to load it: random weights at Qwen2-VL-2B shapes
+    in bf16 (built into `models` once), or with `tiny` a tiny fp32 one on the CPU (a smoke run)."""
+    import tiny_models
+
+    if tiny:
+        folder = tiny_models.build("qwen2-vl", Path(models) / "qwen2-vl-tiny")
+        os.environ.update(VLM_DEVICE_MAP="cpu", VLM_DTYPE="fp32")
+    else:
+        folder = Path(models) / "qwen2-vl-2b"
+        if not (folder / "config.json").exists():
+            tiny_models.build("qwen2-vl", folder, "qwen2-vl-2b", device="cuda", dtype="bf16")
+        os.environ.update(VLM_DTYPE="bf16")
+    os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true")
+    return folder
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "tests")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "tests"), str(ROOT / "bench")]
 
 IMAGE_SETS = {
     "one_448x448": [(448, 448)],
@@ -41,19 +41,11 @@ def main() -> None:
     import logging
 
     import torch
-
-    import tiny_models
+    from serving import bench_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if args.tiny:
-        folder = tiny_models.build("qwen2-vl", Path(args.models) / "qwen2-vl-tiny")
-        os.environ.update(VLM_DEVICE_MAP="cpu", VLM_DTYPE="fp32")
-    else:
-        folder = Path(args.models) / "qwen2-vl-2b"
-        if not (folder / "config.json").exists():
-            tiny_models.build("qwen2-vl", folder, "qwen2-vl-2b", device="cuda", dtype="bf16")
-        os.environ.update(VLM_DTYPE="bf16")
-    os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", VLM_COMPILE="false")
+    bench_model(args.models, args.tiny)
+    os.environ.update(VLM_COMPILE="false")
     import handler
     from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, Turn
     from sample_images import striped
