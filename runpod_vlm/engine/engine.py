@@ -47,8 +47,9 @@ log = logging.getLogger("runpod-vlm")
 
 
 def _close_at_exit(engine: weakref.ref) -> None:
-    if engine() is not None:
-        engine().close()
+    live = engine()
+    if live is not None:
+        live.close()
 
 
 class Engine(Admission, BackgroundCompile):
