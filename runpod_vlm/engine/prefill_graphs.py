@@ -43,18 +43,65 @@ def _starts(lengths: list[int], padded: int, entries: int) -> list[int]:
     return starts + [padded] * (entries - len(starts))
 
 
-class PrefillGraphs:
+class ShapeGraphs:
+    """CUDA graphs of a padded pass, one per shape met: each shape's first pass runs eagerly (`_forward`) and asks for
+    its graph, recorded later while the engine is idle (`capture_one`); after three failed recordings none is asked
+    for again, and passes run as they did before graphs."""
+
+    kind = "pass"
+
+    def __init__(self):
+        self.graphs: dict = {}
+        self.wanted: list = []  # shapes to record
+        self.failures, self.capture_s = 0, 0.0  # recording seconds (benchmarks)
+
+    def _forward(self, shape: tuple) -> None:
+        raise NotImplementedError
+
+    def _ready(self, shape: tuple) -> bool:
+        """Whether a pass of `shape` ran (its buffers exist)."""
+        raise NotImplementedError
+
+    def capture_one(self, pool) -> None:
+        """Record the first wanted shape's graph into the memory `pool`."""
+        import time
+
+        shape = self.wanted.pop(0)
+        if shape in self.graphs or not self._ready(shape):
+            return
+        started = time.perf_counter()
+        try:
+            self.graphs[shape] = self._record(shape, pool)
+        except Exception:
+            self.failures += 1
+            if self.failures == 3:
+                self.wanted.clear()
+            raise
+        finally:
+            self.capture_s += time.perf_counter() - started
+
+    def _record(self, shape: tuple, pool):
+        """No warm-up runs: each would cost the engine as much as the recording (the host's time), and the kernels
+        are loaded (the shape's eager pass ran before its graph was asked for)."""
+        import torch
+
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            self._forward(shape)
+        return graph
+
+
+class PrefillGraphs(ShapeGraphs):
     """The graphs of one decoder's short prefills, one per (tokens, keys, sequences) bucket, over shared buffers."""
 
     kind = "prefill"
 
     def __init__(self, decoder, rows: int):
+        super().__init__()
         self.decoder = decoder  # the PagedDecoder whose pool and language model the prefills run
         self.sequences = bucket(rows + 1, 2)  # the most starts a prefill takes, its padding's included
-        self.graphs: dict = {}
-        # shapes to record: a single prompt's of 64 to 1,024 tokens and up to 1,024 keys, then those met
-        self.wanted: list = [(SMALLEST * 2**n, KEY_BUCKETS[0], 2) for n in range(5)]
-        self.failures, self.capture_s = 0, 0.0  # recording seconds (benchmarks)
+        # a single prompt's shapes of 64 to 1,024 tokens and up to 1,024 keys, then those met
+        self.wanted = [(SMALLEST * 2**n, KEY_BUCKETS[0], 2) for n in range(5)]
         self.buffers = None
 
     def fits(self, tokens: int, keys: int, sequences: int) -> bool:
@@ -124,30 +171,5 @@ class PrefillGraphs:
         hidden = decoder._through_language_model(step, held.embeds[:, :tokens], held.positions[..., :tokens])
         held.hidden[:, :tokens].copy_(hidden)
 
-    def capture_one(self, pool) -> None:
-        """Record the first wanted shape's graph into the memory `pool` (once a prefill made the buffers)."""
-        import time
-
-        shape = self.wanted.pop(0)
-        if self.buffers is None or shape in self.graphs:
-            return
-        started = time.perf_counter()
-        try:
-            self.graphs[shape] = self._record(shape, pool)
-        except Exception:
-            self.failures += 1
-            if self.failures == 3:  # prefills run as before (`fits`), and none is recorded
-                self.wanted.clear()
-            raise
-        finally:
-            self.capture_s += time.perf_counter() - started
-
-    def _record(self, shape: tuple, pool):
-        """No warm-up runs: each would cost the engine as much as the recording (the host's time), and the kernels
-        are loaded (a prefill ran before the graphs were asked for)."""
-        import torch
-
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            self._forward(shape)
-        return graph
+    def _ready(self, shape: tuple) -> bool:
+        return self.buffers is not None

@@ -21,7 +21,7 @@ import weakref
 
 from runpod_vlm.engine import varlen
 from runpod_vlm.engine.compile import COMPILED_FROM_PATCHES
-from runpod_vlm.engine.prefill_graphs import bucket
+from runpod_vlm.engine.prefill_graphs import ShapeGraphs, bucket
 
 GRAPHED_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # towers whose pass reads the grid only through the helpers
 MAX_GRAPHS = 24
@@ -43,7 +43,7 @@ def tower(model):
     return visual if packed and model.config.model_type in GRAPHED_TYPES else None
 
 
-class VisionGraphs:
+class VisionGraphs(ShapeGraphs):
     """The graphs of one vision tower's padded passes, one per shape; installed as the tower's forward, used on the
     thread inside `engaged()` (the engine's, while it prefills) and eager anywhere else."""
 
@@ -55,12 +55,11 @@ class VisionGraphs:
             warnings.simplefilter("ignore", FutureWarning)
             from transformers.exporters.utils import precompute_export_inputs
 
+        super().__init__()
         self.visual, self.record = visual, record
         self.precompute = precompute_export_inputs
         self.unit = visual.spatial_merge_size**2  # patches merged into one feature
-        self.entries: dict = {}  # shape -> its buffers, graph (once recorded) and output
-        self.wanted: list = []  # shapes met, to record
-        self.failures, self.capture_s = 0, 0.0
+        self.entries: dict = {}  # shape -> its buffers and its pass's output
         self.passes = self.replays = 0  # passes through here, and of them those replayed (benchmarks)
         self._engaged: int | None = None  # the thread whose passes go through here
         visual.forward = _through(weakref.ref(self), visual)
@@ -74,7 +73,8 @@ class VisionGraphs:
         finally:
             self._engaged = None
 
-    def _forward(self, hidden_states, grid_thw, **kwargs):
+    def pass_through(self, hidden_states, grid_thw, **kwargs):
+        """The tower's pass: padded and replayed (or run padded, its graph asked for), else its own forward."""
         visual = self.visual
         patches = hidden_states.shape[0]
         plain = kwargs in ({}, {"return_dict": True})  # as Qwen2-VL and Qwen3-VL call it: their output class
@@ -92,11 +92,12 @@ class VisionGraphs:
             entry = self.entries[shape] = self._buffers(hidden_states, helpers, padded)
         self._fill(entry, hidden_states, helpers)
         self.passes += 1
-        if entry.graph is not None:
-            entry.graph.replay()
+        graph = self.graphs.get(shape)
+        if graph is not None:
+            graph.replay()
             self.replays += 1
         else:
-            self._run(entry)
+            self._forward(shape)
             if self.record and shape not in self.wanted:
                 self.wanted.append(shape)
         return _unpadded(entry.output, padded, patches, self.unit)
@@ -127,7 +128,7 @@ class VisionGraphs:
         pixels = torch.zeros((padded, *hidden_states.shape[1:]), dtype=hidden_states.dtype, device=device)
         tensors = {name: value.to(device) for name, value in helpers.items() if torch.is_tensor(value)}
         ints = {name: value for name, value in helpers.items() if not torch.is_tensor(value)}
-        return types.SimpleNamespace(pixels=pixels, tensors=tensors, ints=ints, graph=None, output=None)
+        return types.SimpleNamespace(pixels=pixels, tensors=tensors, ints=ints, output=None)
 
     def _fill(self, entry, hidden_states, helpers: dict) -> None:
         # The padding's rows keep an earlier pass's pixels: that image attends only to itself, its features dropped.
@@ -135,38 +136,14 @@ class VisionGraphs:
         for name, buffer in entry.tensors.items():
             buffer.copy_(helpers[name], non_blocking=True)
 
-    def _run(self, entry) -> None:
-        """The tower's pass over the buffers; its output (kept in `entry`) is read back after each replay."""
+    def _ready(self, shape: tuple) -> bool:
+        return shape in self.entries
+
+    def _forward(self, shape: tuple) -> None:
+        """The tower's pass over the shape's buffers; its output (kept in the entry) is read back after each replay."""
+        entry = self.entries[shape]
         grid = None  # read only through the helpers, which take them from the kwargs
         entry.output = type(self.visual).forward(self.visual, entry.pixels, grid, **entry.tensors, **entry.ints)
-
-    def capture_one(self, pool) -> None:
-        """Record the first wanted shape's graph into the memory `pool`."""
-        import time
-
-        shape = self.wanted.pop(0)
-        entry = self.entries.get(shape)
-        if entry is None or entry.graph is not None:
-            return
-        started = time.perf_counter()
-        try:
-            entry.graph = self._record(entry, pool)
-        except Exception:
-            self.failures += 1
-            if self.failures == 3:  # passes run eagerly as before
-                self.wanted.clear()
-            raise
-        finally:
-            self.capture_s += time.perf_counter() - started
-
-    def _record(self, entry, pool):
-        """No warm-up run: the shape's eager pass ran before it was asked for."""
-        import torch
-
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
-            self._run(entry)
-        return graph
 
 
 def _through(graphs, visual):
@@ -177,7 +154,7 @@ def _through(graphs, visual):
         live = graphs()
         if live is None:
             return type(visual).forward(visual, hidden_states, grid_thw, **kwargs)
-        return live._forward(hidden_states, grid_thw, **kwargs)
+        return live.pass_through(hidden_states, grid_thw, **kwargs)
 
     return forward
 
