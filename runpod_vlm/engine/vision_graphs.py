@@ -147,8 +147,8 @@ class VisionGraphs(ShapeGraphs):
 
 
 def _through(graphs, visual):
-    """The tower's forward: through its graphs while they live. The model must not keep them alive: freed after the
-    decoder's graph memory pool (at exit), graphs abort the process (bench/paged.py's workers did)."""
+    """The tower's forward: through its graphs while they live. The model does not keep them alive: the decoder owns
+    them, and frees them before its graphs' memory pool, as it does its prefill graphs (decoder.py)."""
 
     def forward(hidden_states, grid_thw, **kwargs):
         live = graphs()
