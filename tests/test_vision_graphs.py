@@ -158,8 +158,8 @@ def test_images_encoded_one_at_a_time_each_keep_their_own_features(tiny_model, s
 
 
 def test_the_tower_does_not_keep_its_graphs_alive(tiny_model, serve, gpu_layout):
-    """The decoder owns its graphs, freed before its graphs' memory pool: graphs the model kept alive past the pool
-    aborted the process at exit. Once they are gone, the tower runs its own forward."""
+    """The decoder owns its graphs and frees them before its graphs' memory pool: the model does not keep them alive.
+    Once they are gone, the tower runs its own forward."""
     engine = serve(tiny_model("qwen2-vl"))
     expected = image_features(engine, [(64, 48)])
     graphs = graphed(engine)
