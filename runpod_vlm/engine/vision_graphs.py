@@ -22,6 +22,7 @@ import weakref
 from runpod_vlm.engine import varlen
 from runpod_vlm.engine.compile import COMPILED_FROM_PATCHES
 from runpod_vlm.engine.prefill_graphs import ShapeGraphs, bucket
+from runpod_vlm.engine.vision_attention import NAME
 
 GRAPHED_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # towers whose pass reads the grid only through the helpers
 MAX_GRAPHS = 24
@@ -36,8 +37,6 @@ def padded_patches(patches: int) -> int:
 
 def tower(model):
     """The model's vision tower, if its passes can be recorded (it attends through the packed kernel), else None."""
-    from runpod_vlm.engine.vision_attention import NAME
-
     visual = getattr(getattr(model, "model", None), "visual", None)
     packed = getattr(getattr(visual, "config", None), "_attn_implementation", None) == NAME
     return visual if packed and model.config.model_type in GRAPHED_TYPES else None
