@@ -1818,6 +1818,33 @@ def test_a_full_kv_cache_preempts_the_newest_row_which_resumes_with_its_tokens(m
     assert pool_of(engine).free == pool_of(engine).capacity and not hub.protocol_errors
 
 
+def test_the_next_interval_is_launched_before_the_tokens_of_the_one_before_are_handed_out(monkeypatch, hub):
+    hub.reply = lambda prompt: "x" * 60
+    serve(monkeypatch, VLM_SYNC_INTERVAL="2")
+    events = []
+    real_launch, real_read = FakePagedDecoder.launch, FakePagedDecoder.read
+    monkeypatch.setattr(
+        FakePagedDecoder, "launch", lambda self, steps: events.append("launch") or real_launch(self, steps)
+    )
+    monkeypatch.setattr(
+        FakePagedDecoder, "read", lambda self, launched: events.append("read") or real_read(self, launched)
+    )
+    assert call(chat("long", max_new_tokens=9))["response"] == "x" * 9
+    assert events == ["launch", "launch", "read", "launch", "read", "launch", "read", "read"]  # 1 + 2 + 2 + 2 + 2
+    assert [steps for _, steps, _ in hub.steps] == [2, 2, 2, 2]  # no interval past the budget
+
+
+def test_a_row_ended_while_its_next_interval_runs_gives_a_new_item_only_its_own_tokens(monkeypatch, hub):
+    # The first answer ends (its end token) in an interval; the next interval, already launched, steps its row on.
+    # The row is freed when its tokens are handed out, and the second item, which waited for it, starts there.
+    hub.reply = lambda prompt: "ab" if "first" in prompt else "second answer"
+    serve(monkeypatch, VLM_MAX_BATCH_SIZE="1", VLM_SYNC_INTERVAL="2")
+    out = batch(chat("first", max_new_tokens=40), chat("then", max_new_tokens=40))
+    assert [r["response"] for r in out["results"]] == ["ab", "second answer"]
+    engine = handler.get_engine()
+    assert pool_of(engine).free == pool_of(engine).capacity and not hub.protocol_errors
+
+
 def test_a_request_the_whole_kv_cache_cannot_hold_fails_alone_and_never_a_neighbour(monkeypatch, hub):
     hub.reply = echo
     serve(monkeypatch, VLM_KV_CACHE_TOKENS="160")

@@ -38,7 +38,7 @@ import runpod_vlm.engine.engine as engine_module
 import runpod_vlm.engine.memory as memory_module
 from runpod_vlm import fetch, media
 from runpod_vlm.engine.blocks import BlockPool
-from runpod_vlm.engine.decoder import PagedDecoder, row_buckets
+from runpod_vlm.engine.decoder import Launched, PagedDecoder, row_buckets
 from runpod_vlm.families.remote import InternVL2Adapter
 from runpod_vlm.vocabulary import RequestError
 
@@ -2126,6 +2126,12 @@ class FakePagedDecoder(PagedDecoder):
         HUB.forward_rows.append(bucket)
         if self.forwards[bucket] is not self.model:
             HUB.compiled_steps.append(bucket)
+
+    def launch(self, steps):  # the tokens are chosen at once; the engine hands them out after the next launch
+        return Launched(steps, self.step(steps), (), None)
+
+    def read(self, launched):
+        return launched.tokens
 
     def step(self, steps):
         bucket = self.bucket()

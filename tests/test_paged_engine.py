@@ -102,7 +102,7 @@ def test_a_long_prompt_enters_in_chunks_while_the_others_decode(tiny_model, serv
     decoder = engine._current_decoder()
     events: list = []
     spy(monkeypatch, decoder, "prefill_chunk", events, "chunk")
-    spy(monkeypatch, decoder, "step", events, "step")
+    spy(monkeypatch, decoder, "launch", events, "step")
     assert generate_all(engine, items) == solo
     chunks = [n for n, event in enumerate(events) if event == "chunk"]
     assert len(chunks) >= 3

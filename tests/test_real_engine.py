@@ -433,8 +433,8 @@ def test_a_cancelled_job_frees_its_row_for_the_next(tiny_model, serve, monkeypat
         return first, await handler.generate_one(engine, handler.read_job_item(short_job, settings, model_id, None)[1])
 
     steps = []
-    real_step = engine._current_decoder().step
-    monkeypatch.setattr(engine._current_decoder(), "step", lambda n: steps.append(n) or real_step(n))
+    real_launch = engine._current_decoder().launch
+    monkeypatch.setattr(engine._current_decoder(), "launch", lambda n: steps.append(n) or real_launch(n))
     first, short = asyncio.run(cancel_one_then_ask_another())
     assert isinstance(first, StreamDelta)
     assert short.completion_tokens == 3 and short.finish_reason == "length"

@@ -8,10 +8,10 @@ import contextlib
 import functools
 import logging
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from runpod_vlm.engine.blocks import PoolExhausted, prefix_digests
-from runpod_vlm.engine.decoder import PagedDecoder
+from runpod_vlm.engine.decoder import Launched, PagedDecoder
 from runpod_vlm.engine.gpu_errors import is_fatal_gpu_error, is_out_of_memory
 from runpod_vlm.engine.intake import on_device, with_generated
 from runpod_vlm.engine.prefill import ChunkedPrefill
@@ -21,6 +21,13 @@ from runpod_vlm.vocabulary import GENERATION_FAILED, GPU_FAILURE, GenerationRequ
 log = logging.getLogger("runpod-vlm")
 
 PREFIX_LOG_EVERY_S = 60.0
+
+
+class InFlight(NamedTuple):
+    """A decode interval launched, not yet handed out, and the item in each of its rows at launch."""
+
+    launched: Launched
+    items: dict[int, Ticket]
 
 
 class Admission:
@@ -341,34 +348,76 @@ class Admission:
         ticket.fail(GENERATION_FAILED)
 
     def _decode_interval(self) -> None:
+        """Launch the rows' next decode interval, then hand out the tokens of the one launched before it, which the
+        GPU ends meanwhile: the GPU does not wait while the host streams tokens, ends rows and admits new ones (as
+        vLLM's async scheduling). So a row that ended in the interval before runs one more, its tokens dropped."""
         decoder = self._current_decoder()
-        remaining = max(t.item.params.max_new_tokens - len(t.ids) for t in self._rows.values())
+        if decoder.any_constrained:  # a grammar's next mask needs the token just chosen
+            self._finish_interval()
+        previous = self._in_flight
+        self._in_flight = self._launch(decoder, previous)
+        if previous is not None:
+            self._hand_out(decoder, previous)
+        if decoder.any_constrained:
+            self._finish_interval()
+
+    def _finish_interval(self) -> None:
+        """Hand out the tokens of the interval in flight, if one is."""
+        in_flight, self._in_flight = self._in_flight, None
+        if in_flight is not None:
+            self._hand_out(self._current_decoder(), in_flight)
+
+    def _launch(self, decoder: PagedDecoder, previous: Optional[InFlight]) -> Optional[InFlight]:
+        """The next interval of the rows that may still take tokens beyond those of `previous` (in flight), with
+        each row's item at launch; None when none may."""
+        ahead = (
+            {row: previous.launched.steps for row, t in previous.items.items() if self._rows.get(row) is t}
+            if previous
+            else {}
+        )
+        remaining = max(
+            (t.item.params.max_new_tokens - len(t.ids) - ahead.get(row, 0) for row, t in self._rows.items()), default=0
+        )
+        if remaining <= 0:
+            return None
         # A grammar's next mask depends on the token just chosen: constrained rows step one token at a time.
-        steps = 1 if decoder.any_constrained else max(1, min(decoder.interval, remaining))
-        self._make_room(decoder, steps)
+        steps = 1 if decoder.any_constrained else min(decoder.interval, remaining)
+        self._make_room(decoder, steps, ahead)
+        if not self._rows:
+            return None
         started, eager, capturing = time.perf_counter(), decoder.eager_steps, decoder.capture_s
-        tokens = decoder.step(steps)
-        stepped = time.perf_counter()
-        self.timings["decode_s"] += stepped - started
+        launched = decoder.launch(steps)
+        self.timings["decode_s"] += time.perf_counter() - started
         self.timings["decode_steps"] += steps
         self.timings["decode_eager_steps"] += decoder.eager_steps - eager
         self.timings["graph_capture_s"] += decoder.capture_s - capturing
-        logprobs = decoder.take_logprobs() or {}
-        for row, ticket in list(self._rows.items()):
-            self._accept(ticket, tokens[row], logprobs.get(row))
-        self._next_grammar_masks()
-        self.timings["accept_s"] += time.perf_counter() - stepped
+        return InFlight(launched, dict(self._rows))
 
-    def _make_room(self, decoder: PagedDecoder, steps: int) -> None:
-        """Blocks for every row's next `steps` tokens; while too few are free, the newest row is preempted:
-        its blocks freed, it goes back to the queue's front and is later prefilled again with the tokens it
-        had (recompute: a prefill costs less than copying blocks to the host and back)."""
+    def _hand_out(self, decoder: PagedDecoder, in_flight: InFlight) -> None:
+        """An interval's tokens to the items that were in its rows at launch and still are (a row ended or
+        preempted since may hold a new item)."""
+        started = time.perf_counter()
+        tokens = decoder.read(in_flight.launched)
+        read = time.perf_counter()
+        self.timings["decode_s"] += read - started
+        logprobs = decoder.take_logprobs() or {}
+        for row, ticket in in_flight.items.items():
+            if self._rows.get(row) is ticket:
+                self._accept(ticket, tokens[row], logprobs.get(row))
+        self._next_grammar_masks()
+        self.timings["accept_s"] += time.perf_counter() - read
+
+    def _make_room(self, decoder: PagedDecoder, steps: int, ahead: dict) -> None:
+        """Blocks for every row's next `steps` tokens (after the `ahead` ones per row in flight); while too few are
+        free, the newest row is preempted: its blocks freed, it goes back to the queue's front and is later
+        prefilled again with the tokens it had (recompute: a prefill costs less than copying blocks to the host and
+        back)."""
         for row in sorted(self._rows, key=lambda r: self._rows[r].admitted):
             while row in self._rows:
                 ticket, length = self._rows[row], decoder.lengths[row]
-                last = length + ticket.item.params.max_new_tokens - len(ticket.ids)  # slots it writes, at most
+                left = ticket.item.params.max_new_tokens - len(ticket.ids) - ahead.get(row, 0)
                 try:
-                    decoder.grow(row, min(length + steps, last))
+                    decoder.grow(row, length + min(steps, left))  # past its last token it writes block 0
                     break
                 except PoolExhausted:
                     self._preempt(max(self._rows, key=lambda r: self._rows[r].admitted))

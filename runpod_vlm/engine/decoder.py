@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 import types
-from typing import Optional
+from typing import Any, NamedTuple, Optional
 
 from runpod_vlm.engine import decode_kernel
 from runpod_vlm.engine.blocks import BlockPool
@@ -20,6 +20,15 @@ log = logging.getLogger("runpod-vlm")
 
 
 SPAN_BUCKETS_FROM = 256  # a decode step gathers each row's slots up to a power-of-two multiple of this
+
+
+class Launched(NamedTuple):
+    """Decode steps launched on the GPU (`PagedDecoder.launch`), their tokens on their way to the host."""
+
+    steps: int
+    tokens: Any  # [bucket, steps] on the host, complete once `done` has passed
+    logprobs: tuple  # the log-probability rings likewise, when a row asked
+    done: Any  # a CUDA event recorded after the copies; None on the CPU
 
 
 def row_buckets(rows: int) -> list[int]:
@@ -301,9 +310,12 @@ class PagedDecoder(Prefill):
             span *= 2
         return min(span, self.columns * self.block_size)
 
-    def step(self, steps: int) -> list[list[int]]:
-        """Run `steps` (at most `interval`) decode steps; each busy bucket row's new tokens. Every busy row
-        must hold the blocks for `steps` more tokens (`grow`)."""
+    def launch(self, steps: int) -> Launched:
+        """Launch `steps` (at most `interval`) decode steps and the copy of their tokens to the host, without waiting
+        for the GPU (`read` waits). Every busy row must hold the blocks for `steps` more tokens (`grow`). A row steps
+        until it is released: one that ended in steps not yet read steps on, into block 0 past its blocks."""
+        import torch
+
         self._write_table()
         bucket, span = self.bucket(), self.span(steps)
         key = self._graph_key(bucket, span)
@@ -316,13 +328,31 @@ class PagedDecoder(Prefill):
         self.eager_steps += 0 if graph is not None else steps
         for row in self.lengths:
             self.lengths[row] += steps
-        tokens = self.state.ring[:bucket, :steps].tolist()
+        state = self.state
+        rings = [state.ring]
         if self.any_logprobs:
-            state = self.state
-            parts = (state.ring_logprob, state.ring_top_id, state.ring_top_logprob)
-            per_row = zip(*(part[:bucket, :steps].tolist() for part in parts))
+            rings += [state.ring_logprob, state.ring_top_id, state.ring_top_logprob]
+        # Copied now: the next launch writes the rings again. On the GPU, into page-locked memory, not waiting.
+        tokens, *logprobs = (ring[:bucket, :steps].to("cpu", non_blocking=True, copy=True) for ring in rings)
+        done = None
+        if state.ring.is_cuda:
+            done = torch.cuda.Event()
+            done.record()
+        return Launched(steps, tokens, tuple(logprobs), done)
+
+    def read(self, launched: Launched) -> list[list[int]]:
+        """The tokens of `launched` steps, per row of their bucket, once the GPU has run them; their
+        log-probabilities (row -> entries), when a row asked, in `take_logprobs`."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        if launched.logprobs:
+            per_row = zip(*(part.tolist() for part in launched.logprobs))
             self.pending_logprobs = {row: list(zip(*entries)) for row, entries in enumerate(per_row)}
-        return tokens
+        return launched.tokens.tolist()
+
+    def step(self, steps: int) -> list[list[int]]:
+        """`launch` and `read`: each bucket row's tokens of `steps` decode steps."""
+        return self.read(self.launch(steps))
 
     def _capture_or_log(self, bucket: int, span: int) -> None:
         started = time.perf_counter()

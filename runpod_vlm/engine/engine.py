@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Optional
 
-from runpod_vlm.engine.admission import Admission
+from runpod_vlm.engine.admission import Admission, InFlight
 from runpod_vlm.engine.background_compile import BackgroundCompile
 from runpod_vlm.engine.blocks import BLOCK_SIZE
 from runpod_vlm.engine.compile import set_torch_cache_dirs
@@ -77,6 +77,7 @@ class Engine(Admission, BackgroundCompile):
         self._wake = threading.Condition()  # guards the queue; the engine thread waits on it
         self._queue: list[Ticket] = []  # submitted, not yet given a row, in arrival order
         self._rows: dict[int, Ticket] = {}  # decoder row -> the item decoding there (engine thread only)
+        self._in_flight: Optional[InFlight] = None  # the decode interval launched, its tokens not yet handed out
         self._chunking: Optional[tuple[Ticket, ChunkedPrefill]] = None  # a long prompt entering chunk by chunk
         self._prefix_logged = time.monotonic()  # when the prefix cache's counts were last logged
         self._admitted = 0  # admissions so far: a row's number orders preemption (the newest goes first)
@@ -215,7 +216,8 @@ class Engine(Admission, BackgroundCompile):
         head = self._queue[0] if self._queue else None
         mates = [t for t in self._queue[: self.settings.max_batch_size] if head is not None and t.call is head.call]
         ready = head is not None and all(t.prepared is None or t.prepared.done() for t in mates)
-        return not ready and not self._rows and not self._chunking and not self._switch_due()
+        busy = self._rows or self._in_flight or self._chunking
+        return not ready and not busy and not self._switch_due()
 
     def _captures_ahead_due(self) -> bool:
         return self._decoder is not None and self._decoder.captures_ahead_due()
@@ -262,11 +264,12 @@ class Engine(Admission, BackgroundCompile):
                         self._run_alone(waiting[0])
                     continue
                 if self._switch_due():
+                    self._finish_interval()  # the switch drops graphs: none may be in flight
                     self._switch_to_compiled()
                 self._admit(waiting)
                 if self._chunking is not None:
                     self._prefill_next_chunk()
-                if self._rows:
+                if self._rows or self._in_flight:
                     self._decode_interval()
             except Exception as error:
                 if is_fatal_gpu_error(error):
@@ -382,6 +385,7 @@ class Engine(Admission, BackgroundCompile):
         """Fail the items in flight (and the queued ones too when `queued`)."""
         with self._wake:
             waiting, self._queue = (self._queue, []) if queued else ([], self._queue)
+        self._in_flight = None
         if self._chunking is not None:
             waiting.append(self._chunking[0])
             self._current_decoder().release(self._chunking[1].row)
