@@ -209,16 +209,16 @@ def main() -> None:
     for run in args.runs.split(","):
         spans = Spans()
         decoder = engine._current_decoder()
-        for name in (*ENGINE_TOP, "_place", "_make_room", "_accept", "_next_grammar_masks", "_requeue"):
+        for name in (*ENGINE_TOP, "_place", "_make_room", "_hand_out", "_accept", "_next_grammar_masks", "_requeue"):
             spans.wrap(engine, name)
-        for name in ("prefill", "step", "begin_chunks", "prefill_chunk"):
+        for name in ("prefill", "launch", "read", "begin_chunks", "prefill_chunk"):
             spans.wrap(decoder, name, f"decoder.{name}")
         spans.wrap(engine.adapter, "collate", "adapter.collate")
         spans.wrap(Intake, "_prepare", "intake")
         spans.wrap(handler, "read_job_item", "read")
         result: dict = {}
         try:
-            for mode in ("first", "spans", *args.variants.split(","), "profiled", "python"):
+            for mode in ("first", "spans", *filter(None, args.variants.split(",")), "profiled", "python"):
                 if mode == "profiled" and run != "uniform":
                     continue
                 first_image += 1000
