@@ -72,8 +72,8 @@ def test_a_padded_pass_gives_the_towers_own_features(tiny_model, serve, gpu_layo
 
 
 def test_replays_refill_the_buffers_and_hand_out_copies(tiny_model, serve, gpu_layout):
-    """The same sizes again replay the shape's graph with the new images' pixels; features handed out earlier are
-    copies, which a later replay leaves as they were."""
+    """The same sizes again replay the shape's graph with the new images' pixels, from the grid's helpers kept;
+    features handed out earlier are copies, which a later replay leaves as they were."""
     engine = serve(tiny_model("qwen2-vl"))
     sizes = [(64, 48), (96, 64)]
     graphs = VisionGraphs(tower(engine.model))
@@ -85,9 +85,12 @@ def test_replays_refill_the_buffers_and_hand_out_copies(tiny_model, serve, gpu_l
             graphs.capture_one(pool=None)
         assert not graphs.wanted
         other = [striped(size).rotate(180) for size in sizes]
+        computed = graphs._computed_helpers
+        graphs._computed_helpers = lambda *args: pytest.fail("the grid's helpers computed again")
         second = features_of_images(engine, other)
         third = image_features(engine, sizes)
-    assert graphs.replays == 2
+        graphs._computed_helpers = computed
+    assert graphs.replays == 2 and len(graphs.grids) == 1
     expected = features_of_images(engine, other)
     assert not torch.allclose(expected, first_images, atol=1e-3)
     assert torch.allclose(second, expected, atol=1e-5)

@@ -13,6 +13,7 @@ idle (`PagedDecoder.capture_one_ahead`)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import threading
 import types
@@ -26,6 +27,7 @@ from runpod_vlm.engine.vision_attention import NAME
 
 GRAPHED_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # towers whose pass reads the grid only through the helpers
 MAX_GRAPHS = 24
+HELD_GRIDS = 64  # padded grids whose helpers are kept: 0.3-1.4 ms of host work a pass, the same for same-sized images
 # Patches padded to a multiple of STEP (SMALLEST at least): padded to powers of two, three 448x448 images (3,072
 # patches) replayed at 4,096 took 24 ms where their eager pass took 19 (bench/results/vision-graphs-powers-of-two.json).
 SMALLEST, STEP = 256, 512
@@ -59,6 +61,7 @@ class VisionGraphs(ShapeGraphs):
         self.precompute = precompute_export_inputs
         self.unit = visual.spatial_merge_size**2  # patches merged into one feature
         self.entries: dict = {}  # shape -> its buffers and its pass's output
+        self.grids: collections.OrderedDict = collections.OrderedDict()  # (grid, padded) -> helpers, last used last
         self.passes = self.replays = 0  # passes through here, and of them those replayed (benchmarks)
         self._engaged: int | None = None  # the thread whose passes go through here
         visual.forward = _through(weakref.ref(self), visual)
@@ -102,8 +105,19 @@ class VisionGraphs(ShapeGraphs):
         return _unpadded(entry.output, padded, patches, self.unit)
 
     def _helpers(self, grid, patches: int, padded: int) -> dict:
-        """What the tower would compute from the padded grid (host tensors and ints): the images', then the
-        padding's image of 1 x merge x rest patches; lists of starts padded with empty images to a power of two."""
+        """What the tower would compute from the padded grid (host tensors and ints, never written): the images',
+        then the padding's image of 1 x merge x rest patches; lists of starts padded with empty images to a power of
+        two. Kept for the last HELD_GRIDS grids."""
+        key = (tuple(grid.flatten().tolist()), padded)
+        found = self.grids.get(key)
+        if found is None:
+            found = self.grids[key] = self._computed_helpers(grid, patches, padded)
+            if len(self.grids) > HELD_GRIDS:
+                self.grids.popitem(last=False)
+        self.grids.move_to_end(key)
+        return found
+
+    def _computed_helpers(self, grid, patches: int, padded: int) -> dict:
         import torch
 
         merge = self.visual.spatial_merge_size
