@@ -8,6 +8,7 @@ import functools
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import handler
 from runpod_vlm.answers import generate_all
@@ -87,6 +88,41 @@ def test_a_resumed_row_can_enter_in_chunks_its_tokens_following_as_text(family, 
     spy(monkeypatch, engine._current_decoder(), "follow_with", events, "follow")
     assert generate_all(engine, items) == solo
     assert "follow" in events
+
+
+class HostCopies(TorchDispatchMode):
+    """Records each copy into a tensor: on the GPU, one from a host tensor made without `non_blocking` waits for
+    everything queued before it."""
+
+    def __init__(self):
+        super().__init__()
+        self.copies: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.copy_.default:
+            self.copies.append(tuple(arg.shape for arg in args[:2]))
+        return func(*args, **(kwargs or {}))
+
+
+def test_handing_out_an_interval_copies_nothing_into_the_gpus_tensors(tiny_model, serve, monkeypatch):
+    """Tokens are handed out, and ended rows released, while the next interval runs: a copy there (a number assigned
+    to one element of the decoder's state is one) would wait for that interval, and the GPU for the host again."""
+    engine = serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="2")
+    jobs = [dict(job, max_new_tokens=n, min_new_tokens=n) for job, n in zip(mixed_jobs(3), (3, 9, 6))]
+    items = items_of(engine, jobs)
+    solo = solo_generate(engine, items)
+    recorder, handed_out, released = HostCopies(), [], []
+    real_hand_out, real_release = engine._hand_out, engine._current_decoder().release
+
+    def hand_out(*args):
+        handed_out.append(len(engine._rows))
+        with recorder:
+            return real_hand_out(*args)
+
+    monkeypatch.setattr(engine, "_hand_out", hand_out)
+    monkeypatch.setattr(engine._current_decoder(), "release", lambda row: released.append(row) or real_release(row))
+    assert generate_all(engine, items) == solo
+    assert len(handed_out) >= 4 and len(released) == 3 and recorder.copies == []
 
 
 def test_a_long_prompt_enters_in_chunks_while_the_others_decode(tiny_model, serve, monkeypatch):

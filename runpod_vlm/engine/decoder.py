@@ -160,14 +160,15 @@ class PagedDecoder(Prefill):
         return (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()[start:end]
 
     def release(self, row: int) -> None:
-        """Free a row and its blocks: it may be given to a new item."""
+        """Free a row and its blocks: it may be given to a new item. Nothing here waits for the GPU, which runs the
+        next interval meanwhile (a number assigned to one element, `busy[row] = 0`, is a copy from the host that
+        waits for it)."""
         self.pool.release(row)
         self.lengths.pop(row, None)
         self.flags.pop(row, None)
         self.table_writes = [write for write in self.table_writes if write[0] != row]
-        self.table[row] = 0
-        self.state.busy[row] = 0
-        self.state.length[row] = 0
+        for tensor in (self.table, self.state.busy, self.state.length):
+            tensor[row].zero_()
         self._update_any_sample()
 
     def _allocate(self, keys) -> None:
@@ -188,7 +189,7 @@ class PagedDecoder(Prefill):
         import torch
 
         state = self.state
-        index = torch.tensor(rows, device=logits.device)
+        index = torch.tensor(rows).to(logits.device, non_blocking=True)
         if self.position is None:
             shape = list(last_position.shape)
             shape[-2] = self.rows
@@ -209,11 +210,12 @@ class PagedDecoder(Prefill):
             "length": (lengths, torch.long),
             "busy": ([1] * len(rows), torch.long),
         }
-        table = torch.tensor([values for values, _ in kinds.values()], dtype=torch.float64).to(index.device)
+        table = torch.tensor([values for values, _ in kinds.values()], dtype=torch.float64)
+        table = table.to(index.device, non_blocking=True)
         new = types.SimpleNamespace(
             **{name: column.to(dtype) for (name, (_, dtype)), column in zip(kinds.items(), table)},
             seen=None,
-            allowed=None if allowed is None else allowed.to(index.device),
+            allowed=None if allowed is None else allowed.to(index.device, non_blocking=True),
         )
         if self.sampler.penalty:
             new.seen = torch.zeros((len(rows), state.seen.shape[1]), dtype=torch.bool, device=index.device)
