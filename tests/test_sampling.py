@@ -90,12 +90,13 @@ def test_counter_noise_is_uniform_and_depends_on_the_row_alone():
 
 def test_sampling_draws_within_each_rows_nucleus_as_argmax_of_p_over_exponential_noise():
     """Each row's draw: among the tokens whose more likely ones hold at most its top_p, the argmax of p / Exp(1)
-    with Exp(1) = -log(its counter noise); the sampler's in-place steps give exactly that."""
+    with Exp(1) = -log(its counter noise); the sampler's in-place steps, on groups of rows, give exactly that."""
     import types
 
-    from runpod_vlm.engine.sampling import Sampler
+    from runpod_vlm.engine.sampling import SAMPLED_TOGETHER, Sampler
 
-    rows, vocab = 64, 1000
+    rows, vocab = 160, 1000
+    assert rows > 2 * SAMPLED_TOGETHER and rows % SAMPLED_TOGETHER
     generator = torch.Generator().manual_seed(0)
     logits = torch.randn(rows, vocab, generator=generator) * 3
     state = types.SimpleNamespace(

@@ -9,6 +9,7 @@ import types
 from typing import Optional
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's top_logprobs bound
+SAMPLED_TOGETHER = 64  # rows whose sampling temporaries are held at once
 
 
 class Sampler:
@@ -58,19 +59,26 @@ class Sampler:
     def _sampled(self, logits, rows: types.SimpleNamespace):
         """Temperature and top-p sampling, drawn as argmax(p / Exp(1)) so a CUDA graph can hold it. The
         Exp(1) noise is a function of the row's seed, its token's index and the vocabulary index alone, so
-        a seeded row draws the same tokens alone, batched or beside any other rows."""
+        a seeded row draws the same tokens alone, batched or beside any other rows. SAMPLED_TOGETHER rows at a
+        time, in place where it can be: each [rows, vocab] float is 155 MB at 256 rows of a 152k vocabulary, and a
+        256-row step's graph, recorded ahead capped to 24 GB, ran out of memory in its sort (bench/README.md)."""
         import torch
 
-        # In place where it can be: at 256 rows of a 152k vocabulary each [rows, vocab] float is 155 MB, and a
-        # CUDA graph's recording of the out-of-place version ran out of memory capped to 24 GB.
-        probs = torch.softmax(logits / rows.temperature.clamp(min=1e-5)[:, None], dim=-1)
+        starts = range(0, logits.shape[0], SAMPLED_TOGETHER)
+        parts = [self._sampled_rows(logits, rows, slice(start, start + SAMPLED_TOGETHER)) for start in starts]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _sampled_rows(self, logits, rows: types.SimpleNamespace, part: slice):
+        import torch
+
+        probs = torch.softmax(logits[part] / rows.temperature[part].clamp(min=1e-5)[:, None], dim=-1)
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         before = sorted_probs.cumsum(dim=-1).sub_(sorted_probs)  # the mass of the tokens more likely than each
-        sorted_probs.masked_fill_(before > rows.top_p[:, None], 0.0)
+        sorted_probs.masked_fill_(before > rows.top_p[part, None], 0.0)
         del before
         probs.scatter_(1, order, sorted_probs)
         del sorted_probs, order
-        noise = counter_uniform(rows.seed, rows.count, self.vocab_index).log_().neg_()  # Exp(1)
+        noise = counter_uniform(rows.seed[part], rows.count[part], self.vocab_index).log_().neg_()  # Exp(1)
         return probs.div_(noise).argmax(dim=-1)
 
 
