@@ -417,7 +417,7 @@ class Admission:
                 ticket, length = self._rows[row], decoder.lengths[row]
                 left = ticket.item.params.max_new_tokens - len(ticket.ids) - ahead.get(row, 0)
                 try:
-                    decoder.grow(row, length + min(steps, left))  # past its last token it writes block 0
+                    decoder.grow(row, length + min(steps, left))  # past its last token it writes on, into block 0
                     break
                 except PoolExhausted:
                     self._preempt(max(self._rows, key=lambda r: self._rows[r].admitted))
