@@ -4,6 +4,7 @@ chunks, a full pool preempts and resumes, and every answer is exactly its solo `
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 
 import pytest
@@ -123,6 +124,41 @@ def test_handing_out_an_interval_copies_nothing_into_the_decoders_tensors(tiny_m
     monkeypatch.setattr(engine._current_decoder(), "release", lambda row: released.append(row) or real_release(row))
     assert generate_all(engine, items) == solo
     assert len(handed_out) >= 4 and len(released) == 3 and recorder.copies == []
+
+
+def test_a_decode_graphs_recording_that_fails_midway_leaves_the_rows_where_they_were(tiny_model, serve, monkeypatch):
+    """A step's graph is recorded after two eager steps, whose advance is then put back. One that failed in the
+    second (out of memory in the sampler's sort, as a 256-row step's did capped to 24 GB) put nothing back: the
+    rows went on a step ahead. Here CUDA's streams are stand-ins and every recording fails after its steps."""
+    engine = serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="4")
+    items = items_of(engine, mixed_jobs(2))
+    solo = solo_generate(engine, items)
+    decoder = engine._current_decoder()
+    decoder.use_graph = True
+    calls, real_advance = [], decoder._advance
+
+    def advance(bucket, span):
+        calls.append(bucket)
+        if len(calls) == 2:  # the first recording's second step
+            raise torch.OutOfMemoryError("a stand-in")
+        return real_advance(bucket, span)
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+    def graph(*args, **kwargs):
+        raise RuntimeError("no CUDA graph on the CPU")
+
+    monkeypatch.setattr(decoder, "_advance", advance)
+    monkeypatch.setattr(decoder, "_graph_memory", lambda: None)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", Stream)
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
+    monkeypatch.setattr(torch.cuda, "graph", graph)
+    assert generate_all(engine, items) == solo
+    assert decoder.capture_failures == 3 and not decoder.use_graph  # then eager, as before
 
 
 def test_a_long_prompt_enters_in_chunks_while_the_others_decode(tiny_model, serve, monkeypatch):

@@ -469,13 +469,15 @@ class PagedDecoder(Prefill):
         ]
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self.ring_index.zero_()
-                self._advance(bucket, span)
-        torch.cuda.current_stream().wait_stream(stream)
-        for tensor, value in kept:
-            tensor.copy_(value)
+        try:
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self.ring_index.zero_()
+                    self._advance(bucket, span)
+        finally:  # also after a step that failed midway (out of memory): else the rows would go on a step ahead
+            torch.cuda.current_stream().wait_stream(stream)
+            for tensor, value in kept:
+                tensor.copy_(value)
         self.ring_index.zero_()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_memory(), capture_error_mode="thread_local"):
