@@ -11,8 +11,9 @@ process, so a memory cap (`torch.cuda.set_per_process_memory_fraction`) holds fr
   (4 x 1280x720 images, 512 tokens) among 32 short mixed jobs vs the short ones alone; open loop at 8
   and 16 mixed jobs/s against the unloaded p95; greedy parity with eager generate; peer: padded
   `generate` of the uniform 64 and of 64 mixed jobs;
-- cap24 (2B, 24 GB): 32 short mixed jobs at once; a 16-image request alone and beside short jobs;
-- cap48-7b (7B, 48 GB): 32 mixed jobs at once; a 16-image request beside short jobs.
+- cap24 (2B, 24 GB): 32 short mixed jobs at once; a 16-image request alone and beside short jobs; 256
+  sampled jobs at once (answered or not, decode graphs recorded or not);
+- cap48-7b (7B, 48 GB): the same.
 Each part reports its KV pool (blocks, tokens), the most blocks in use, and peak memory against its
 cap. Results go to OUT/paged-PART.json as they come; a summary is printed last.
 """
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import os
@@ -269,6 +271,20 @@ def child(part: str, args) -> dict:
         measure(
             "sixteen_images_beside_8_short", lambda: {"outcomes": asyncio.run(outcomes(handler, [big, *short[:8]]))}
         )
+        # Every row sampling at once: the sampled step of all rows is the one whose graph's recording ran out of
+        # memory capped to 24 GB (the eleventh session), and a decode step out of memory fails every row in flight.
+        sampled = mixed_jobs(64 if quick else 256, seed=31)
+        for job in sampled:
+            job["input"].update(do_sample=True, temperature=1.0, max_new_tokens=64, min_new_tokens=64)
+
+        def all_sampling():
+            found = asyncio.run(outcomes(handler, sampled))
+            errors = collections.Counter(o["error"] for o in found if "error" in o)
+            answered = len(found) - sum(errors.values())
+            graphs = {"capture_failures": decoder.capture_failures, "decode_graphs": decoder.use_graph}
+            return {"answered": answered, "errors": dict(errors), **graphs}
+
+        measure("sampled_256_at_once", all_sampling)
     results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
     graphs = engine._current_decoder().prefill_graphs
     results["prefill_graphs"] = None if graphs is None else sorted(graphs.graphs)  # (tokens, keys, starts) recorded
