@@ -129,7 +129,8 @@ def test_handing_out_an_interval_copies_nothing_into_the_decoders_tensors(tiny_m
 def test_a_decode_graphs_recording_that_fails_midway_leaves_the_rows_where_they_were(tiny_model, serve, monkeypatch):
     """A step's graph is recorded after two eager steps, whose advance is then put back. One that failed in the
     second (out of memory in the sampler's sort, as a 256-row step's did capped to 24 GB) put nothing back: the
-    rows went on a step ahead. Here CUDA's streams are stand-ins and every recording fails after its steps."""
+    rows went on a step ahead. Here CUDA's streams are stand-ins and every recording fails after its steps; a step
+    runs eagerly without its graph."""
     engine = serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="4")
     items = items_of(engine, mixed_jobs(2))
     solo = solo_generate(engine, items)
@@ -158,7 +159,58 @@ def test_a_decode_graphs_recording_that_fails_midway_leaves_the_rows_where_they_
     monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
     monkeypatch.setattr(torch.cuda, "graph", graph)
     assert generate_all(engine, items) == solo
-    assert decoder.capture_failures == 3 and not decoder.use_graph  # then eager, as before
+    assert len(decoder.unrecorded) == 1  # the step that ran out of memory is not recorded again; the others fail apart
+
+
+def short_jobs(count: int) -> list[dict]:
+    return [dict(job, max_new_tokens=n, min_new_tokens=n) for job, n in zip(mixed_jobs(count), [8, 20, 12, 16] * count)]
+
+
+def out_of_memory_above(monkeypatch, decoder, rows: int) -> list:
+    """Decode steps of more than `rows` rows run out of memory (after the first of them has run); the buckets met."""
+    met, real_advance = [], decoder._advance
+
+    def advance(bucket, span):
+        met.append(bucket)
+        if bucket > rows and met.count(bucket) > 1:
+            raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
+        return real_advance(bucket, span)
+
+    monkeypatch.setattr(decoder, "_advance", advance)
+    return met
+
+
+def test_a_decode_step_out_of_memory_preempts_the_rows_past_a_smaller_bucket(tiny_model, serve, monkeypatch):
+    """A step's memory follows its bucket of rows: out of memory at 16, the rows from the 9th on go back to the
+    queue, at most 8 are given until the engine is idle, and every job gets its solo tokens."""
+    engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_SIZE="16", VLM_SYNC_INTERVAL="4")
+    items = items_of(engine, short_jobs(12))
+    solo = solo_generate(engine, items)
+    decoder = engine._current_decoder()
+    met = out_of_memory_above(monkeypatch, decoder, 8)
+    preempted = []
+    real_preempt = engine._preempt
+    monkeypatch.setattr(engine, "_preempt", lambda row: preempted.append(row) or real_preempt(row))
+    assert generate_all(engine, items) == solo
+    assert met.count(16) == 2 and sorted(preempted) == list(range(8, 12))  # one step ran, the next ran out
+    assert decoder.pool.free == decoder.pool.capacity
+    generate_all(engine, items[:1])
+    assert engine._row_cap is None  # lifted once the engine was idle
+
+
+def test_a_decode_step_of_the_fewest_rows_out_of_memory_fails_its_items_and_the_engine_goes_on(
+    tiny_model, serve, monkeypatch
+):
+    engine = serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="4")
+    items = items_of(engine, short_jobs(2))
+    solo = solo_generate(engine, items)
+    decoder = engine._current_decoder()
+    real_advance = decoder._advance
+    out_of_memory_above(monkeypatch, decoder, 0)
+    failed = generate_all(engine, items)
+    assert [getattr(outcome, "code", None) for outcome in failed] == ["out_of_memory"] * 2
+    monkeypatch.setattr(decoder, "_advance", real_advance)  # steps fit again
+    assert generate_all(engine, items) == solo and decoder.pool.free == decoder.pool.capacity
 
 
 def test_a_long_prompt_enters_in_chunks_while_the_others_decode(tiny_model, serve, monkeypatch):

@@ -40,6 +40,10 @@ class Admission:
         free = decoder.free_rows()
         if self._chunking is not None:  # the row of the prompt entering in chunks is not free
             free = [row for row in free if row != self._chunking[1].row]
+        if self._row_cap is not None and not (self._rows or self._in_flight or self._chunking):
+            self._row_cap = None  # idle again: every row may be given
+        if self._row_cap is not None:  # after a decode step ran out of memory; rows are given lowest first
+            free = [row for row in free if row < self._row_cap]
         group, prepared = [], []
         for ticket in waiting[: len(free)]:
             if not ticket.prepared.done() and waiting[0].call is ticket.call:
@@ -386,7 +390,13 @@ class Admission:
         if not self._rows:
             return None
         started, eager, capturing = time.perf_counter(), decoder.eager_steps, decoder.capture_s
-        launched = decoder.launch(steps)
+        try:
+            launched = decoder.launch(steps)
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            self._step_out_of_memory(decoder)
+            return None
         self.timings["decode_s"] += time.perf_counter() - started
         self.timings["decode_steps"] += steps
         self.timings["decode_eager_steps"] += decoder.eager_steps - eager
@@ -421,6 +431,28 @@ class Admission:
                     break
                 except PoolExhausted:
                     self._preempt(max(self._rows, key=lambda r: self._rows[r].admitted))
+
+    def _step_out_of_memory(self, decoder: PagedDecoder) -> None:
+        """A decode step ran out of memory (the rows' state put back): a step's memory follows its bucket of rows, so
+        the rows past the next smaller bucket are preempted, and no more than that are admitted until the engine is
+        idle again. At the smallest bucket the rows in flight get `out_of_memory`."""
+        import torch
+
+        torch.cuda.empty_cache()
+        bucket = decoder.bucket()
+        smaller = max((b for b in decoder.buckets if b < bucket), default=None)
+        if smaller is None:
+            log.warning("a decode step of the fewest rows (%d) ran out of GPU memory: its items fail", bucket)
+            for row, ticket in list(self._rows.items()):
+                del self._rows[row]
+                decoder.release(row)
+                ticket.finish(self._out_of_memory(ticket.item, ticket.prompt_tokens))
+            return
+        log.warning("a %d-row decode step ran out of GPU memory: at most %d rows until idle", bucket, smaller)
+        for row in sorted(self._rows, reverse=True):
+            if row >= smaller:
+                self._preempt(row)
+        self._row_cap = smaller
 
     def _preempt(self, row: int) -> None:
         ticket = self._rows.pop(row)

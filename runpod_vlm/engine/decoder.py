@@ -10,6 +10,7 @@ from typing import Any, NamedTuple, Optional
 
 from runpod_vlm.engine import decode_kernel
 from runpod_vlm.engine.blocks import BlockPool
+from runpod_vlm.engine.gpu_errors import is_out_of_memory
 from runpod_vlm.engine.paged_attention import PagedStep, paged
 from runpod_vlm.engine.prefill import Prefill, beside_fx_traces
 from runpod_vlm.engine.prefill_graphs import PrefillGraphs
@@ -77,6 +78,7 @@ class PagedDecoder(Prefill):
         self.buckets = row_buckets(rows)
         self.forwards = {bucket: model for bucket in self.buckets}  # `use_forward` swaps in compiled ones
         self.graphs: dict = {}  # (bucket, span, any sampled row, logprobs, constrained) -> CUDA graph of one step
+        self.unrecorded: set = set()  # keys of graphs whose recording ran out of memory: their steps run eagerly
         self.ahead: list = []  # (bucket, sampled) graphs to record while the engine is idle
         self.decode_kernel = decode_kernel.usable(model)  # else a step gathers each row's slots (span)
         # Made before the graphs' memory pool, so that they go first at teardown (made after: an abort at exit).
@@ -321,12 +323,18 @@ class PagedDecoder(Prefill):
         self._write_table()
         bucket, span = self.bucket(), self.span(steps)
         key = self._graph_key(bucket, span)
-        if self.use_graph and key not in self.graphs and self.lengths:
+        if self.use_graph and key not in self.graphs and key not in self.unrecorded and self.lengths:
             self._capture_or_log(bucket, span)  # before the steps: an eager step takes several replays' time
         self.ring_index.zero_()
         graph = self.graphs.get(key)
-        for _ in range(steps):
-            graph.replay() if graph is not None else self._advance(bucket, span)
+        kept = self._kept() if graph is None else None
+        try:
+            for _ in range(steps):
+                graph.replay() if graph is not None else self._advance(bucket, span)
+        except Exception:
+            if kept is not None:  # eager steps that failed midway (out of memory): the rows where they were
+                self._put_back(kept)
+            raise
         self.eager_steps += 0 if graph is not None else steps
         for row in self.lengths:
             self.lengths[row] += steps
@@ -360,10 +368,14 @@ class PagedDecoder(Prefill):
         started = time.perf_counter()
         try:
             self._capture_unless_compiling(bucket, span)
-        except Exception:  # still correct without the graph, only slower; tried again at later steps
-            self.capture_failures += 1
-            log.warning("CUDA graph capture failed (%d of 3 tries)", self.capture_failures, exc_info=True)
-            self.use_graph = self.capture_failures < 3
+        except Exception as error:  # still correct without the graph, only slower
+            if is_out_of_memory(error):  # not tried again: each try would run out again beside the rows' steps
+                self.unrecorded.add(self._graph_key(bucket, span))
+                log.warning("a %d-row step's CUDA graph ran out of memory: its steps run eagerly", bucket)
+            else:  # tried again at later steps
+                self.capture_failures += 1
+                log.warning("CUDA graph capture failed (%d of 3 tries)", self.capture_failures, exc_info=True)
+                self.use_graph = self.capture_failures < 3
         self.capture_s += time.perf_counter() - started
 
     def _graph_key(self, bucket: int, span: int) -> tuple:
@@ -463,10 +475,7 @@ class PagedDecoder(Prefill):
         import torch
 
         self._write_table()
-        state = self.state
-        kept = [
-            (t, t.clone()) for t in (state.token, self.position, state.count, state.length, state.seen) if t is not None
-        ]
+        kept = self._kept()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         try:
@@ -476,12 +485,20 @@ class PagedDecoder(Prefill):
                     self._advance(bucket, span)
         finally:  # also after a step that failed midway (out of memory): else the rows would go on a step ahead
             torch.cuda.current_stream().wait_stream(stream)
-            for tensor, value in kept:
-                tensor.copy_(value)
+            self._put_back(kept)
         self.ring_index.zero_()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._graph_memory(), capture_error_mode="thread_local"):
             self._advance(bucket, span)
+        self._put_back(kept)
+        self.graphs[self._graph_key(bucket, span)] = graph
+
+    def _kept(self) -> list:
+        """Copies of what a step advances in the rows' state (its KV slots are written again by the next step)."""
+        state = self.state
+        advanced = (state.token, self.position, state.count, state.length, state.seen)
+        return [(tensor, tensor.clone()) for tensor in advanced if tensor is not None]
+
+    def _put_back(self, kept: list) -> None:
         for tensor, value in kept:
             tensor.copy_(value)
-        self.graphs[self._graph_key(bucket, span)] = graph

@@ -78,6 +78,7 @@ class Engine(Admission, BackgroundCompile):
         self._queue: list[Ticket] = []  # submitted, not yet given a row, in arrival order
         self._rows: dict[int, Ticket] = {}  # decoder row -> the item decoding there (engine thread only)
         self._in_flight: Optional[InFlight] = None  # the decode interval launched, its tokens not yet handed out
+        self._row_cap: Optional[int] = None  # rows given, at most, after a decode step ran out of memory
         self._chunking: Optional[tuple[Ticket, ChunkedPrefill]] = None  # a long prompt entering chunk by chunk
         self._prefix_logged = time.monotonic()  # when the prefix cache's counts were last logged
         self._admitted = 0  # admissions so far: a row's number orders preemption (the newest goes first)
