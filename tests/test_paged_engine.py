@@ -514,7 +514,7 @@ def test_the_engine_thread_ends_before_the_interpreter_tears_down(tiny_model, se
 
     at_exit: list = []
     monkeypatch.setattr(atexit, "register", lambda function, *args: at_exit.append((function, args)))
-    engine = serve(tiny_model("qwen2-vl"))
+    engine = serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="8")  # an engine of its own, not kept: it ends closed
     items = items_of(engine, [{"task": "caption", "image_url": data_uri(striped()), "max_new_tokens": 4}])
     assert generate_all(engine, items)[0].text is not None
     thread = engine._thread
