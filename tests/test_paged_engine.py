@@ -91,6 +91,10 @@ def test_a_resumed_row_can_enter_in_chunks_its_tokens_following_as_text(family, 
     assert "follow" in events
 
 
+def short_jobs(count: int) -> list[dict]:
+    return [dict(job, max_new_tokens=n, min_new_tokens=n) for job, n in zip(mixed_jobs(count), [8, 20, 12, 16] * count)]
+
+
 class HostCopies(TorchDispatchMode):
     """Records each copy into a tensor: on the GPU, one from a host tensor made without `non_blocking` waits for
     everything queued before it."""
@@ -109,8 +113,7 @@ def test_handing_out_an_interval_copies_nothing_into_the_decoders_tensors(tiny_m
     """Tokens are handed out, and ended rows released, while the next interval runs: a copy there (a number assigned
     to one element of the decoder's state is one) would wait for that interval, and the GPU for the host again."""
     engine = serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="2")
-    jobs = [dict(job, max_new_tokens=n, min_new_tokens=n) for job, n in zip(mixed_jobs(3), (3, 9, 6))]
-    items = items_of(engine, jobs)
+    items = items_of(engine, short_jobs(3))
     solo = solo_generate(engine, items)
     recorder, handed_out, released = HostCopies(), [], []
     real_hand_out, real_release = engine._hand_out, engine._current_decoder().release
@@ -160,10 +163,6 @@ def test_a_decode_graphs_recording_that_fails_midway_leaves_the_rows_where_they_
     monkeypatch.setattr(torch.cuda, "graph", graph)
     assert generate_all(engine, items) == solo
     assert len(decoder.unrecorded) == 1  # the step that ran out of memory is not recorded again; the others fail apart
-
-
-def short_jobs(count: int) -> list[dict]:
-    return [dict(job, max_new_tokens=n, min_new_tokens=n) for job, n in zip(mixed_jobs(count), [8, 20, 12, 16] * count)]
 
 
 def out_of_memory_above(monkeypatch, decoder, rows: int) -> list:
