@@ -1834,6 +1834,26 @@ def test_the_next_interval_is_launched_before_the_tokens_of_the_one_before_are_h
     assert [steps for _, steps, _ in hub.steps] == [2, 2, 2, 2]  # no interval past the budget
 
 
+def test_a_prefills_first_tokens_are_read_after_the_next_prefill_is_launched(monkeypatch, hub):
+    # One-token answers, one prompt a prefill (the budget): the GPU runs each prefill while the host launches the next.
+    hub.reply = lambda prompt: "ok"
+    serve(monkeypatch, VLM_MAX_BATCH_TOKENS="256")
+    events = []
+    real_launch, real_read = FakePagedDecoder.prefill_launch, FakePagedDecoder.read_first
+    monkeypatch.setattr(
+        FakePagedDecoder, "prefill_launch", lambda self, *a: events.append("launch") or real_launch(self, *a)
+    )
+    monkeypatch.setattr(
+        FakePagedDecoder, "read_first", lambda self, launched: events.append("read") or real_read(self, launched)
+    )
+    out = batch(*(chat(f"{n} " + "x" * 150, max_new_tokens=1) for n in range(4)))
+    assert [r["response"] for r in out["results"]] == ["o"] * 4
+    assert len(hub.prefills) == 4
+    assert events == ["launch", "launch", "read", "launch", "read", "launch", "read", "read"]
+    engine = handler.get_engine()
+    assert pool_of(engine).free == pool_of(engine).capacity and not engine._launched
+
+
 def test_a_row_ended_while_its_next_interval_runs_gives_a_new_item_only_its_own_tokens(monkeypatch, hub):
     # The first answer ends (its end token) in an interval; the next interval, already launched, steps its row on.
     # The row is freed when its tokens are handed out, and the second item, which waited for it, starts there.
@@ -1913,11 +1933,11 @@ def test_a_request_that_does_not_fit_yet_is_not_passed_by_later_smaller_ones(mon
     engine = handler.get_engine()
     settings, model_id = handler.served_model()
     started, answers = [], {}
-    real_started, real_step = engine._started, FakePagedDecoder.step
+    real_give_row, real_step = engine._give_row, FakePagedDecoder.step
     monkeypatch.setattr(
         engine,
-        "_started",
-        lambda ticket, *a: started.append(ticket.item.turns[-1].parts[0]) or real_started(ticket, *a),
+        "_give_row",
+        lambda ticket, *a: started.append(ticket.item.turns[-1].parts[0]) or real_give_row(ticket, *a),
     )
 
     def submit(text, max_new_tokens):

@@ -2133,6 +2133,12 @@ class FakePagedDecoder(PagedDecoder):
     def read(self, launched):
         return launched.tokens
 
+    def prefill_launch(self, inputs, rows, params, allowed=None, prior=None):
+        return Launched(1, self.prefill(inputs, rows, params, allowed, prior), (), None, tuple(rows))
+
+    def read_first(self, launched):
+        return launched.tokens
+
     def step(self, steps):
         bucket = self.bucket()
         HUB.steps.append((bucket, steps, self.forwards[bucket] is not self.model))

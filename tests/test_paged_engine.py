@@ -308,7 +308,7 @@ def test_prompts_prefilled_together_go_through_the_language_model_packed_with_th
     assert sum(prompts) <= 1024 < len(prompts) * max(prompts)  # one prefill packed, two or more padded
     decoder = engine._current_decoder()
     prefills: list = []
-    spy(monkeypatch, decoder, "prefill", prefills, "prefill")
+    spy(monkeypatch, decoder, "prefill_launch", prefills, "prefill")
     shapes = language_model_inputs(monkeypatch, engine)
     decoder.packs = True  # as after a first prefill
     assert generate_all(engine, items) == solo

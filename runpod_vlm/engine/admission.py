@@ -24,7 +24,7 @@ PREFIX_LOG_EVERY_S = 60.0
 
 
 class InFlight(NamedTuple):
-    """A decode interval launched, not yet handed out, and the item in each of its rows at launch."""
+    """A prefill or a decode interval launched, not yet handed out, and the item in each of its rows at launch."""
 
     launched: Launched
     items: dict[int, Ticket]
@@ -40,7 +40,7 @@ class Admission:
         free = decoder.free_rows()
         if self._chunking is not None:  # the row of the prompt entering in chunks is not free
             free = [row for row in free if row != self._chunking[1].row]
-        if self._row_cap is not None and not (self._rows or self._in_flight or self._chunking):
+        if self._row_cap is not None and not (self._rows or self._launched or self._chunking):
             self._row_cap = None  # idle again: every row may be given
         if self._row_cap is not None:  # after a decode step ran out of memory; rows are given lowest first
             free = [row for row in free if row < self._row_cap]
@@ -173,7 +173,7 @@ class Admission:
         started = time.perf_counter()
         try:
             with self._images_cached(group, held):
-                first = decoder.prefill(
+                launched = decoder.prefill_launch(
                     inputs,
                     rows,
                     [t.item.params for t in group],
@@ -197,13 +197,16 @@ class Admission:
             return self._admit_failed(group[0])
         self.timings["prefill_s"] += time.perf_counter() - started
         self.timings["prefills"] += 1
-        logprobs = decoder.take_logprobs() or {}
-        for ticket, row, token, prompt, size, length in zip(group, rows, first, prompt_tokens, input_sizes, lengths):
+        for ticket, row, prompt, size, length in zip(group, rows, prompt_tokens, input_sizes, lengths):
             ticket.prompt_tokens, ticket.input_size = prompt, size
             decoder.pool.remember(row, ticket.prefix)
             self._count_prefix(0, length)
-            self._started(ticket, row, token, logprobs.get(row))
-        self._next_grammar_masks()
+            self._give_row(ticket, row)
+        # The first tokens are handed out after the next launch (`_hand_out_launched`): the GPU runs this prefill
+        # while the host prepares the next one. A grammar's next mask needs its row's first token now.
+        self._launched.append(InFlight(launched, dict(zip(rows, group))))
+        if decoder.any_constrained:
+            self._finish_interval()
 
     def _resumes_in_chunks(self, ticket: Ticket) -> bool:
         """Whether a preempted row had generated an image placeholder token (a random model does): in its prompt
@@ -273,12 +276,11 @@ class Admission:
                 self._current_decoder().pool.cached,
             )
 
-    def _started(self, ticket: Ticket, row: int, token: int, logprobs) -> None:
+    def _give_row(self, ticket: Ticket, row: int) -> None:
         ticket.row, ticket.group_limit = row, None
         self._admitted += 1
         ticket.admitted = self._admitted
         self._rows[row] = ticket
-        self._accept(ticket, [token], logprobs)
 
     def _rows_that_fit(self, decoder: PagedDecoder, lengths: list[int], max_new: list[int]) -> int:
         """How many of a group's leading items the free blocks hold, each with its prompt and first interval."""
@@ -336,7 +338,8 @@ class Admission:
         if token is not None:
             self._chunking = None
             decoder.pool.remember(chunked.row, ticket.prefix)
-            self._started(ticket, chunked.row, token, (decoder.take_logprobs() or {}).get(chunked.row))
+            self._give_row(ticket, chunked.row)
+            self._accept(ticket, [token], (decoder.take_logprobs() or {}).get(chunked.row))
             self._next_grammar_masks()
 
     def _requeue(self, tickets: list[Ticket], limit: Optional[int] = None) -> None:
@@ -352,33 +355,44 @@ class Admission:
         ticket.fail(GENERATION_FAILED)
 
     def _decode_interval(self) -> None:
-        """Launch the rows' next decode interval, then hand out the tokens of the one launched before it, which the
-        GPU ends meanwhile: the GPU does not wait while the host streams tokens, ends rows and admits new ones (as
-        vLLM's async scheduling). So a row that ended in the interval before runs one more, its tokens dropped."""
+        """Launch the rows' next decode interval. Its tokens are handed out after the engine loop's next launch
+        (`_hand_out_launched`), while the GPU runs it: the GPU does not wait while the host streams tokens, ends rows
+        and admits new ones (as vLLM's async scheduling). So a row that ended in the interval before runs one more,
+        its tokens dropped."""
         decoder = self._current_decoder()
         if decoder.any_constrained:  # a grammar's next mask needs the token just chosen
             self._finish_interval()
-        previous = self._in_flight
-        self._in_flight = self._launch(decoder, previous)
-        if previous is not None:
-            self._hand_out(decoder, previous)
+        launched = self._launch(decoder)
+        if launched is not None:
+            self._launched.append(launched)
         if decoder.any_constrained:
             self._finish_interval()
 
-    def _finish_interval(self) -> None:
-        """Hand out the tokens of the interval in flight, if one is."""
-        in_flight, self._in_flight = self._in_flight, None
-        if in_flight is not None:
-            self._hand_out(self._current_decoder(), in_flight)
+    def _hand_out_launched(self, earlier: list[InFlight]) -> None:
+        """At the end of an engine loop turn: hand out what was launched before the turn (`earlier`), while the GPU
+        runs what this turn launched; everything when this turn launched nothing."""
 
-    def _launch(self, decoder: PagedDecoder, previous: Optional[InFlight]) -> Optional[InFlight]:
-        """The next interval of the rows that may still take tokens beyond those of `previous` (in flight), with
-        each row's item at launch; None when none may."""
-        ahead = (
-            {row: previous.launched.steps for row, t in previous.items.items() if self._rows.get(row) is t}
-            if previous
-            else {}
-        )
+        def before(entry: InFlight) -> bool:
+            return any(entry is e for e in earlier)  # `in` would compare their tensors
+
+        if self._launched and before(self._launched[-1]):
+            return self._finish_interval()
+        while self._launched and before(self._launched[0]):
+            self._hand_out(self._current_decoder(), self._launched.popleft())
+
+    def _finish_interval(self) -> None:
+        """Hand out the tokens of every prefill and interval in flight."""
+        while self._launched:
+            self._hand_out(self._current_decoder(), self._launched.popleft())
+
+    def _launch(self, decoder: PagedDecoder) -> Optional[InFlight]:
+        """The next interval of the rows that may still take tokens beyond those in flight, with each row's item
+        at launch; None when none may."""
+        ahead: dict[int, int] = {}
+        for entry in self._launched:
+            for row, ticket in entry.items.items():
+                if self._rows.get(row) is ticket:
+                    ahead[row] = ahead.get(row, 0) + entry.launched.steps
         remaining = max(
             (t.item.params.max_new_tokens - len(t.ids) - ahead.get(row, 0) for row, t in self._rows.items()), default=0
         )
@@ -404,12 +418,16 @@ class Admission:
         return InFlight(launched, dict(self._rows))
 
     def _hand_out(self, decoder: PagedDecoder, in_flight: InFlight) -> None:
-        """An interval's tokens to the items that were in its rows at launch and still are (a row ended or
-        preempted since may hold a new item)."""
+        """A prefill's or an interval's tokens to the items that were in its rows at launch and still are (a row
+        ended or preempted since may hold a new item)."""
         started = time.perf_counter()
-        tokens = decoder.read(in_flight.launched)
+        launched = in_flight.launched
+        if launched.rows:  # a prefill's first tokens
+            tokens = dict(zip(launched.rows, ([token] for token in decoder.read_first(launched))))
+        else:
+            tokens = decoder.read(launched)
         read = time.perf_counter()
-        self.timings["decode_s"] += read - started
+        self.timings["prefill_s" if launched.rows else "decode_s"] += read - started
         logprobs = decoder.take_logprobs() or {}
         for row, ticket in in_flight.items.items():
             if self._rows.get(row) is ticket:

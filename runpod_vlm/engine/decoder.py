@@ -27,9 +27,10 @@ class Launched(NamedTuple):
     """Decode steps launched on the GPU (`PagedDecoder.launch`), their tokens on their way to the host."""
 
     steps: int
-    tokens: Any  # [bucket, steps] on the host, complete once `done` has passed
+    tokens: Any  # [bucket, steps] on the host, complete once `done` has passed ([rows] for a prefill's)
     logprobs: tuple  # the log-probability rings likewise, when a row asked
     done: Any  # a CUDA event recorded after the copies; None on the CPU
+    rows: tuple = ()  # a prefill's rows, in the order of its first tokens (`read_first`); () for decode steps
 
 
 def row_buckets(rows: int) -> list[int]:
@@ -186,8 +187,9 @@ class PagedDecoder(Prefill):
         for tensor in (*self.keys, *self.values):
             torch._dynamo.mark_static_address(tensor)
 
-    def _start(self, rows, lengths, logits, last_position, input_ids, params, allowed, prior) -> list[int]:
-        """Rows whose prompts are in their blocks: their settings and first tokens, chosen from `logits`."""
+    def _start(self, rows, lengths, logits, last_position, input_ids, params, allowed, prior) -> Launched:
+        """Rows whose prompts are in their blocks: their settings and first tokens, chosen from `logits` and on
+        their way to the host (`read_first`)."""
         import torch
 
         state = self.state
@@ -226,10 +228,6 @@ class PagedDecoder(Prefill):
         token, logprobs = self.sampler.choose(
             logits, new, any(p.do_sample for p in params), wants_logprobs, allowed is not None
         )
-        if wants_logprobs:
-            self.pending_logprobs = {
-                row: [entry] for row, entry in zip(rows, zip(*(part.tolist() for part in logprobs)))
-            }
         names = ("min_new", "sample", "temperature", "top_p", "seed", "logprobs", "constrained", "allowed", "seen")
         for name in (*names, "length", "busy"):
             if getattr(new, name) is not None:
@@ -239,7 +237,7 @@ class PagedDecoder(Prefill):
         self.lengths.update(zip(rows, lengths))
         self.flags.update((row, (p.do_sample, p.logprobs, p.json_schema is not None)) for row, p in zip(rows, params))
         self._update_any_sample()
-        return token.tolist()
+        return self._to_host(1, token, logprobs if wants_logprobs else (), tuple(rows))
 
     def _update_any_sample(self) -> None:
         flags = self.flags.values()
@@ -318,7 +316,6 @@ class PagedDecoder(Prefill):
         """Launch `steps` (at most `interval`) decode steps and the copy of their tokens to the host, without waiting
         for the GPU (`read` waits). Every busy row must hold the blocks for `steps` more tokens (`grow`). A row steps
         until it is released: one that ended in steps not yet read steps on, into block 0 past its blocks."""
-        import torch
 
         self._write_table()
         bucket, span = self.bucket(), self.span(steps)
@@ -339,16 +336,20 @@ class PagedDecoder(Prefill):
         for row in self.lengths:
             self.lengths[row] += steps
         state = self.state
-        rings = [state.ring]
-        if self.any_logprobs:
-            rings += [state.ring_logprob, state.ring_top_id, state.ring_top_logprob]
-        # Copied now: the next launch writes the rings again. On the GPU, into page-locked memory, not waiting.
-        tokens, *logprobs = (ring[:bucket, :steps].to("cpu", non_blocking=True, copy=True) for ring in rings)
-        done = None
-        if state.ring.is_cuda:
-            done = torch.cuda.Event()
+        rings = [state.ring_logprob, state.ring_top_id, state.ring_top_logprob] if self.any_logprobs else []
+        # Copied now: the next launch writes the rings again.
+        return self._to_host(steps, state.ring[:bucket, :steps], [ring[:bucket, :steps] for ring in rings])
+
+    @staticmethod
+    def _to_host(steps: int, tokens, logprobs, rows: tuple = ()) -> Launched:
+        """`tokens` and `logprobs` copied to the host: on the GPU into page-locked memory, not waiting."""
+        import torch
+
+        done = torch.cuda.Event() if tokens.is_cuda else None
+        tokens, *logprobs = (part.to("cpu", non_blocking=True, copy=True) for part in (tokens, *logprobs))
+        if done is not None:
             done.record()
-        return Launched(steps, tokens, tuple(logprobs), done)
+        return Launched(steps, tokens, tuple(logprobs), done, rows)
 
     def read(self, launched: Launched) -> list[list[int]]:
         """The tokens of `launched` steps, per row of their bucket, once the GPU has run them; their
@@ -358,6 +359,16 @@ class PagedDecoder(Prefill):
         if launched.logprobs:
             per_row = zip(*(part.tolist() for part in launched.logprobs))
             self.pending_logprobs = {row: list(zip(*entries)) for row, entries in enumerate(per_row)}
+        return launched.tokens.tolist()
+
+    def read_first(self, launched: Launched) -> list[int]:
+        """A prefill's first tokens (`prefill_launch`), in the order of its rows, once the GPU has chosen them; their
+        log-probabilities (row -> [entry]), when a row asked, in `take_logprobs`."""
+        if launched.done is not None:
+            launched.done.synchronize()
+        if launched.logprobs:
+            per_row = zip(*(part.tolist() for part in launched.logprobs))
+            self.pending_logprobs = {row: [entry] for row, entry in zip(launched.rows, per_row)}
         return launched.tokens.tolist()
 
     def step(self, steps: int) -> list[list[int]]:

@@ -77,7 +77,8 @@ class Engine(Admission, BackgroundCompile):
         self._wake = threading.Condition()  # guards the queue; the engine thread waits on it
         self._queue: list[Ticket] = []  # submitted, not yet given a row, in arrival order
         self._rows: dict[int, Ticket] = {}  # decoder row -> the item decoding there (engine thread only)
-        self._in_flight: Optional[InFlight] = None  # the decode interval launched, its tokens not yet handed out
+        # Prefills and decode intervals launched, their tokens not yet handed out, in launch order.
+        self._launched: collections.deque[InFlight] = collections.deque()
         self._row_cap: Optional[int] = None  # rows given, at most, after a decode step ran out of memory
         self._chunking: Optional[tuple[Ticket, ChunkedPrefill]] = None  # a long prompt entering chunk by chunk
         self._prefix_logged = time.monotonic()  # when the prefix cache's counts were last logged
@@ -217,7 +218,7 @@ class Engine(Admission, BackgroundCompile):
         head = self._queue[0] if self._queue else None
         mates = [t for t in self._queue[: self.settings.max_batch_size] if head is not None and t.call is head.call]
         ready = head is not None and all(t.prepared is None or t.prepared.done() for t in mates)
-        busy = self._rows or self._in_flight or self._chunking
+        busy = self._rows or self._launched or self._chunking
         return not ready and not busy and not self._switch_due()
 
     def _captures_ahead_due(self) -> bool:
@@ -267,11 +268,13 @@ class Engine(Admission, BackgroundCompile):
                 if self._switch_due():
                     self._finish_interval()  # the switch drops graphs: none may be in flight
                     self._switch_to_compiled()
+                earlier = list(self._launched)
                 self._admit(waiting)
                 if self._chunking is not None:
                     self._prefill_next_chunk()
-                if self._rows or self._in_flight:
+                if self._rows:
                     self._decode_interval()
+                self._hand_out_launched(earlier)
             except Exception as error:
                 if is_fatal_gpu_error(error):
                     self._gpu_failed()
@@ -386,7 +389,7 @@ class Engine(Admission, BackgroundCompile):
         """Fail the items in flight (and the queued ones too when `queued`)."""
         with self._wake:
             waiting, self._queue = (self._queue, []) if queued else ([], self._queue)
-        self._in_flight = None
+        self._launched.clear()
         if self._chunking is not None:
             waiting.append(self._chunking[0])
             self._current_decoder().release(self._chunking[1].row)

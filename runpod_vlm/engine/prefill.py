@@ -62,22 +62,34 @@ class Prefill:
     def _vision_graphs_engaged(self):
         return self.vision_graphs.engaged() if self.vision_graphs is not None else contextlib.nullcontext()
 
+    def _on_device(self, inputs):
+        """`inputs` on the GPU; a graphed tower's image grids stay on the host, where the family's code reads them
+        (`.tolist()` of a GPU tensor waits for everything the GPU was given before, the prefill before this one too)
+        and the tower takes them through its helpers (vision_graphs.py)."""
+        kept = ("image_grid_thw", "video_grid_thw") if self.vision_graphs is not None else ()
+        return on_device(inputs, self.offsets.device, kept=kept)
+
     def prefill(self, inputs, rows: list[int], params: list[GenerationParams], allowed=None, prior=None) -> list[int]:
+        """`prefill_launch`, then each row's first token."""
+        return self.read_first(self.prefill_launch(inputs, rows, params, allowed, prior))
+
+    def prefill_launch(self, inputs, rows: list[int], params: list[GenerationParams], allowed=None, prior=None):
         """Run new items' prompts (a left-padded batch) and place them in `rows`, each with the blocks of its own
         tokens. `prior`: per row, the tokens it had already generated (a preempted row resumed: they end its
-        prompt). Returns each row's next token.
+        prompt). Returns the rows' first tokens on their way to the host (`read_first`), without waiting for the GPU.
 
         Where the family's language model takes only embeddings and positions (`packs`), the prompts go through
         it packed into one sequence without their padding, each token's keys and values written straight into
         its blocks; else the whole model runs the padded batch into a scratch cache copied into the blocks."""
         position_ids = self._positions(inputs)
-        inputs = on_device(inputs, self.offsets.device)
+        kept = inputs["attention_mask"].bool().cpu()  # counted on the host: a count on the GPU waits for it
+        inputs = self._on_device(inputs)
         packed = self._language_model_inputs(inputs, position_ids) if self.packs is not False else None
         self.packs = packed is not None
         if packed is None:
             logits, lengths = self._prefill_padded(inputs, position_ids, rows)
         else:
-            logits, lengths = self._prefill_packed(inputs["attention_mask"].bool(), *packed, rows)
+            logits, lengths = self._prefill_packed(kept, *packed, rows)
         return self._start(rows, lengths, logits, position_ids[..., -1:], inputs["input_ids"], params, allowed, prior)
 
     def _positions(self, inputs):
@@ -118,17 +130,19 @@ class Prefill:
 
     def _prefill_packed(self, kept, embeds, positions, rows: list[int]):
         """The prompts' embeddings [rows, width, hidden] and positions [..., rows, width] (left-padded; `kept`
-        [rows, width] their tokens) through the language model as one sequence of their tokens only."""
+        [rows, width] their tokens, on the host) through the language model as one sequence of their tokens only.
+        Nothing here waits for the GPU: a mask indexing a GPU tensor, or a blocking copy to it, would."""
         import torch
 
         from runpod_vlm.engine import varlen
 
         lengths = kept.sum(dim=1).tolist()
-        embeds, positions = embeds[kept][None], positions[..., kept].unsqueeze(-2)
+        tokens = kept.flatten().nonzero()[:, 0].to(embeds.device, non_blocking=True)
+        embeds, positions = embeds.flatten(0, 1)[tokens][None], positions.flatten(-2)[..., tokens].unsqueeze(-2)
         if not self.keys:
             self._allocate_from_config(embeds)
         slots = self._grow_rows(rows, lengths)
-        ends = torch.tensor(lengths, device=embeds.device).cumsum(0)
+        ends = torch.tensor(lengths).cumsum(0).to(embeds.device, non_blocking=True)
         if self._graphs_take(embeds, len(slots), len(slots), len(lengths)):
             hidden = self.prefill_graphs.run(embeds, positions, slots, slots, lengths, lengths)
             return self.model.get_output_embeddings()(hidden[0, ends - 1]), lengths
@@ -211,7 +225,7 @@ class Prefill:
         """A one-item prompt's embeddings and positions (`_language_model_inputs`) to enter in chunks; None
         where its family's language model takes more: prefill it whole."""
         position_ids = self._positions(inputs)
-        inputs = on_device(inputs, self.offsets.device)
+        inputs = self._on_device(inputs)
         found = self._language_model_inputs(inputs, position_ids)
         if found is None:
             return None
@@ -260,9 +274,10 @@ class Prefill:
             return None
         logits = self.model.get_output_embeddings()(hidden[:, -1:, :])[:, -1, :]
         prior = [chunked.prior] if chunked.prior else None
-        return self._start(
+        started = self._start(
             [chunked.row], [end], logits, chunked.last_position, chunked.input_ids, [chunked.params], allowed, prior
-        )[0]
+        )
+        return self.read_first(started)[0]
 
     def _allocate_from_config(self, embeds) -> None:
         import torch
