@@ -71,6 +71,20 @@ def test_a_padded_pass_gives_the_towers_own_features(tiny_model, serve, gpu_layo
     assert torch.allclose(padded, expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", PACKED_FAMILIES)
+def test_a_pass_not_recorded_takes_a_host_grid_through_the_helpers(tiny_model, serve, gpu_layout, family, monkeypatch):
+    """On the GPU the decoder keeps the grid on the host, and a pass not recorded (too big, or off the engine thread)
+    gets the helpers computed from it: the tower's own features (Qwen2.5-VL's windows, Qwen3-VL's positions too)."""
+    engine = serve(tiny_model(family))
+    sizes = [(64, 48), (96, 64), (48, 80)]
+    expected = image_features(engine, sizes)
+    graphs = graphed(engine)
+    through = []
+    monkeypatch.setattr(graphs, "_unrecorded", lambda *args: through.append(1) or graphs.through_helpers(*args))
+    assert torch.allclose(image_features(engine, sizes), expected, atol=1e-5)
+    assert through and not graphs.entries  # off the engine thread: nothing padded
+
+
 def test_replays_refill_the_buffers_and_hand_out_copies(tiny_model, serve, gpu_layout):
     """The same sizes again replay the shape's graph with the new images' pixels, from the grid's helpers kept;
     features handed out earlier are copies, which a later replay leaves as they were."""

@@ -64,17 +64,17 @@ class Intake:
         return recalled, dict(zip(item.image_keys, entries))
 
 
-def on_device(inputs, device, floating_only: bool = False):
-    """`inputs` with its tensors (`floating_only`: the pixels) on `device`, each copy queued without waiting for the
-    GPU's earlier work; a repeated row goes once."""
+def on_device(inputs, device, floating_only: bool = False, kept: tuple = ()):
+    """`inputs` with its tensors (`floating_only`: the pixels; never those named in `kept`) on `device`, each copy
+    queued without waiting for the GPU's earlier work; a repeated row goes once."""
     import torch
 
-    def moved(value):
-        if not isinstance(value, torch.Tensor) or (floating_only and not value.is_floating_point()):
+    def moved(name, value):
+        if not isinstance(value, torch.Tensor) or (floating_only and not value.is_floating_point()) or name in kept:
             return value
         return to_without_copying_repeats(value, device, non_blocking=True)
 
-    return type(inputs)({name: moved(value) for name, value in inputs.items()})
+    return type(inputs)({name: moved(name, value) for name, value in inputs.items()})
 
 
 def with_generated(inputs, ids: list[int], token_types: dict) -> None:

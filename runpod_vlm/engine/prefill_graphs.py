@@ -128,7 +128,7 @@ class PrefillGraphs(ShapeGraphs):
         held.positions[..., :tokens].copy_(positions)
         held.positions[..., tokens:padded_tokens].zero_()
         starts = [_starts(lengths, padded_tokens, sequences + 1), _starts(key_lengths, padded_keys, sequences + 1)]
-        held.starts[:, : sequences + 1].copy_(torch.tensor(starts, dtype=torch.int32))
+        held.starts[:, : sequences + 1].copy_(torch.tensor(starts, dtype=torch.int32), non_blocking=True)
         graph = self.graphs.get(shape)
         if graph is not None:
             graph.replay()

@@ -77,12 +77,11 @@ class VisionGraphs(ShapeGraphs):
 
     def pass_through(self, hidden_states, grid_thw, **kwargs):
         """The tower's pass: padded and replayed (or run padded, its graph asked for), else its own forward."""
-        visual = self.visual
         patches = hidden_states.shape[0]
         plain = kwargs in ({}, {"return_dict": True})  # as Qwen2-VL and Qwen3-VL call it: their output class
         graphable = plain and varlen.takes(hidden_states) and patches <= COMPILED_FROM_PATCHES  # else host syncs
         if not graphable or self._engaged != threading.get_ident() or self.failures >= 3:
-            return type(visual).forward(visual, hidden_states, grid_thw, **kwargs)
+            return self._unrecorded(hidden_states, grid_thw, kwargs)
         padded = padded_patches(patches)
         helpers = self._helpers(grid_thw.cpu(), patches, padded)
         shape = (padded, *((name, len(value)) for name, value in helpers.items() if name.startswith("cu_")))
@@ -90,7 +89,7 @@ class VisionGraphs(ShapeGraphs):
         entry = self.entries.get(shape)
         if entry is None:
             if len(self.entries) >= MAX_GRAPHS:
-                return type(visual).forward(visual, hidden_states, grid_thw, **kwargs)
+                return self._unrecorded(hidden_states, grid_thw, kwargs)
             entry = self.entries[shape] = self._buffers(hidden_states, helpers, padded)
         self._fill(entry, hidden_states, helpers)
         self.passes += 1
@@ -103,6 +102,24 @@ class VisionGraphs(ShapeGraphs):
             if self.record and shape not in self.wanted:
                 self.wanted.append(shape)
         return _unpadded(entry.output, padded, patches, self.unit)
+
+    def _unrecorded(self, hidden_states, grid_thw, kwargs: dict):
+        """The tower's own pass. A grid on the host (the decoder keeps it there) goes in as the helpers computed from
+        it, on the tower's device without waiting for the GPU: the tower would read them back from a grid there."""
+        if grid_thw is None or grid_thw.device == hidden_states.device:
+            return type(self.visual).forward(self.visual, hidden_states, grid_thw, **kwargs)
+        return self.through_helpers(hidden_states, grid_thw, kwargs)
+
+    def through_helpers(self, hidden_states, grid_thw, kwargs: dict):
+        import torch
+
+        patches = hidden_states.shape[0]
+        helpers = self._helpers(grid_thw.cpu(), patches, patches)
+        moved = {
+            name: value.to(hidden_states.device, non_blocking=True) if torch.is_tensor(value) else value
+            for name, value in helpers.items()
+        }
+        return type(self.visual).forward(self.visual, hidden_states, None, **moved, **kwargs)
 
     def _helpers(self, grid, patches: int, padded: int) -> dict:
         """What the tower would compute from the padded grid (host tensors and ints, never written): the images',
@@ -139,7 +156,9 @@ class VisionGraphs(ShapeGraphs):
 
         device = hidden_states.device
         pixels = torch.zeros((padded, *hidden_states.shape[1:]), dtype=hidden_states.dtype, device=device)
-        tensors = {name: value.to(device) for name, value in helpers.items() if torch.is_tensor(value)}
+        tensors = {
+            name: value.to(device, non_blocking=True) for name, value in helpers.items() if torch.is_tensor(value)
+        }
         ints = {name: value for name, value in helpers.items() if not torch.is_tensor(value)}
         return types.SimpleNamespace(pixels=pixels, tensors=tensors, ints=ints, output=None)
 
