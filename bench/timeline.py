@@ -7,8 +7,9 @@ Random weights at Qwen2-VL-2B shapes, DEFAULT settings, jobs on the handler's pa
 `uniform` 64 x 448x448 x 128 tokens, `mixed` 64 mixed jobs, `images` 64 one-token jobs of a new 448x448
 image. Each is run on new images: first and again with spans only (timeline.json); with each of VARIANTS (Python's
 GIL switch interval at 0.1 ms, one or four intake threads, the jobs read beforehand, two jobs' images read at a
-time); the uniform run under torch.profiler (the GPU's busy time; its trace as timeline-uniform-trace.json.gz); and
-with the engine loop under cProfile (timeline-RUN-python.txt; on Python 3.12 it sees every thread while enabled).
+time; `syncs`: each operation of the engine thread that waited for the GPU, counted by its stack); the uniform
+run under torch.profiler (the GPU's busy time; its trace as timeline-uniform-trace.json.gz); and with the engine
+loop under cProfile (timeline-RUN-python.txt; on Python 3.12 it sees every thread while enabled).
 """
 
 from __future__ import annotations
@@ -91,12 +92,46 @@ def images_read_two_at_a_time(engine):
         handler.read_images = real
 
 
+SYNCS: collections.Counter = collections.Counter()  # the engine thread's stacks at each operation that waited
+
+
+@contextlib.contextmanager
+def syncs(engine):
+    """Every operation that waits for the GPU (torch's sync debug mode), counted by the engine thread's stack."""
+    import traceback
+    import warnings
+
+    import torch
+
+    shown = warnings.showwarning
+
+    def record(message, category, filename, lineno, file=None, line=None):
+        if "synchroniz" not in str(message):
+            return shown(message, category, filename, lineno, file, line)
+        if threading.current_thread().name == "vlm-engine":
+            stack = traceback.extract_stack()[:-1]
+            frames = [f for f in stack if "runpod_vlm" in f.filename or "models/" in f.filename]
+            SYNCS[" < ".join(f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-6:]))] += 1
+
+    SYNCS.clear()
+    warnings.showwarning = record
+    with warnings.catch_warnings():
+        warnings.filterwarnings("always", message=".*synchroniz.*")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield None
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = shown
+
+
 VARIANTS = {  # mode -> what it changes, as a context giving None (jobs on the handler's path) or a submitter of items
     "switch_0.1ms": switch_interval,
     "intake_1": lambda engine: intake_threads(engine, 1),
     "intake_4": lambda engine: intake_threads(engine, 4),
     "read_first": read_first,
     "reads_2": images_read_two_at_a_time,
+    "syncs": syncs,
 }
 
 
@@ -211,7 +246,7 @@ def main() -> None:
         decoder = engine._current_decoder()
         for name in (*ENGINE_TOP, "_place", "_make_room", "_hand_out", "_accept", "_next_grammar_masks", "_requeue"):
             spans.wrap(engine, name)
-        for name in ("prefill", "launch", "read", "begin_chunks", "prefill_chunk"):
+        for name in ("prefill_launch", "read_first", "launch", "read", "begin_chunks", "prefill_chunk"):
             spans.wrap(decoder, name, f"decoder.{name}")
         spans.wrap(engine.adapter, "collate", "adapter.collate")
         spans.wrap(Intake, "_prepare", "intake")
@@ -240,6 +275,8 @@ def main() -> None:
                         record = asyncio.run(submit(engine, items) if submit else concurrent(handler, jobs))
                     ended = time.perf_counter()
                 result[mode] = {"run": record, **spans.summary(started, ended)}
+                if mode == "syncs":
+                    result[mode]["syncs"] = dict(SYNCS.most_common(40))
                 if profiler is not None:
                     result[mode]["gpu"] = gpu_busy(profiler)
                     trace = out / f"timeline-{run}-trace.json"
