@@ -13,7 +13,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import handler
 from runpod_vlm.answers import generate_all
-from runpod_vlm.engine import varlen
+from runpod_vlm.engine import admission, varlen
 from sample_images import data_uri, striped
 from test_vision_compile import block_diagonal_varlen
 from tiny_models import FAMILIES
@@ -195,6 +195,29 @@ def test_a_decode_step_out_of_memory_preempts_the_rows_past_a_smaller_bucket(tin
     assert decoder.pool.free == decoder.pool.capacity
     generate_all(engine, items[:1])
     assert engine._row_cap is None  # lifted once the engine was idle
+
+
+def test_under_unbroken_load_the_rows_come_back_after_a_while(tiny_model, serve, monkeypatch):
+    """The row cap after a decode step ran out of memory lifts after ROW_CAP_S (here at once), not only when idle:
+    the preempted rows are given again while the others still decode."""
+    monkeypatch.setattr(admission, "ROW_CAP_S", 0.0)
+    engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_SIZE="16", VLM_SYNC_INTERVAL="4")
+    items = items_of(engine, short_jobs(12))
+    solo = solo_generate(engine, items)
+    decoder = engine._current_decoder()
+    met, real_advance = [], decoder._advance
+
+    def advance(bucket, span):  # the second 16-row step runs out of memory, once
+        met.append(bucket)
+        if bucket == 16 and met.count(16) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
+        return real_advance(bucket, span)
+
+    monkeypatch.setattr(decoder, "_advance", advance)
+    assert generate_all(engine, items) == solo
+    after = met[[n for n, bucket in enumerate(met) if bucket == 16][1] + 1 :]
+    assert 16 in after  # the four preempted rows came back before the others ended
+    assert decoder.pool.free == decoder.pool.capacity
 
 
 def test_a_decode_step_of_the_fewest_rows_out_of_memory_fails_its_items_and_the_engine_goes_on(

@@ -21,13 +21,25 @@ from runpod_vlm.vocabulary import GENERATION_FAILED, GPU_FAILURE, GenerationRequ
 log = logging.getLogger("runpod-vlm")
 
 PREFIX_LOG_EVERY_S = 60.0
+ROW_CAP_S = 30.0  # how long fewer rows are given after a decode step ran out of memory, unless idle before
 
 
 class InFlight(NamedTuple):
-    """A prefill or a decode interval launched, not yet handed out, and the item in each of its rows at launch."""
+    """A prefill or a decode interval launched, not yet handed out, and the item in each of its rows at launch with
+    the number of its admission there: an item preempted and admitted again, to the same row too, has a new one."""
 
     launched: Launched
-    items: dict[int, Ticket]
+    items: dict[int, tuple[Ticket, int]]
+
+    @staticmethod
+    def of(launched: Launched, rows: dict[int, Ticket]) -> InFlight:
+        return InFlight(launched, {row: (ticket, ticket.admitted) for row, ticket in rows.items()})
+
+    def owners(self, rows: dict[int, Ticket]):
+        """(row, item) for each of its rows whose item at launch is still there, in the same admission."""
+        for row, (ticket, admitted) in self.items.items():
+            if rows.get(row) is ticket and ticket.admitted == admitted:
+                yield row, ticket
 
 
 class Admission:
@@ -40,10 +52,13 @@ class Admission:
         free = decoder.free_rows()
         if self._chunking is not None:  # the row of the prompt entering in chunks is not free
             free = [row for row in free if row != self._chunking[1].row]
-        if self._row_cap is not None and not (self._rows or self._launched or self._chunking):
-            self._row_cap = None  # idle again: every row may be given
         if self._row_cap is not None:  # after a decode step ran out of memory; rows are given lowest first
-            free = [row for row in free if row < self._row_cap]
+            cap, since = self._row_cap
+            idle = not (self._rows or self._launched or self._chunking)
+            if idle or time.monotonic() - since > ROW_CAP_S:  # a step that runs out again caps them again
+                self._row_cap = None
+            else:
+                free = [row for row in free if row < cap]
         group, prepared = [], []
         for ticket in waiting[: len(free)]:
             if not ticket.prepared.done() and waiting[0].call is ticket.call:
@@ -204,7 +219,7 @@ class Admission:
             self._give_row(ticket, row)
         # The first tokens are handed out after the next launch (`_hand_out_launched`): the GPU runs this prefill
         # while the host prepares the next one. A grammar's next mask needs its row's first token now.
-        self._launched.append(InFlight(launched, dict(zip(rows, group))))
+        self._launched.append(InFlight.of(launched, dict(zip(rows, group))))
         if decoder.any_constrained:
             self._finish_interval()
 
@@ -390,9 +405,8 @@ class Admission:
         at launch; None when none may."""
         ahead: dict[int, int] = {}
         for entry in self._launched:
-            for row, ticket in entry.items.items():
-                if self._rows.get(row) is ticket:
-                    ahead[row] = ahead.get(row, 0) + entry.launched.steps
+            for row, _ in entry.owners(self._rows):
+                ahead[row] = ahead.get(row, 0) + entry.launched.steps
         remaining = max(
             (t.item.params.max_new_tokens - len(t.ids) - ahead.get(row, 0) for row, t in self._rows.items()), default=0
         )
@@ -415,7 +429,7 @@ class Admission:
         self.timings["decode_steps"] += steps
         self.timings["decode_eager_steps"] += decoder.eager_steps - eager
         self.timings["graph_capture_s"] += decoder.capture_s - capturing
-        return InFlight(launched, dict(self._rows))
+        return InFlight.of(launched, self._rows)
 
     def _hand_out(self, decoder: PagedDecoder, in_flight: InFlight) -> None:
         """A prefill's or an interval's tokens to the items that were in its rows at launch and still are (a row
@@ -429,9 +443,8 @@ class Admission:
         read = time.perf_counter()
         self.timings["prefill_s" if launched.rows else "decode_s"] += read - started
         logprobs = decoder.take_logprobs() or {}
-        for row, ticket in in_flight.items.items():
-            if self._rows.get(row) is ticket:
-                self._accept(ticket, tokens[row], logprobs.get(row))
+        for row, ticket in in_flight.owners(self._rows):
+            self._accept(ticket, tokens[row], logprobs.get(row))
         self._next_grammar_masks()
         self.timings["accept_s"] += time.perf_counter() - read
 
@@ -453,7 +466,8 @@ class Admission:
     def _step_out_of_memory(self, decoder: PagedDecoder) -> None:
         """A decode step ran out of memory (the rows' state put back): a step's memory follows its bucket of rows, so
         the rows past the next smaller bucket are preempted, and no more than that are admitted until the engine is
-        idle again. At the smallest bucket the rows in flight get `out_of_memory`."""
+        idle again, or for ROW_CAP_S under unbroken load. At the smallest bucket the rows in flight get
+        `out_of_memory`."""
         import torch
 
         torch.cuda.empty_cache()
@@ -470,7 +484,7 @@ class Admission:
         for row in sorted(self._rows, reverse=True):
             if row >= smaller:
                 self._preempt(row)
-        self._row_cap = smaller
+        self._row_cap = smaller, time.monotonic()
 
     def _preempt(self, row: int) -> None:
         ticket = self._rows.pop(row)

@@ -79,7 +79,7 @@ class Engine(Admission, BackgroundCompile):
         self._rows: dict[int, Ticket] = {}  # decoder row -> the item decoding there (engine thread only)
         # Prefills and decode intervals launched, their tokens not yet handed out, in launch order.
         self._launched: collections.deque[InFlight] = collections.deque()
-        self._row_cap: Optional[int] = None  # rows given, at most, after a decode step ran out of memory
+        self._row_cap: Optional[tuple[int, float]] = None  # rows given at most, and since when, after a decode OOM
         self._chunking: Optional[tuple[Ticket, ChunkedPrefill]] = None  # a long prompt entering chunk by chunk
         self._prefix_logged = time.monotonic()  # when the prefix cache's counts were last logged
         self._admitted = 0  # admissions so far: a row's number orders preemption (the newest goes first)
