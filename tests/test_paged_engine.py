@@ -545,3 +545,25 @@ def test_the_engine_thread_ends_before_the_interpreter_tears_down(tiny_model, se
     function, args = ours[0]
     function(*args)
     assert not thread.is_alive() and engine._closed
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+def test_image_placeholders_are_counted_on_the_host(family, tiny_model, serve):
+    """The model's own count of placeholder tokens against features reads the GPU back (a wait for the prefill
+    before): it is skipped, the same masks made, and the prefill counts them on the host from the grid instead."""
+    engine = serve(tiny_model(family))
+    (item,) = items_of(engine, packed_prefill_jobs()[:1])
+    inputs, _ = engine.adapter.batch_inputs(engine.processor, [item], "cpu", engine.dtype)
+    decoder = engine._current_decoder()
+    assert decoder.vision_graphs_unit
+    decoder._check_placeholders(inputs)
+    inner, ids, embeds = engine.model.model, inputs["input_ids"], torch.zeros((*inputs["input_ids"].shape, 4))
+    with pytest.raises(ValueError):  # the model's own check, on features of one token
+        type(inner).get_placeholder_mask(inner, ids, embeds, image_features=torch.zeros(1, 4))
+    masks = inner.get_placeholder_mask(ids, embeds, image_features=torch.zeros(1, 4))
+    assert all(torch.equal(a, b) for a, b in zip(masks, type(inner).get_placeholder_mask(inner, ids, embeds)))
+    image = engine.model.config.image_token_id
+    first = int((inputs["input_ids"][0] == image).nonzero()[0])
+    inputs["input_ids"][0, first] = inputs["input_ids"][0, first - 1]  # one placeholder fewer
+    with pytest.raises(ValueError, match="image_grid_thw"):
+        decoder._check_placeholders(inputs)

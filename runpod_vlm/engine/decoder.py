@@ -12,7 +12,7 @@ from runpod_vlm.engine import decode_kernel
 from runpod_vlm.engine.blocks import BlockPool
 from runpod_vlm.engine.gpu_errors import is_out_of_memory
 from runpod_vlm.engine.paged_attention import PagedStep, paged
-from runpod_vlm.engine.prefill import Prefill, beside_fx_traces
+from runpod_vlm.engine.prefill import Prefill, beside_fx_traces, placeholder_counts_on_the_host
 from runpod_vlm.engine.prefill_graphs import PrefillGraphs
 from runpod_vlm.engine.sampling import Sampler, row_seed
 from runpod_vlm.engine.vision_graphs import VisionGraphs, tower
@@ -84,8 +84,10 @@ class PagedDecoder(Prefill):
         self.decode_kernel = decode_kernel.usable(model)  # else a step gathers each row's slots (span)
         # Made before the graphs' memory pool, so that they go first at teardown (made after: an abort at exit).
         self.prefill_graphs = PrefillGraphs(self, rows)
-        visual = tower(model) if use_graph else None
-        self.vision_graphs = VisionGraphs(visual) if visual is not None else None
+        visual = tower(model)
+        self.vision_graphs = VisionGraphs(visual) if visual is not None and use_graph else None
+        if visual is not None and placeholder_counts_on_the_host(model):
+            self.vision_graphs_unit = visual.spatial_merge_size**2
         self.graph_pool = None  # the graphs' shared memory pool, the prefills' too (each its own: GBs at 256 rows)
         self.keys: list = []  # per layer [slots, kv heads, head dim]: made at the first prefill, from its shapes
         self.values: list = []
@@ -184,6 +186,7 @@ class PagedDecoder(Prefill):
             made_keys.append(torch.zeros(slots, k.shape[1], k.shape[3], dtype=k.dtype, device=k.device))
             made_values.append(torch.zeros_like(made_keys[-1]))
         self.keys, self.values = made_keys, made_values
+        self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=keys[0].device)
         for tensor in (*self.keys, *self.values):
             torch._dynamo.mark_static_address(tensor)
 

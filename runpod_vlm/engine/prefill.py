@@ -34,6 +34,27 @@ def beside_fx_traces(forward, rewind=None, **kwargs):
     return forward(**kwargs)
 
 
+def placeholder_counts_on_the_host(model) -> bool:
+    """Make the model's `get_placeholder_mask` skip its check that the prompt's image and video tokens match the
+    features, when it has one: the check (and its message's count) reads a GPU tensor back, which waits for every
+    prefill launched before. `Prefill._check_placeholders` checks the same on the host. False if not made."""
+    import inspect
+
+    inner = getattr(model, "model", None)
+    method = getattr(inner, "get_placeholder_mask", None)
+    if method is None or getattr(method, "checked_on_the_host", False):
+        return method is not None
+    if not {"image_features", "video_features"} <= set(inspect.signature(method).parameters):
+        return False
+
+    def get_placeholder_mask(input_ids, inputs_embeds=None, image_features=None, video_features=None, **kwargs):
+        return method(input_ids, inputs_embeds=inputs_embeds, **kwargs)
+
+    get_placeholder_mask.checked_on_the_host = True
+    inner.get_placeholder_mask = get_placeholder_mask
+    return True
+
+
 class _Captured(Exception):
     """Stops a forward at the language model, once the family's own code has built its inputs."""
 
@@ -58,9 +79,24 @@ class Prefill:
     packs: Optional[bool] = None  # whether prompts prefill packed (known at the first prefill; see `prefill`)
     prefill_graphs = None  # short prefills' CUDA graphs (`prefill_graphs.PrefillGraphs`)
     vision_graphs = None  # the vision tower's small passes' CUDA graphs (`vision_graphs.VisionGraphs`)
+    vision_graphs_unit = 0  # patches a feature merges, where placeholders are counted on the host (else 0)
+    no_mask = None  # a 4-D mask the language model hands on untouched (`_through_language_model`); made with the pool
 
     def _vision_graphs_engaged(self):
         return self.vision_graphs.engaged() if self.vision_graphs is not None else contextlib.nullcontext()
+
+    def _check_placeholders(self, inputs) -> None:
+        """What the model's own check would raise (`placeholder_counts_on_the_host`): each image's or video's
+        merged patches (its grid, from the host) against its placeholder tokens in the prompts."""
+        unit, config = self.vision_graphs_unit, self.model.config
+        for grid_name, token_name in (("image_grid_thw", "image_token_id"), ("video_grid_thw", "video_token_id")):
+            grid, token = inputs.get(grid_name), getattr(config, token_name, None)
+            if grid is None or token is None:
+                continue
+            features = int(grid.cpu().prod(-1).sum()) // unit
+            tokens = int((inputs["input_ids"].cpu() == token).sum())
+            if tokens != features:
+                raise ValueError(f"{grid_name}: {features} features for {tokens} placeholder tokens")
 
     def _on_device(self, inputs):
         """`inputs` on the GPU; a graphed tower's image grids stay on the host, where the family's code reads them
@@ -83,6 +119,8 @@ class Prefill:
         its blocks; else the whole model runs the padded batch into a scratch cache copied into the blocks."""
         position_ids = self._positions(inputs)
         kept = inputs["attention_mask"].bool().cpu()  # counted on the host: a count on the GPU waits for it
+        if self.vision_graphs_unit:
+            self._check_placeholders(inputs)
         inputs = self._on_device(inputs)
         packed = self._language_model_inputs(inputs, position_ids) if self.packs is not False else None
         self.packs = packed is not None
@@ -167,8 +205,13 @@ class Prefill:
     def _through_language_model(self, step: PagedStep, embeds, positions):
         """The language model's last hidden states for `embeds` at `positions`, attending through `step`."""
         with paged(step):  # a run cut off midway wrote some layers' slots: run again, it writes them again
+            # A 4-D mask is taken as made: the paged attention needs none, and making one read the positions back.
             return beside_fx_traces(
-                self.model.get_decoder(), inputs_embeds=embeds, position_ids=positions, use_cache=False
+                self.model.get_decoder(),
+                inputs_embeds=embeds,
+                attention_mask=self.no_mask,
+                position_ids=positions,
+                use_cache=False,
             ).last_hidden_state
 
     def _grow_rows(self, rows: list[int], lengths: list[int]):
@@ -225,6 +268,8 @@ class Prefill:
         """A one-item prompt's embeddings and positions (`_language_model_inputs`) to enter in chunks; None
         where its family's language model takes more: prefill it whole."""
         position_ids = self._positions(inputs)
+        if self.vision_graphs_unit:
+            self._check_placeholders(inputs)
         inputs = self._on_device(inputs)
         found = self._language_model_inputs(inputs, position_ids)
         if found is None:
