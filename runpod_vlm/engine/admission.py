@@ -221,7 +221,7 @@ class Admission:
         # while the host prepares the next one. A grammar's next mask needs its row's first token now.
         self._launched.append(InFlight.of(launched, dict(zip(rows, group))))
         if decoder.any_constrained:
-            self._finish_interval()
+            self._hand_out_all()
 
     def _resumes_in_chunks(self, ticket: Ticket) -> bool:
         """Whether a preempted row had generated an image placeholder token (a random model does): in its prompt
@@ -376,12 +376,12 @@ class Admission:
         its tokens dropped."""
         decoder = self._current_decoder()
         if decoder.any_constrained:  # a grammar's next mask needs the token just chosen
-            self._finish_interval()
+            self._hand_out_all()
         launched = self._launch(decoder)
         if launched is not None:
             self._launched.append(launched)
         if decoder.any_constrained:
-            self._finish_interval()
+            self._hand_out_all()
 
     def _hand_out_launched(self, earlier: list[InFlight]) -> None:
         """At the end of an engine loop turn: hand out what was launched before the turn (`earlier`), while the GPU
@@ -391,11 +391,11 @@ class Admission:
             return any(entry is e for e in earlier)  # `in` would compare their tensors
 
         if self._launched and before(self._launched[-1]):
-            return self._finish_interval()
+            return self._hand_out_all()
         while self._launched and before(self._launched[0]):
             self._hand_out(self._current_decoder(), self._launched.popleft())
 
-    def _finish_interval(self) -> None:
+    def _hand_out_all(self) -> None:
         """Hand out the tokens of every prefill and interval in flight."""
         while self._launched:
             self._hand_out(self._current_decoder(), self._launched.popleft())

@@ -266,7 +266,7 @@ class Engine(Admission, BackgroundCompile):
                         self._run_alone(waiting[0])
                     continue
                 if self._switch_due():
-                    self._finish_interval()  # the switch drops graphs: none may be in flight
+                    self._hand_out_all()  # the switch drops graphs: none may be in flight
                     self._switch_to_compiled()
                 earlier = list(self._launched)
                 self._admit(waiting)
