@@ -1826,8 +1826,10 @@ def test_the_next_interval_is_launched_before_the_tokens_of_the_one_before_are_h
     monkeypatch.setattr(
         FakePagedDecoder, "launch", lambda self, steps: events.append("launch") or real_launch(self, steps)
     )
-    monkeypatch.setattr(
-        FakePagedDecoder, "read", lambda self, launched: events.append("read") or real_read(self, launched)
+    monkeypatch.setattr(  # an interval's reads (a prefill's first tokens are read through `read` too)
+        FakePagedDecoder,
+        "read",
+        lambda self, launched: events.extend([] if launched.rows else ["read"]) or real_read(self, launched),
     )
     assert call(chat("long", max_new_tokens=9))["response"] == "x" * 9
     assert events == ["launch", "launch", "read", "launch", "read", "launch", "read", "read"]  # 1 + 2 + 2 + 2 + 2
@@ -1839,12 +1841,12 @@ def test_a_prefills_first_tokens_are_read_after_the_next_prefill_is_launched(mon
     hub.reply = lambda prompt: "ok"
     serve(monkeypatch, VLM_MAX_BATCH_TOKENS="256")
     events = []
-    real_launch, real_read = FakePagedDecoder.prefill_launch, FakePagedDecoder.read_first
+    real_launch, real_read = FakePagedDecoder.prefill_launch, FakePagedDecoder.read
     monkeypatch.setattr(
         FakePagedDecoder, "prefill_launch", lambda self, *a: events.append("launch") or real_launch(self, *a)
     )
     monkeypatch.setattr(
-        FakePagedDecoder, "read_first", lambda self, launched: events.append("read") or real_read(self, launched)
+        FakePagedDecoder, "read", lambda self, launched: events.append("read") or real_read(self, launched)
     )
     out = batch(*(chat(f"{n} " + "x" * 150, max_new_tokens=1) for n in range(4)))
     assert [r["response"] for r in out["results"]] == ["o"] * 4

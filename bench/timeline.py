@@ -246,7 +246,7 @@ def main() -> None:
         decoder = engine._current_decoder()
         for name in (*ENGINE_TOP, "_place", "_make_room", "_hand_out", "_accept", "_next_grammar_masks", "_requeue"):
             spans.wrap(engine, name)
-        for name in ("prefill_launch", "read_first", "launch", "read", "begin_chunks", "prefill_chunk"):
+        for name in ("prefill_launch", "launch", "read", "begin_chunks", "prefill_chunk"):
             spans.wrap(decoder, name, f"decoder.{name}")
         spans.wrap(engine.adapter, "collate", "adapter.collate")
         spans.wrap(Intake, "_prepare", "intake")

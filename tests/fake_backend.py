@@ -2134,10 +2134,8 @@ class FakePagedDecoder(PagedDecoder):
         return launched.tokens
 
     def prefill_launch(self, inputs, rows, params, allowed=None, prior=None):
-        return Launched(1, self.prefill(inputs, rows, params, allowed, prior), (), None, tuple(rows))
-
-    def read_first(self, launched):
-        return launched.tokens
+        first = self.prefill(inputs, rows, params, allowed, prior)
+        return Launched(1, [[token] for token in first], (), None, tuple(rows))
 
     def step(self, steps):
         bucket = self.bucket()

@@ -436,10 +436,9 @@ class Admission:
         ended or preempted since may hold a new item)."""
         started = time.perf_counter()
         launched = in_flight.launched
-        if launched.rows:  # a prefill's first tokens
-            tokens = dict(zip(launched.rows, ([token] for token in decoder.read_first(launched))))
-        else:
-            tokens = decoder.read(launched)
+        tokens = decoder.read(launched)
+        if launched.rows:  # a prefill's first tokens, in the order of its rows
+            tokens = dict(zip(launched.rows, tokens))
         read = time.perf_counter()
         self.timings["prefill_s" if launched.rows else "decode_s"] += read - started
         logprobs = decoder.take_logprobs() or {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import threading
 import time
@@ -27,10 +28,10 @@ class Launched(NamedTuple):
     """Decode steps launched on the GPU (`PagedDecoder.launch`), their tokens on their way to the host."""
 
     steps: int
-    tokens: Any  # [bucket, steps] on the host, complete once `done` has passed ([rows] for a prefill's)
+    tokens: Any  # [bucket, steps] on the host, complete once `done` has passed ([rows, 1] for a prefill's)
     logprobs: tuple  # the log-probability rings likewise, when a row asked
     done: Any  # a CUDA event recorded after the copies; None on the CPU
-    rows: tuple = ()  # a prefill's rows, in the order of its first tokens (`read_first`); () for decode steps
+    rows: tuple = ()  # a prefill's rows, in the order of its first tokens; () for decode steps (row n at n)
 
 
 def row_buckets(rows: int) -> list[int]:
@@ -192,7 +193,7 @@ class PagedDecoder(Prefill):
 
     def _start(self, rows, lengths, logits, last_position, input_ids, params, allowed, prior) -> Launched:
         """Rows whose prompts are in their blocks: their settings and first tokens, chosen from `logits` and on
-        their way to the host (`read_first`)."""
+        their way to the host (`read`)."""
         import torch
 
         state = self.state
@@ -240,7 +241,8 @@ class PagedDecoder(Prefill):
         self.lengths.update(zip(rows, lengths))
         self.flags.update((row, (p.do_sample, p.logprobs, p.json_schema is not None)) for row, p in zip(rows, params))
         self._update_any_sample()
-        return self._to_host(1, token, logprobs if wants_logprobs else (), tuple(rows))
+        per_row = [part[:, None] for part in logprobs] if wants_logprobs else []  # one step per row, as a launch's
+        return self._to_host(1, token[:, None], per_row, tuple(rows))
 
     def _update_any_sample(self) -> None:
         flags = self.flags.values()
@@ -355,23 +357,15 @@ class PagedDecoder(Prefill):
         return Launched(steps, tokens, tuple(logprobs), done, rows)
 
     def read(self, launched: Launched) -> list[list[int]]:
-        """The tokens of `launched` steps, per row of their bucket, once the GPU has run them; their
-        log-probabilities (row -> entries), when a row asked, in `take_logprobs`."""
+        """The tokens of `launched` steps, per row of their bucket (a prefill's first tokens: per row of
+        `launched.rows`, in order), once the GPU has run them; their log-probabilities (row -> entries), when a row
+        asked, in `take_logprobs`."""
         if launched.done is not None:
             launched.done.synchronize()
         if launched.logprobs:
             per_row = zip(*(part.tolist() for part in launched.logprobs))
-            self.pending_logprobs = {row: list(zip(*entries)) for row, entries in enumerate(per_row)}
-        return launched.tokens.tolist()
-
-    def read_first(self, launched: Launched) -> list[int]:
-        """A prefill's first tokens (`prefill_launch`), in the order of its rows, once the GPU has chosen them; their
-        log-probabilities (row -> [entry]), when a row asked, in `take_logprobs`."""
-        if launched.done is not None:
-            launched.done.synchronize()
-        if launched.logprobs:
-            per_row = zip(*(part.tolist() for part in launched.logprobs))
-            self.pending_logprobs = {row: [entry] for row, entry in zip(launched.rows, per_row)}
+            rows = launched.rows or itertools.count()
+            self.pending_logprobs = {row: list(zip(*entries)) for row, entries in zip(rows, per_row)}
         return launched.tokens.tolist()
 
     def step(self, steps: int) -> list[list[int]]:

@@ -107,12 +107,12 @@ class Prefill:
 
     def prefill(self, inputs, rows: list[int], params: list[GenerationParams], allowed=None, prior=None) -> list[int]:
         """`prefill_launch`, then each row's first token."""
-        return self.read_first(self.prefill_launch(inputs, rows, params, allowed, prior))
+        return [token for (token,) in self.read(self.prefill_launch(inputs, rows, params, allowed, prior))]
 
     def prefill_launch(self, inputs, rows: list[int], params: list[GenerationParams], allowed=None, prior=None):
         """Run new items' prompts (a left-padded batch) and place them in `rows`, each with the blocks of its own
         tokens. `prior`: per row, the tokens it had already generated (a preempted row resumed: they end its
-        prompt). Returns the rows' first tokens on their way to the host (`read_first`), without waiting for the GPU.
+        prompt). Returns the rows' first tokens on their way to the host (`read`), without waiting for the GPU.
 
         Where the family's language model takes only embeddings and positions (`packs`), the prompts go through
         it packed into one sequence without their padding, each token's keys and values written straight into
@@ -322,7 +322,7 @@ class Prefill:
         started = self._start(
             [chunked.row], [end], logits, chunked.last_position, chunked.input_ids, [chunked.params], allowed, prior
         )
-        return self.read_first(started)[0]
+        return self.read(started)[0][0]
 
     def _allocate_from_config(self, embeds) -> None:
         import torch
