@@ -199,6 +199,14 @@ def gpu_busy(prof) -> dict:
     return {"kernels": len(kernels), "first_to_last_s": (end - kernels[0][0]) / 1e6, "busy_s": busy / 1e6}
 
 
+def copies_waiting(trace: Path) -> dict:
+    """The host's copies to the GPU that took over a millisecond, in an exported trace: they waited for the GPU
+    (from pageable memory: `page_locked` in engine/intake.py)."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    waits = [e["dur"] for e in events if e.get("name") == "cudaMemcpyAsync" and e.get("dur", 0) > 1000]
+    return {"copies_waiting": len(waits), "copies_waiting_s": sum(waits) / 1e6}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/results")
@@ -281,6 +289,7 @@ def main() -> None:
                     result[mode]["gpu"] = gpu_busy(profiler)
                     trace = out / f"timeline-{run}-trace.json"
                     profiler.export_chrome_trace(str(trace))
+                    result[mode]["gpu"].update(copies_waiting(trace))
                     with open(trace, "rb") as raw, gzip.open(f"{trace}.gz", "wb", compresslevel=6) as packed:
                         packed.write(raw.read())
                     trace.unlink()

@@ -567,3 +567,35 @@ def test_image_placeholders_are_counted_on_the_host(family, tiny_model, serve):
     inputs["input_ids"][0, first] = inputs["input_ids"][0, first - 1]  # one placeholder fewer
     with pytest.raises(ValueError, match="image_grid_thw"):
         decoder._check_placeholders(inputs)
+
+
+def test_the_intake_puts_pixels_for_a_gpu_in_page_locked_memory(tiny_model, serve, monkeypatch):
+    """A copy to the GPU from pageable memory waits for the GPU's earlier work (a prefill launched ahead): pixels
+    bound for a GPU are page-locked on the intake thread, a cached image's repeated row as one row, small tensors
+    left as they are."""
+    from runpod_vlm.engine.intake import STAGED_BYTES, page_locked
+
+    locked = []
+
+    def pin_memory(tensor):  # the CPU has no page-locked memory to give: the copy is recorded instead
+        locked.append(tuple(tensor.shape))
+        return tensor.clone()
+
+    monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
+    engine = serve(tiny_model("qwen2-vl"))
+    intake = engine._intake_of()
+    assert not intake.pin  # the model is on the CPU
+    (item,) = items_of(engine, packed_prefill_jobs()[:1])
+    intake._prepare(item)
+    assert locked == []
+    intake.pin = True
+    inputs, _, _ = intake._prepare(item)
+    pixels = inputs["pixel_values"]
+    assert pixels.nelement() * pixels.element_size() > STAGED_BYTES
+    assert locked == [tuple(pixels.shape)]
+    locked.clear()
+    row = torch.ones(1, STAGED_BYTES // 2)
+    cached = {"pixel_values": row.expand(6, -1), "image_grid_thw": torch.ones(6, 3, dtype=torch.long)}
+    page_locked(cached)
+    assert locked == [(1, STAGED_BYTES // 2)]
+    assert cached["pixel_values"].shape == (6, STAGED_BYTES // 2) and cached["pixel_values"].stride(0) == 0

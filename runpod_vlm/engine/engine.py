@@ -205,7 +205,10 @@ class Engine(Admission, BackgroundCompile):
             if self._intake is None:
                 on_gpu = self.settings.preprocess_on_gpu and str(self.model.device).startswith("cuda")
                 device = str(self.model.device) if on_gpu else "cpu"
-                self._intake = Intake(self.adapter, self.processor, self.dtype, device, self.timings, self.image_cache)
+                pin = device == "cpu" and str(self.model.device).startswith("cuda")
+                self._intake = Intake(
+                    self.adapter, self.processor, self.dtype, device, self.timings, self.image_cache, pin
+                )
             return self._intake
 
     def _notify(self) -> None:

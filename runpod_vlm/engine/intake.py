@@ -22,10 +22,13 @@ class Intake:
     (bench/README.md, ninth session). Two: with eight, the engine thread waited for the GIL at every kernel
     launch of a prefill (500 ms a prefill of six 720p images on the H200)."""
 
-    def __init__(self, adapter, processor, dtype, device: str, timings: collections.Counter, image_cache=None):
-        """`device`: where the inputs go ("cpu", or the GPU for torchvision-backed image processing)."""
+    def __init__(
+        self, adapter, processor, dtype, device: str, timings: collections.Counter, image_cache=None, pin=False
+    ):
+        """`device`: where the inputs go ("cpu", or the GPU for torchvision-backed image processing); `pin`: inputs
+        left on the host are for a GPU (`page_locked`)."""
         self.adapter, self.processor, self.dtype, self.device, self.timings = adapter, processor, dtype, device, timings
-        self.image_cache = image_cache
+        self.image_cache, self.pin = image_cache, pin
         self.pool = ThreadPoolExecutor(
             max_workers=max(1, min(2, (os.cpu_count() or 2) - 1)), thread_name_prefix="vlm-intake"
         )
@@ -46,6 +49,8 @@ class Intake:
                 processor, [item], self.device, self.dtype, image_device=image_device
             )
             self._warm = True
+        if self.pin:
+            page_locked(inputs)
         self.timings["intake_s"] += time.perf_counter() - started
         return inputs, sizes[0], held
 
@@ -62,6 +67,24 @@ class Intake:
         if recalled is None:
             return self.processor, {}
         return recalled, dict(zip(item.image_keys, entries))
+
+
+STAGED_BYTES = 64 * 1024  # CUDA copies pageable memory up to this size to the GPU without waiting for it
+
+
+def page_locked(inputs) -> None:
+    """`inputs`' large host tensors (the pixels) moved to page-locked memory, in place. From pageable memory a copy
+    to the GPU of more than STAGED_BYTES waits for everything the GPU was given before (CUDA stages it as the GPU
+    reaches it): the engine thread waited 12-82 ms for the prefill before at each group's first pixels (bench/README.md,
+    thirteenth session). From page-locked memory it is only queued. A repeated row (`to_without_copying_repeats`)
+    stays one row."""
+    for name, value in inputs.items():
+        if not hasattr(value, "is_pinned") or value.is_cuda or value.is_pinned():
+            continue
+        repeated = value.ndim > 0 and value.stride(0) == 0 and value.shape[0] > 1
+        row = value[:1] if repeated else value
+        if row.nelement() * row.element_size() > STAGED_BYTES:
+            inputs[name] = row.pin_memory().expand(value.shape) if repeated else value.pin_memory()
 
 
 def on_device(inputs, device, floating_only: bool = False, kept: tuple = ()):
