@@ -66,3 +66,31 @@ def test_other_families_keep_their_vision_attention(tiny_model, serve):
     engine = serve(tiny_model("llava"))
     assert not engine.packed_vision
     assert engine.model.config.vision_config._attn_implementation != vision_attention.NAME
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention runs on the GPU")
+@pytest.mark.parametrize("head_dim", [80, 128])  # the towers' and the language models'
+@pytest.mark.parametrize("causal", [False, True])
+def test_flash_called_straight_gives_varlen_attn_output(causal, head_dim):
+    """The kernel called without varlen_attn's wrapper, grouped heads as they are, against varlen_attn itself on
+    repeated heads; causal with a cached prefix (more keys than queries) as a prefill's chunk has it."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    torch.manual_seed(0)
+    lengths_q = [5, 130, 64, 1]
+    lengths_k = [5, 200, 64, 33] if causal else lengths_q
+    q = torch.randn(sum(lengths_q), 12, head_dim, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(sum(lengths_k), 2, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    cu_q, cu_k = (
+        torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32) for lengths in (lengths_q, lengths_k)
+    )
+    window = (-1, 0) if causal else (-1, -1)
+    ours = varlen.flash(q, k, v, cu_q, cu_k, max(lengths_q), max(lengths_k), 0.1, window, enable_gqa=True)
+    options = (
+        {"window_size": window} if "window_size" in inspect.signature(varlen_attn).parameters else {"is_causal": causal}
+    )
+    repeated = [t.repeat_interleave(6, dim=1) for t in (k, v)]
+    theirs = varlen_attn(q, *repeated, cu_q, cu_k, max(lengths_q), max(lengths_k), scale=0.1, **options)
+    assert torch.equal(ours, theirs), (ours.float() - theirs.float()).abs().max()
