@@ -66,6 +66,7 @@ STUBBED_API = frozenset(
         "torch.Tensor.ndim",
         "torch.Tensor.stride",
         "torch.Tensor.is_floating_point",
+        "torch.Tensor.element_size",
         "torch.Tensor.__len__",
         # torch: a preempted request's prompt followed by its tokens
         "torch.tensor",
@@ -495,6 +496,10 @@ class FakeTensor(_Dense):
     def is_floating_point(self) -> bool:
         _use("torch.Tensor.is_floating_point")
         return self._dtype.kind == "float"
+
+    def element_size(self) -> int:
+        _use("torch.Tensor.element_size")
+        return {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "bool": 1}[self._dtype.name]
 
     @_op
     def sum(self, dim=None):

@@ -573,7 +573,7 @@ def test_the_intake_puts_pixels_for_a_gpu_in_page_locked_memory(tiny_model, serv
     """A copy to the GPU from pageable memory waits for the GPU's earlier work (a prefill launched ahead): pixels
     bound for a GPU are page-locked on the intake thread, a cached image's repeated row as one row, small tensors
     left as they are."""
-    from runpod_vlm.engine.intake import STAGED_BYTES, page_locked
+    from runpod_vlm.engine.host_copies import STAGED_BYTES, page_locked
 
     locked = []
 
@@ -594,8 +594,8 @@ def test_the_intake_puts_pixels_for_a_gpu_in_page_locked_memory(tiny_model, serv
     assert pixels.nelement() * pixels.element_size() > STAGED_BYTES
     assert locked == [tuple(pixels.shape)]
     locked.clear()
-    row = torch.ones(1, STAGED_BYTES // 2)
-    cached = {"pixel_values": row.expand(6, -1), "image_grid_thw": torch.ones(6, 3, dtype=torch.long)}
-    page_locked(cached)
+    cached = page_locked(torch.ones(1, STAGED_BYTES // 2).expand(6, -1))  # a cached image's zero pixels
     assert locked == [(1, STAGED_BYTES // 2)]
-    assert cached["pixel_values"].shape == (6, STAGED_BYTES // 2) and cached["pixel_values"].stride(0) == 0
+    assert cached.shape == (6, STAGED_BYTES // 2) and cached.stride(0) == 0
+    small = torch.ones(STAGED_BYTES // 8, dtype=torch.long)
+    assert page_locked(small) is small and len(locked) == 1

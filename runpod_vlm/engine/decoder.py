@@ -12,6 +12,7 @@ from typing import Any, NamedTuple, Optional
 from runpod_vlm.engine import decode_kernel
 from runpod_vlm.engine.blocks import BlockPool
 from runpod_vlm.engine.gpu_errors import is_out_of_memory
+from runpod_vlm.engine.host_copies import to_device
 from runpod_vlm.engine.paged_attention import PagedStep, paged
 from runpod_vlm.engine.prefill import Prefill, beside_fx_traces, placeholder_counts_on_the_host
 from runpod_vlm.engine.prefill_graphs import PrefillGraphs
@@ -149,15 +150,13 @@ class PagedDecoder(Prefill):
         import torch
 
         if self.table_writes:
-            rows, columns, blocks = torch.tensor(self.table_writes, dtype=torch.long).T.to(
-                self.table.device, non_blocking=True
-            )
+            rows, columns, blocks = to_device(torch.tensor(self.table_writes, dtype=torch.long).T, self.table.device)
             self.table[rows, columns] = blocks
             self.table_writes = []
 
     def _slots(self, row, start: int, end: int):
         """The pool slots of a holder's tokens [start, end)."""
-        return self._host_slots(row, start, end).to(self.offsets.device, non_blocking=True)
+        return to_device(self._host_slots(row, start, end), self.offsets.device)
 
     def _host_slots(self, row, start: int, end: int):
         import torch
@@ -219,11 +218,11 @@ class PagedDecoder(Prefill):
             "busy": ([1] * len(rows), torch.long),
         }
         table = torch.tensor([values for values, _ in kinds.values()], dtype=torch.float64)
-        table = table.to(index.device, non_blocking=True)
+        table = to_device(table, index.device)
         new = types.SimpleNamespace(
             **{name: column.to(dtype) for (name, (_, dtype)), column in zip(kinds.items(), table)},
             seen=None,
-            allowed=None if allowed is None else allowed.to(index.device, non_blocking=True),
+            allowed=None if allowed is None else to_device(allowed, index.device),
         )
         if self.sampler.penalty:
             new.seen = torch.zeros((len(rows), state.seen.shape[1]), dtype=torch.bool, device=index.device)
@@ -254,7 +253,8 @@ class PagedDecoder(Prefill):
         """The tokens each of `rows` may take at the next step (a grammar's masks, CPU int32 [len(rows), words])."""
         import torch
 
-        self.state.allowed[torch.tensor(rows, device=self.state.allowed.device)] = allowed.to(self.state.allowed.device)
+        device = self.state.allowed.device
+        self.state.allowed[torch.tensor(rows, device=device)] = to_device(allowed, device)
 
     # ---- decoding ---------------------------------------------------------------------------
 

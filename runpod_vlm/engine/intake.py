@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from runpod_vlm.engine.host_copies import page_locked
 from runpod_vlm.families.base import to_without_copying_repeats
 from runpod_vlm.vocabulary import GenerationRequest
 
@@ -49,8 +50,9 @@ class Intake:
                 processor, [item], self.device, self.dtype, image_device=image_device
             )
             self._warm = True
-        if self.pin:
-            page_locked(inputs)
+        if self.pin:  # here, not on the engine thread where they go to the GPU
+            for name, value in inputs.items():
+                inputs[name] = page_locked(value)
         self.timings["intake_s"] += time.perf_counter() - started
         return inputs, sizes[0], held
 
@@ -69,33 +71,17 @@ class Intake:
         return recalled, dict(zip(item.image_keys, entries))
 
 
-STAGED_BYTES = 64 * 1024  # CUDA copies pageable memory up to this size to the GPU without waiting for it
-
-
-def page_locked(inputs) -> None:
-    """`inputs`' large host tensors (the pixels) moved to page-locked memory, in place. From pageable memory a copy
-    to the GPU of more than STAGED_BYTES waits for everything the GPU was given before (CUDA stages it as the GPU
-    reaches it): the engine thread waited 12-82 ms for the prefill before at each group's first pixels (bench/README.md,
-    thirteenth session). From page-locked memory it is only queued. A repeated row (`to_without_copying_repeats`)
-    stays one row."""
-    for name, value in inputs.items():
-        if not hasattr(value, "is_pinned") or value.is_cuda or value.is_pinned():
-            continue
-        repeated = value.ndim > 0 and value.stride(0) == 0 and value.shape[0] > 1
-        row = value[:1] if repeated else value
-        if row.nelement() * row.element_size() > STAGED_BYTES:
-            inputs[name] = row.pin_memory().expand(value.shape) if repeated else value.pin_memory()
-
-
 def on_device(inputs, device, floating_only: bool = False, kept: tuple = ()):
     """`inputs` with its tensors (`floating_only`: the pixels; never those named in `kept`) on `device`, each copy
-    queued without waiting for the GPU's earlier work; a repeated row goes once."""
+    queued without waiting for the GPU's earlier work (`host_copies`); a repeated row goes once."""
     import torch
+
+    for_gpu = str(device).startswith("cuda")
 
     def moved(name, value):
         if not isinstance(value, torch.Tensor) or (floating_only and not value.is_floating_point()) or name in kept:
             return value
-        return to_without_copying_repeats(value, device, non_blocking=True)
+        return to_without_copying_repeats(page_locked(value) if for_gpu else value, device, non_blocking=True)
 
     return type(inputs)({name: moved(name, value) for name, value in inputs.items()})
 

@@ -8,6 +8,7 @@ import threading
 import time
 from typing import Optional
 
+from runpod_vlm.engine.host_copies import to_device
 from runpod_vlm.engine.intake import on_device
 from runpod_vlm.engine.memory import kv_layout
 from runpod_vlm.engine.paged_attention import PagedStep, paged
@@ -141,7 +142,7 @@ class Prefill:
             for name, value in inputs.items()
         }
         position_ids = self.model._prepare_position_ids_for_generation(host["input_ids"], host)
-        return position_ids.to(self.offsets.device, non_blocking=True)
+        return to_device(position_ids, self.offsets.device)
 
     def _prefill_padded(self, inputs, position_ids, rows: list[int]):
         from transformers import DynamicCache
@@ -175,7 +176,7 @@ class Prefill:
         from runpod_vlm.engine import varlen
 
         lengths = kept.sum(dim=1).tolist()
-        tokens = kept.flatten().nonzero()[:, 0].to(embeds.device, non_blocking=True)
+        tokens = to_device(kept.flatten().nonzero()[:, 0], embeds.device)
         embeds, positions = embeds.flatten(0, 1)[tokens][None], positions.flatten(-2)[..., tokens].unsqueeze(-2)
         if not self.keys:
             self._allocate_from_config(embeds)
@@ -221,7 +222,7 @@ class Prefill:
         for row, length in zip(rows, lengths):
             self.grow(row, length)
         slots = torch.cat([self._host_slots(row, 0, length) for row, length in zip(rows, lengths)])
-        return slots.to(self.offsets.device, non_blocking=True)
+        return to_device(slots, self.offsets.device)
 
     def _language_model_inputs(self, inputs, position_ids):
         """The embeddings (vision merged in) and positions the family's own forward hands its language model

@@ -22,6 +22,7 @@ import weakref
 
 from runpod_vlm.engine import varlen
 from runpod_vlm.engine.compile import COMPILED_FROM_PATCHES
+from runpod_vlm.engine.host_copies import copy_into, to_device
 from runpod_vlm.engine.prefill_graphs import ShapeGraphs, bucket
 from runpod_vlm.engine.vision_attention import NAME
 
@@ -116,7 +117,7 @@ class VisionGraphs(ShapeGraphs):
         patches = hidden_states.shape[0]
         helpers = self._helpers(grid_thw.cpu(), patches, patches)
         moved = {
-            name: value.to(hidden_states.device, non_blocking=True) if torch.is_tensor(value) else value
+            name: to_device(value, hidden_states.device) if torch.is_tensor(value) else value
             for name, value in helpers.items()
         }
         return type(self.visual).forward(self.visual, hidden_states, None, **moved, **kwargs)
@@ -156,9 +157,7 @@ class VisionGraphs(ShapeGraphs):
 
         device = hidden_states.device
         pixels = torch.zeros((padded, *hidden_states.shape[1:]), dtype=hidden_states.dtype, device=device)
-        tensors = {
-            name: value.to(device, non_blocking=True) for name, value in helpers.items() if torch.is_tensor(value)
-        }
+        tensors = {name: to_device(value, device) for name, value in helpers.items() if torch.is_tensor(value)}
         ints = {name: value for name, value in helpers.items() if not torch.is_tensor(value)}
         return types.SimpleNamespace(pixels=pixels, tensors=tensors, ints=ints, output=None)
 
@@ -166,7 +165,7 @@ class VisionGraphs(ShapeGraphs):
         # The padding's rows keep an earlier pass's pixels: that image attends only to itself, its features dropped.
         entry.pixels[: hidden_states.shape[0]].copy_(hidden_states, non_blocking=True)
         for name, buffer in entry.tensors.items():
-            buffer.copy_(helpers[name], non_blocking=True)
+            copy_into(buffer, helpers[name])
 
     def _ready(self, shape: tuple) -> bool:
         return shape in self.entries

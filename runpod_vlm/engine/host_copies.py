@@ -1,0 +1,38 @@
+"""Copies from the host to the GPU that never wait for it.
+
+CUDA copies a host tensor of more than STAGED_BYTES in pageable memory to the GPU only as the GPU reaches the copy:
+the thread asking waits for everything the GPU was given before, the prefill or decode steps launched ahead. From
+page-locked memory the copy is only queued. At each group's first pixels the engine thread waited 12-82 ms for the
+prefill before (bench/README.md, thirteenth session)."""
+
+from __future__ import annotations
+
+STAGED_BYTES = 64 * 1024  # what CUDA stages at once (its pageable copies up to this size never wait)
+
+
+def page_locked(value):
+    """`value` where a copy of it to the GPU waits for nothing: a large host tensor in page-locked memory (a
+    repeated row, stride 0, as one row: `to_without_copying_repeats` moves it once), anything else as it is."""
+    import torch
+
+    if not isinstance(value, torch.Tensor) or str(value.device) != "cpu":
+        return value
+    if value.numel() * value.element_size() <= STAGED_BYTES or value.is_pinned():
+        return value
+    repeated = value.stride(0) == 0 and value.shape[0] > 1
+    row = value[:1] if repeated else value
+    if row.numel() * row.element_size() <= STAGED_BYTES:
+        return value
+    return row.pin_memory().expand(value.shape) if repeated else value.pin_memory()
+
+
+def to_device(value, device):
+    """`value` on `device`; to a GPU the copy queued without waiting for it."""
+    if str(device).startswith("cuda"):
+        value = page_locked(value)
+    return value.to(device, non_blocking=True)
+
+
+def copy_into(buffer, value) -> None:
+    """`value` copied into `buffer`; to a GPU queued without waiting for it."""
+    buffer.copy_(page_locked(value) if buffer.is_cuda else value, non_blocking=True)
