@@ -199,9 +199,22 @@ def gpu_busy(prof) -> dict:
     return {"kernels": len(kernels), "first_to_last_s": (end - kernels[0][0]) / 1e6, "busy_s": busy / 1e6}
 
 
+@contextlib.contextmanager
+def captures_held(engine, held: bool):
+    """The engine records no graph ahead (while idle) inside the block."""
+    decoder = engine._current_decoder()
+    if held:
+        decoder.captures_ahead_due = lambda: False
+    try:
+        yield
+    finally:
+        if held:
+            del decoder.captures_ahead_due
+
+
 def copies_waiting(trace: Path) -> dict:
     """The host's copies to the GPU that took over a millisecond, in an exported trace: they waited for the GPU
-    (from pageable memory: `page_locked` in engine/intake.py)."""
+    (from pageable memory: engine/host_copies.py)."""
     events = json.loads(trace.read_text())["traceEvents"]
     waits = [e["dur"] for e in events if e.get("name") == "cudaMemcpyAsync" and e.get("dur", 0) > 1000]
     return {"copies_waiting": len(waits), "copies_waiting_s": sum(waits) / 1e6}
@@ -279,7 +292,8 @@ def main() -> None:
                         profiler = profile(activities=[ProfilerActivity.CUDA if gpu else ProfilerActivity.CPU])
                     spans.marks.clear()
                     started = time.perf_counter()
-                    with profiler or contextlib.nullcontext():
+                    # No graph recorded ahead while profiled: the profiler's stop would cut a capture off.
+                    with captures_held(engine, bool(profiler)), profiler or contextlib.nullcontext():
                         record = asyncio.run(submit(engine, items) if submit else concurrent(handler, jobs))
                     ended = time.perf_counter()
                 result[mode] = {"run": record, **spans.summary(started, ended)}
