@@ -124,9 +124,9 @@ def child() -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
+    from serving import bench_parser
+
+    parser = bench_parser(__doc__)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:

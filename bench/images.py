@@ -18,7 +18,6 @@ Results go to OUT/images.json.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -30,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
 
-from serving import QUESTIONS, bench_model, concurrent_records, data_uri, run_job  # noqa: E402
+from serving import QUESTIONS, bench_model, bench_parser, concurrent_records, data_uri, run_job  # noqa: E402
 
 
 def job(name: str, images: list[str], tokens: int, history: list | None = None, question: str = QUESTIONS[0]) -> dict:
@@ -40,9 +39,7 @@ def job(name: str, images: list[str], tokens: int, history: list | None = None, 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
+    parser = bench_parser(__doc__)
     parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on the CPU (a smoke run)")
     args = parser.parse_args()
     import logging

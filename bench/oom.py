@@ -14,7 +14,6 @@ Results go to OUT/oom.json.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import logging
@@ -60,9 +59,9 @@ def job(name: str, side: int, seed: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
+    from serving import bench_parser
+
+    parser = bench_parser(__doc__)
     args = parser.parse_args()
 
     import torch

@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
 
-from serving import QUESTIONS, SIZES, concurrent, data_uri, gpu_parity, mixed_jobs, open_loop, sequential  # noqa: E402
+from serving import QUESTIONS, SIZES, bench_parser, concurrent, data_uri, gpu_parity, mixed_jobs, open_loop, sequential  # noqa: E402
 
 PARTS = {  # part -> (model shape, memory cap in GB or None)
     "h200": ("qwen2-vl-2b", None),
@@ -298,9 +298,7 @@ def child(part: str, args) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
+    parser = bench_parser(__doc__)
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--quick", action="store_true", help="fewer jobs (a smoke run)")
     parser.add_argument(

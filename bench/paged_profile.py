@@ -19,7 +19,6 @@ with VLM_KV_CACHE_TOKENS=600000.
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import os
@@ -32,9 +31,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
+    from serving import bench_parser
+
+    parser = bench_parser(__doc__)
     parser.add_argument("--parts", default="decode,prefill")
     parser.add_argument(
         "--projections-apart",

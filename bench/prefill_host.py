@@ -13,7 +13,6 @@ near done: the host does.
 
 from __future__ import annotations
 
-import argparse
 import cProfile
 import io
 import json
@@ -27,14 +26,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
 
-from serving import bench_model, data_uri, gpu_parity  # noqa: E402
+from serving import bench_model, bench_parser, data_uri, gpu_parity  # noqa: E402
 from timeline import gpu_busy  # noqa: E402
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
+    parser = bench_parser(__doc__)
     parser.add_argument("--groups", default="1,4,16,23")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (a smoke run)")
     args = parser.parse_args()

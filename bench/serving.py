@@ -89,6 +89,15 @@ def python_profile(engine, methods, path: Path, sorts=(("cumulative", 60),)):
     path.write_text(text.getvalue())
 
 
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """A benchmark's command line: its summary (the first paragraph of `doc`, its module's), where its results go
+    (--out) and where the random-weight models are built (--models)."""
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
+    return parser
+
+
 def bench_model(models: str, tiny: bool = False) -> Path:
     """The model a benchmark runs, with the worker's environment set to load it: random weights at Qwen2-VL-2B shapes
     in bf16 (built into `models` once), or with `tiny` a tiny fp32 one on the CPU (a smoke run)."""
@@ -393,9 +402,7 @@ async def concurrent_records(handler, jobs: list[dict]) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
+    parser = bench_parser(__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer jobs (a smoke run)")
     parser.add_argument(
         "--skip",

@@ -13,7 +13,6 @@ step and the engine stepping one token at a time while a constrained row runs.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
@@ -65,9 +64,9 @@ def _parses(text: str) -> bool:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
+    from serving import bench_parser
+
+    parser = bench_parser(__doc__)
     args = parser.parse_args()
     import torch
 

@@ -14,7 +14,6 @@ loop under cProfile (timeline-RUN-python.txt; on Python 3.12 it sees every threa
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import collections
 import contextlib
@@ -30,7 +29,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
 
 from paged import vqa  # noqa: E402
-from serving import concurrent, data_uri, gpu_parity, mixed_jobs, python_profile  # noqa: E402
+from serving import bench_parser, concurrent, data_uri, gpu_parity, mixed_jobs, python_profile  # noqa: E402
 
 ENGINE_TOP = ("_admit", "_prefill_next_chunk", "_decode_interval")  # what one engine-loop turn does
 
@@ -221,9 +220,7 @@ def copies_waiting(trace: Path) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
+    parser = bench_parser(__doc__)
     parser.add_argument("--runs", default="uniform,mixed,images")
     parser.add_argument("--variants", default=",".join(VARIANTS))
     args = parser.parse_args()

@@ -12,7 +12,6 @@ engine's background compile would take the GPU meanwhile.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
@@ -33,9 +32,9 @@ IMAGE_SETS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="bench/results")
-    parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
+    from serving import bench_parser
+
+    parser = bench_parser(__doc__)
     parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on the CPU (a smoke run)")
     args = parser.parse_args()
     import logging
