@@ -212,11 +212,25 @@ def captures_held(engine, held: bool):
 
 
 def copies_waiting(trace: Path) -> dict:
-    """The host's copies to the GPU that took over a millisecond, in an exported trace: they waited for the GPU
-    (from pageable memory: engine/host_copies.py)."""
+    """The host's copies that took over a millisecond, in an exported trace: they waited for the GPU (a copy to it
+    from pageable memory: engine/host_copies.py), each with its kind and size; and the page-locked memory allocated
+    (`cudaHostAlloc`: the cache of page-locked memory growing)."""
     events = json.loads(trace.read_text())["traceEvents"]
-    waits = [e["dur"] for e in events if e.get("name") == "cudaMemcpyAsync" and e.get("dur", 0) > 1000]
-    return {"copies_waiting": len(waits), "copies_waiting_s": sum(waits) / 1e6}
+    copies = {e["args"].get("correlation"): e for e in events if e.get("cat") == "gpu_memcpy"}
+    waits = [e for e in events if e.get("name") == "cudaMemcpyAsync" and e.get("dur", 0) > 1000]
+    allocations = [e["dur"] for e in events if e.get("name") == "cudaHostAlloc"]
+
+    def described(call: dict) -> list:
+        copy = copies.get(call.get("args", {}).get("correlation"), {})
+        return [round(call["dur"] / 1e3, 2), copy.get("name"), copy.get("args", {}).get("bytes")]
+
+    return {
+        "copies_waiting": len(waits),
+        "copies_waiting_s": sum(e["dur"] for e in waits) / 1e6,
+        "copies_waiting_ms_kind_bytes": [described(e) for e in waits],
+        "host_allocations": len(allocations),
+        "host_allocations_s": sum(allocations) / 1e6,
+    }
 
 
 def main() -> None:
