@@ -23,7 +23,8 @@ def page_locked(value):
     row = value[:1] if repeated else value
     if row.numel() * row.element_size() <= STAGED_BYTES:
         return value
-    return row.pin_memory().expand(value.shape) if repeated else value.pin_memory()
+    # Contiguous: a strided source is first made contiguous by the copy itself, in pageable memory again.
+    return row.contiguous().pin_memory().expand(value.shape) if repeated else value.contiguous().pin_memory()
 
 
 def to_device(value, device):
