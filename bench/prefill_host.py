@@ -42,6 +42,7 @@ def main() -> None:
     bench_model(args.models, args.tiny)
     import handler
     from runpod_vlm.engine.intake import on_device
+    from runpod_vlm.vocabulary import GenerationParams
 
     engine = handler.get_engine()
     engine.warm_up()
@@ -49,6 +50,7 @@ def main() -> None:
     results: dict = {"engine": engine.describe(), "gpu_parity": gpu_parity(handler, engine)}
     decoder, intake = engine._current_decoder(), engine._intake_of()
     images = iter(range(3_000_000, 4_000_000))
+    one_token = GenerationParams(max_new_tokens=1, temperature=0.0, top_p=1.0, do_sample=False, min_new_tokens=1)
 
     def prepared(count: int) -> list:
         jobs = [{"task": "vqa", "question": "What is shown?", "image_url": data_uri(448, 448, next(images))}
@@ -56,7 +58,7 @@ def main() -> None:
         return [intake._prepare(handler.read_job_item(job, *handler.served_model())[1]) for job in jobs]
 
     def placed(group: list, profiler=None) -> dict:
-        params = [item_params] * len(group)
+        params = [one_token] * len(group)
         rows = decoder.free_rows()[: len(group)]
         if torch.cuda.is_available():
             torch.cuda.synchronize()
@@ -74,10 +76,6 @@ def main() -> None:
         for row in rows:
             decoder.release(row)
         return {"launch_s": launch, "done_s": done}
-
-    from runpod_vlm.vocabulary import GenerationParams
-
-    item_params = GenerationParams(max_new_tokens=1, temperature=0.0, top_p=1.0, do_sample=False, min_new_tokens=1)
 
     def measured(size: int) -> dict:
         runs = [placed(prepared(size)) for _ in range(3)]
