@@ -6,9 +6,9 @@ prefill of new 448x448 one-image items, against the time until the GPU has run i
 Random weights at Qwen2-VL-2B shapes, DEFAULT settings. For each group size, three groups of new items prepared as
 the intake prepares them, then placed as the engine places them (`on_device`, `collate`, `prefill_launch`):
 `launch_s` the call (it does not wait for the GPU), `done_s` until the GPU has finished, and the GPU's busy time
-(torch.profiler). Then the same beside threads that read and prepare other jobs, as in a burst (`beside`), and the
-16-item launch under cProfile (prefill-host-python.txt). Launch well below done: the GPU bounds the prefill; launch
-near done: the host does.
+(torch.profiler). Then the same beside threads that read and prepare other jobs, as in a burst (`beside`; they also
+make those jobs' JPEGs, which a burst's threads do not), and the 16-item launch under cProfile
+(prefill-host-python.txt). Launch well below done: the GPU bounds the prefill; launch near done: the host does.
 """
 
 from __future__ import annotations
