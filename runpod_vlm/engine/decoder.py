@@ -321,7 +321,6 @@ class PagedDecoder(Prefill):
         """Launch `steps` (at most `interval`) decode steps and the copy of their tokens to the host, without waiting
         for the GPU (`read` waits). Every busy row must hold the blocks for `steps` more tokens (`grow`). A row steps
         until it is released: one that ended in steps not yet read steps on, into block 0 past its blocks."""
-
         self._write_table()
         bucket, span = self.bucket(), self.span(steps)
         key = self._graph_key(bucket, span)

@@ -100,9 +100,12 @@ class Prefill:
                 raise ValueError(f"{grid_name}: {features} features for {tokens} placeholder tokens")
 
     def _on_device(self, inputs):
-        """`inputs` on the GPU; a graphed tower's image grids stay on the host, where the family's code reads them
-        (`.tolist()` of a GPU tensor waits for everything the GPU was given before, the prefill before this one too)
-        and the tower takes them through its helpers (vision_graphs.py)."""
+        """`inputs` on the GPU, their placeholders checked on the host first where the model's check is skipped; a
+        graphed tower's image grids stay on the host, where the family's code reads them (`.tolist()` of a GPU tensor
+        waits for everything the GPU was given before, the prefill before this one too) and the tower takes them
+        through its helpers (vision_graphs.py)."""
+        if self.vision_graphs_unit:
+            self._check_placeholders(inputs)
         kept = ("image_grid_thw", "video_grid_thw") if self.vision_graphs is not None else ()
         return on_device(inputs, self.offsets.device, kept=kept)
 
@@ -120,8 +123,6 @@ class Prefill:
         its blocks; else the whole model runs the padded batch into a scratch cache copied into the blocks."""
         position_ids = self._positions(inputs)
         kept = inputs["attention_mask"].bool().cpu()  # counted on the host: a count on the GPU waits for it
-        if self.vision_graphs_unit:
-            self._check_placeholders(inputs)
         inputs = self._on_device(inputs)
         packed = self._language_model_inputs(inputs, position_ids) if self.packs is not False else None
         self.packs = packed is not None
@@ -269,8 +270,6 @@ class Prefill:
         """A one-item prompt's embeddings and positions (`_language_model_inputs`) to enter in chunks; None
         where its family's language model takes more: prefill it whole."""
         position_ids = self._positions(inputs)
-        if self.vision_graphs_unit:
-            self._check_placeholders(inputs)
         inputs = self._on_device(inputs)
         found = self._language_model_inputs(inputs, position_ids)
         if found is None:
