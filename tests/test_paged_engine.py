@@ -567,6 +567,8 @@ def test_image_placeholders_are_counted_on_the_host(family, tiny_model, serve):
     inputs["input_ids"][0, first] = inputs["input_ids"][0, first - 1]  # one placeholder fewer
     with pytest.raises(ValueError, match="image_grid_thw"):
         decoder._check_placeholders(inputs)
+    with pytest.raises(ValueError, match="image_grid_thw"):  # the prefill itself checks, before the GPU
+        decoder.prefill(inputs, decoder.free_rows()[:1], [item.params])
 
 
 def test_the_intake_puts_pixels_for_a_gpu_in_page_locked_memory(tiny_model, serve, monkeypatch):
