@@ -124,6 +124,17 @@ def syncs(engine):
             warnings.showwarning = shown
 
 
+@contextlib.contextmanager
+def pinned_by_engine(engine):
+    """The pixels page-locked by the engine thread as it moves them, not by the intake threads."""
+    intake = engine._intake_of()
+    kept, intake.pin = intake.pin, False
+    try:
+        yield None
+    finally:
+        intake.pin = kept
+
+
 VARIANTS = {  # mode -> what it changes, as a context giving None (jobs on the handler's path) or a submitter of items
     "switch_0.1ms": switch_interval,
     "intake_1": lambda engine: intake_threads(engine, 1),
@@ -131,6 +142,7 @@ VARIANTS = {  # mode -> what it changes, as a context giving None (jobs on the h
     "read_first": read_first,
     "reads_2": images_read_two_at_a_time,
     "syncs": syncs,
+    "pinned_by_engine": pinned_by_engine,
 }
 
 
