@@ -2012,7 +2012,9 @@ class FakePagedDecoder(PagedDecoder):
     chunked prompt is fed `size` tokens a call. Every step checks that each busy row holds the blocks
     of its tokens. The tensor side of the real decoder is tested on real tiny models (tests/)."""
 
-    def __init__(self, model, eos_ids, rows, blocks, block_size, use_graph, interval, max_row_tokens=None):
+    def __init__(
+        self, model, eos_ids, rows, blocks, block_size, use_graph, interval, max_row_tokens=None, prefill_tokens=None
+    ):
         self.model, self.eos_ids, self.rows = model, set(eos_ids), rows
         self.use_graph, self.interval, self.block_size = use_graph, interval, block_size
         self.pool = BlockPool(blocks, block_size)

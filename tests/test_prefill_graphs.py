@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from runpod_vlm.answers import generate_all
+from runpod_vlm.engine import prefill_graphs as prefill_graphs_module
 from runpod_vlm.engine import varlen
 from runpod_vlm.engine.decoder import PagedDecoder
 from runpod_vlm.engine.prefill_graphs import KEY_BUCKETS, PrefillGraphs, bucket
@@ -84,6 +85,38 @@ def test_new_prompts_padded_to_a_graphs_shape_get_their_solo_tokens_run_eagerly_
     assert graphs_on_cpu == [shape]
     decoder = engine._current_decoder()
     assert decoder.pool.free == decoder.pool.capacity
+
+
+def test_prefills_beyond_the_powers_of_two_pad_to_a_multiple_of_the_step_up_to_the_budget_then_run_unpadded(
+    tiny_model, serve, monkeypatch, graphs_on_cpu
+):
+    """Past POWERS_UP_TO tokens a prefill's graph holds the next multiple of TOKEN_STEP (not the next power of two,
+    up to twice the GPU's work); a prefill whose bucket is past the step's token budget runs unpadded."""
+    monkeypatch.setattr(prefill_graphs_module, "POWERS_UP_TO", 64)
+    monkeypatch.setattr(prefill_graphs_module, "TOKEN_STEP", 40)
+    engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_TOKENS="1024", VLM_PREFIX_CACHING="false")
+    graphs = with_graphs(engine)
+    items = items_of(engine, packed_prefill_jobs())
+    solo = solo_generate(engine, items)
+    tokens = sum(outcome.prompt_tokens for outcome in solo)
+    padded = -(-tokens // 40) * 40
+    assert 64 < tokens < padded <= 1024 and padded != bucket(tokens)
+    shapes = language_model_inputs(monkeypatch, engine)
+    assert generate_all(engine, items) == solo
+    assert shapes[0][:2] == (1, padded)
+    assert wait_for(lambda: (padded, KEY_BUCKETS[0], 8) in graphs.graphs)
+    assert generate_all(engine, items) == solo and graphs_on_cpu == [(padded, KEY_BUCKETS[0], 8)]
+
+    graphs.most_tokens = padded - 40  # the budget's own bucket below this prefill's
+    shapes.clear()
+    assert generate_all(engine, items) == solo
+    assert shapes[0][:2] == (1, tokens) and len(graphs_on_cpu) == 1
+
+    graphs.most_tokens = 1024
+    monkeypatch.setattr(prefill_graphs_module, "MAX_GRAPHS", len(graphs.graphs) + len(graphs.wanted))
+    shapes.clear()  # a shape new when no more graphs may be asked for: unpadded, not padded for nothing
+    assert generate_all(engine, items[1:]) == solo[1:]
+    assert shapes[0][:2] == (1, tokens - solo[0].prompt_tokens) and not graphs.wanted
 
 
 def test_a_prompts_last_chunk_after_its_cached_prefix_attends_to_the_prefix_through_the_graphs_path(

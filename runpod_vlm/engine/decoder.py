@@ -15,7 +15,7 @@ from runpod_vlm.engine.gpu_errors import is_out_of_memory
 from runpod_vlm.engine.host_copies import to_device
 from runpod_vlm.engine.paged_attention import PagedStep, paged
 from runpod_vlm.engine.prefill import Prefill, beside_fx_traces, placeholder_counts_on_the_host
-from runpod_vlm.engine.prefill_graphs import PrefillGraphs
+from runpod_vlm.engine.prefill_graphs import GRAPH_TOKENS, PrefillGraphs
 from runpod_vlm.engine.sampling import Sampler, row_seed
 from runpod_vlm.engine.vision_graphs import VisionGraphs, tower
 
@@ -64,12 +64,15 @@ class PagedDecoder(Prefill):
         use_graph: bool,
         interval: int,
         max_row_tokens: Optional[int] = None,
+        prefill_tokens: int = GRAPH_TOKENS,
     ):
-        """`max_row_tokens`: the most one row holds (the model's context), which bounds its block table."""
+        """`max_row_tokens`: the most one row holds (the model's context), which bounds its block table;
+        `prefill_tokens`: the most tokens one prefill takes (the step's token budget)."""
         import torch
 
         with torch.inference_mode():  # like every tensor made later, on the engine or compile thread
             self._make_state(model, eos_ids, rows, blocks, block_size, use_graph, interval, max_row_tokens)
+            self._make_graphs(model, rows, use_graph, prefill_tokens)
 
     def _make_state(self, model, eos_ids, rows, blocks, block_size, use_graph, interval, max_row_tokens) -> None:
         import torch
@@ -84,13 +87,6 @@ class PagedDecoder(Prefill):
         self.unrecorded: set = set()  # keys of graphs whose recording ran out of memory: their steps run eagerly
         self.ahead: list = []  # (bucket, sampled) graphs to record while the engine is idle
         self.decode_kernel = decode_kernel.usable(model)  # else a step gathers each row's slots (span)
-        # Made before the graphs' memory pool, so that they go first at teardown (made after: an abort at exit).
-        self.prefill_graphs = PrefillGraphs(self, rows)
-        visual = tower(model)
-        self.vision_graphs = VisionGraphs(visual) if visual is not None and use_graph else None
-        if visual is not None and placeholder_counts_on_the_host(model):
-            self.vision_graphs_unit = visual.spatial_merge_size**2
-        self.graph_pool = None  # the graphs' shared memory pool, the prefills' too (each its own: GBs at 256 rows)
         self.keys: list = []  # per layer [slots, kv heads, head dim]: made at the first prefill, from its shapes
         self.values: list = []
         self.sampler = Sampler(model, eos_ids)
@@ -127,6 +123,15 @@ class PagedDecoder(Prefill):
         self.any_sample = self.any_logprobs = self.any_constrained = False
         self.capture_failures = 0  # e.g. voided by the background compile's GPU work
         self.eager_steps, self.capture_s = 0, 0.0  # steps run without a graph, seconds spent recording (benchmarks)
+
+    def _make_graphs(self, model, rows: int, use_graph: bool, prefill_tokens: int) -> None:
+        # Made before the graphs' memory pool, so that they go first at teardown (made after: an abort at exit).
+        self.prefill_graphs = PrefillGraphs(self, rows, prefill_tokens)
+        visual = tower(model)
+        self.vision_graphs = VisionGraphs(visual) if visual is not None and use_graph else None
+        if visual is not None and placeholder_counts_on_the_host(model):
+            self.vision_graphs_unit = visual.spatial_merge_size**2
+        self.graph_pool = None  # the graphs' shared memory pool, the prefills' too (each its own: GBs at 256 rows)
 
     # ---- blocks -----------------------------------------------------------------------------
 

@@ -468,12 +468,13 @@ class Engine(Admission, BackgroundCompile):
             use_graph=use_graph,
             interval=self.settings.sync_interval,
             max_row_tokens=self.context_length,
+            prefill_tokens=self.settings.max_batch_tokens,
         )
         decoder.capture_lock = self._capture_lock
         return decoder
 
     def _kv_pool_blocks(self) -> int:
-        graph_tokens = GRAPH_TOKENS if self.use_graphs else 0
+        graph_tokens = min(GRAPH_TOKENS, self.settings.max_batch_tokens) if self.use_graphs else 0
         return max(2, kv_pool_tokens(self.model, self.settings, self.dtype, graph_tokens) // BLOCK_SIZE + 1)
 
     def warm_up(self) -> None:

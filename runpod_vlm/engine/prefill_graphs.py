@@ -1,13 +1,16 @@
-"""Short prefills replayed as CUDA graphs: new prompts packed together, or a prompt's last chunk after its cached
-prefix, of up to `GRAPH_TOKENS` tokens. Run eagerly, such a prefill costs the host 25-32 ms whatever its size (the
-decoder's kernels launched one by one through Python, bench/results/profile-prefill-layers.json); a graph launches
-them all at once.
+"""Prefills replayed as CUDA graphs: new prompts packed together, or a prompt's last chunk after its cached prefix,
+of up to `GRAPH_TOKENS` tokens (the step's default token budget). Run eagerly, a prefill costs the host 25-32 ms
+whatever its size up to 4,000 tokens (the decoder's kernels launched one by one through Python, or a compiled layer's
+four graphs, bench/results/profile-prefill-layers.json), and two to three times that in a burst, where the reading and
+intake threads take the GIL between its launches; a graph launches them all at once.
 
-A graph has fixed shapes, so a prefill is padded to buckets: its tokens to a power of two (the padding one more
-sequence, whose keys and values go to block 0, never handed out), the keys it reads back from the pool to one of
-`KEY_BUCKETS`, its sequences' starts to a power of two (zero-length ones at the end). The first prefill of a shape
-runs the same padded forward eagerly and asks for its graph, which the decoder records while the engine is idle
-(`PagedDecoder.capture_one_ahead`); a single prompt's shapes of up to 1,024 keys are asked for at the first prefill."""
+A graph has fixed shapes, so a prefill is padded to buckets: its tokens to a power of two up to `POWERS_UP_TO`, to a
+multiple of `TOKEN_STEP` beyond (the padding one more sequence, whose keys and values go to block 0, never handed out),
+the keys it reads back from the pool to one of `KEY_BUCKETS`, its sequences' starts to a power of two (zero-length
+ones at the end). The first prefill of a shape runs the same padded forward eagerly and asks for its graph, which the
+decoder records while the engine is idle (`PagedDecoder.capture_one_ahead`); a single prompt's shapes of up to 1,024
+keys are asked for at the first prefill. All graphs share one memory pool: it holds the largest one's work memory,
+which the KV pool's sizing sets aside (`memory.measured_work_memory`)."""
 
 from __future__ import annotations
 
@@ -15,11 +18,12 @@ import types
 
 from runpod_vlm.engine.paged_attention import PagedStep
 
-GRAPH_TOKENS = 2048  # from 3,072 tokens the prefill's layers run compiled (compile.COMPILED_PREFILL_FROM_TOKENS)
+GRAPH_TOKENS = 8192  # settings.max_batch_tokens' default; from 3,072 tokens the recorded layers are the compiled ones
+POWERS_UP_TO, TOKEN_STEP = 2048, 1024  # beyond 2,048 tokens a power of two would pad up to twice the GPU's work
 # Few, so that a chat's turns share their graphs: reading back a whole bucket of slots (block 0's past the keys) costs
 # little beside the layers (16,384 slots: 16 MB a layer at the 2B's shapes).
 KEY_BUCKETS = (1024, 4096, 16384)  # a longer cached prefix's last chunk runs eagerly
-MAX_GRAPHS = 48  # shapes recorded at most; others run padded, eagerly
+MAX_GRAPHS = 48  # shapes recorded at most; others run unpadded
 SMALLEST = 64
 
 
@@ -29,6 +33,11 @@ def bucket(count: int, smallest: int = SMALLEST) -> int:
     while size < count:
         size *= 2
     return size
+
+
+def token_bucket(tokens: int) -> int:
+    """The tokens of the graph that holds a prefill of `tokens`."""
+    return bucket(tokens) if tokens <= POWERS_UP_TO else -(-tokens // TOKEN_STEP) * TOKEN_STEP
 
 
 def key_bucket(keys: int) -> int:
@@ -96,16 +105,31 @@ class PrefillGraphs(ShapeGraphs):
 
     kind = "prefill"
 
-    def __init__(self, decoder, rows: int):
+    def __init__(self, decoder, rows: int, tokens: int = GRAPH_TOKENS):
+        """`tokens`: the most a recorded prefill takes (the step's token budget, GRAPH_TOKENS at most)."""
         super().__init__()
         self.decoder = decoder  # the PagedDecoder whose pool and language model the prefills run
+        self.most_tokens = token_bucket(min(tokens, GRAPH_TOKENS))
         self.sequences = bucket(rows + 1, 2)  # the most starts a prefill takes, its padding's included
         # a single prompt's shapes of 64 to 1,024 tokens and up to 1,024 keys, then those met
         self.wanted = [(SMALLEST * 2**n, KEY_BUCKETS[0], 2) for n in range(5)]
         self.buffers = None
 
+    def shape(self, tokens: int, keys: int, sequences: int) -> tuple:
+        """The graph's shape that holds a prefill of `tokens` new tokens reading `keys` keys, of `sequences`."""
+        return token_bucket(tokens), key_bucket(keys), bucket(sequences + 1, 2)
+
     def fits(self, tokens: int, keys: int, sequences: int) -> bool:
-        return self.failures < 3 and tokens <= GRAPH_TOKENS and keys <= KEY_BUCKETS[-1] and sequences < self.sequences
+        """Whether a prefill of this size has its graph, or may ask for one (others run unpadded)."""
+        shape = self.shape(tokens, keys, sequences)
+        known = shape in self.graphs or shape in self.wanted or len(self.graphs) + len(self.wanted) < MAX_GRAPHS
+        return (
+            self.failures < 3
+            and shape[0] <= self.most_tokens
+            and keys <= KEY_BUCKETS[-1]
+            and sequences < self.sequences
+            and known
+        )
 
     def run(self, embeds, positions, slots, key_slots, lengths: list[int], key_lengths: list[int]):
         """The language model's last hidden states [1, tokens, hidden] for `embeds` [1, tokens, hidden] at
@@ -114,8 +138,8 @@ class PrefillGraphs(ShapeGraphs):
         its new tokens)."""
         import torch
 
-        tokens, keys = len(slots), len(key_slots)
-        shape = bucket(tokens), key_bucket(keys), bucket(len(lengths) + 1, 2)
+        tokens = len(slots)
+        shape = self.shape(tokens, len(key_slots), len(lengths))
         padded_tokens, padded_keys, sequences = shape
         held = self._buffers(embeds, positions)
         for buffer, value, padded in (
@@ -134,7 +158,7 @@ class PrefillGraphs(ShapeGraphs):
             graph.replay()
         else:
             self._forward(shape)
-            if shape not in self.wanted and len(self.graphs) + len(self.wanted) < MAX_GRAPHS:
+            if shape not in self.wanted:
                 self.wanted.append(shape)
         return held.hidden[:, :tokens]
 
@@ -145,12 +169,12 @@ class PrefillGraphs(ShapeGraphs):
             device, hidden = embeds.device, embeds.shape[-1]
             zeros = lambda *shape, dtype=torch.long: torch.zeros(shape, dtype=dtype, device=device)  # noqa: E731
             self.buffers = types.SimpleNamespace(
-                embeds=zeros(1, GRAPH_TOKENS, hidden, dtype=embeds.dtype),
-                positions=zeros(*positions.shape[:-1], GRAPH_TOKENS, dtype=positions.dtype),
-                slots=zeros(GRAPH_TOKENS),
+                embeds=zeros(1, self.most_tokens, hidden, dtype=embeds.dtype),
+                positions=zeros(*positions.shape[:-1], self.most_tokens, dtype=positions.dtype),
+                slots=zeros(self.most_tokens),
                 key_slots=zeros(KEY_BUCKETS[-1]),
                 starts=zeros(2, self.sequences + 1, dtype=torch.int32),  # the queries', then the keys'
-                hidden=zeros(1, GRAPH_TOKENS, hidden, dtype=embeds.dtype),
+                hidden=zeros(1, self.most_tokens, hidden, dtype=embeds.dtype),
             )
         return self.buffers
 
