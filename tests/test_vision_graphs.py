@@ -16,6 +16,7 @@ import torch
 
 from runpod_vlm.answers import generate_all
 from runpod_vlm.engine import varlen
+from runpod_vlm.engine import vision_graphs as vision_graphs_module
 from runpod_vlm.engine.compile import model_view
 from runpod_vlm.engine.vision_graphs import VisionGraphs, padded_patches, tower
 from sample_images import striped
@@ -69,6 +70,36 @@ def test_a_padded_pass_gives_the_towers_own_features(tiny_model, serve, gpu_layo
     patches = expected.shape[0] * graphs.unit  # a feature merges `unit` patches
     assert shape[0] == padded_patches(patches) > patches
     assert torch.allclose(padded, expected, atol=1e-5)
+
+
+def test_a_large_pass_pads_to_a_coarser_step_and_one_past_the_most_patches_runs_unrecorded(
+    tiny_model, serve, gpu_layout, monkeypatch
+):
+    """Beyond COMPILED_FROM_PATCHES a pass pads to a multiple of LARGE_STEP, its pixels in the shared buffer's first
+    rows, and gives the tower's own features; one whose padded patches pass MOST_PATCHES is not recorded."""
+    engine = serve(tiny_model("qwen2-vl"))
+    sizes = [(64, 48), (96, 64), (48, 80)]
+    expected = image_features(engine, sizes)
+    patches = expected.shape[0] * 4  # 2x2 patches a feature
+    monkeypatch.setattr(vision_graphs_module, "COMPILED_FROM_PATCHES", 32)
+    monkeypatch.setattr(vision_graphs_module, "LARGE_STEP", 40)
+    monkeypatch.setattr(vision_graphs_module, "SMALLEST", 8)
+    padded = -(-patches // 40) * 40
+    assert 32 < patches < padded < vision_graphs_module.STEP
+    monkeypatch.setattr(vision_graphs_module, "MOST_PATCHES", padded)
+    graphs = graphed(engine)
+    with graphs.engaged():
+        features = image_features(engine, sizes)
+    ((shape, entry),) = graphs.entries.items()
+    assert shape[0] == padded and entry.pixels.data_ptr() == graphs.pixels.data_ptr()
+    assert torch.allclose(features, expected, atol=1e-5)
+
+    monkeypatch.setattr(vision_graphs_module, "MOST_PATCHES", padded - 40)
+    through = []
+    monkeypatch.setattr(graphs, "_unrecorded", lambda *args: through.append(1) or graphs.through_helpers(*args))
+    with graphs.engaged():
+        assert torch.allclose(image_features(engine, sizes), expected, atol=1e-5)
+    assert through and graphs.passes == 1
 
 
 @pytest.mark.parametrize("family", PACKED_FAMILIES)

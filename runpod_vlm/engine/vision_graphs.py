@@ -1,15 +1,16 @@
-"""A packed vision tower's small passes replayed as CUDA graphs (Qwen2-VL, Qwen2.5-VL, Qwen3-VL). Below
-`COMPILED_FROM_PATCHES` patches the tower runs eagerly: one 448x448 image is about 700 kernel launches through
-Python, ~20 ms of the engine thread for ~3.5 ms of GPU work, and several times that while other threads take the
-GIL between launches (bench/README.md, eighth session). A graph launches them at once.
+"""A packed vision tower's passes replayed as CUDA graphs (Qwen2-VL, Qwen2.5-VL, Qwen3-VL). Eagerly, one 448x448
+image is about 700 kernel launches through Python, ~20 ms of the engine thread for ~3.5 ms of GPU work, and several
+times that while other threads take the GIL between launches (bench/README.md, eighth session); compiled, a pass of
+many images still costs the host about as much. A graph launches them at once.
 
-A graph has fixed shapes, so a pass is padded: its patches to a multiple of 512, the padding one more image
-(attending only to itself, its features dropped). What the tower computes from its images' grid with host
-syncs (where each image starts, each patch's row and column, Qwen2.5-VL's windows, Qwen3-VL's interpolation) is
-computed for the padded grid by transformers' own helpers, as its exporters precompute them, and handed to the
-tower, so that nothing in the recorded pass reads the grid. The lists of starts are padded with empty images to a
-power of two. The first pass of a shape runs padded, eagerly, and asks for its graph, recorded while the engine is
-idle (`PagedDecoder.capture_one_ahead`)."""
+A graph has fixed shapes, so a pass is padded: its patches to a multiple of STEP (of LARGE_STEP beyond
+`COMPILED_FROM_PATCHES`), the padding one more image (attending only to itself, its features dropped). What the tower
+computes from its images' grid with host syncs (where each image starts, each patch's row and column, Qwen2.5-VL's
+windows, Qwen3-VL's interpolation) is computed for the padded grid by transformers' own helpers, as its exporters
+precompute them, and handed to the tower, so that nothing in the recorded pass reads the grid. The lists of starts
+are padded with empty images to a power of two. The first pass of a shape runs padded, eagerly (or compiled), and
+asks for its graph, recorded while the engine is idle (`PagedDecoder.capture_one_ahead`). Every shape reads its
+pixels from one buffer of MOST_PATCHES rows."""
 
 from __future__ import annotations
 
@@ -31,11 +32,13 @@ MAX_GRAPHS = 24
 HELD_GRIDS = 64  # padded grids whose helpers are kept: 0.3-1.4 ms of host work a pass, the same for same-sized images
 # Patches padded to a multiple of STEP (SMALLEST at least): padded to powers of two, three 448x448 images (3,072
 # patches) replayed at 4,096 took 24 ms where their eager pass took 19 (bench/results/vision-graphs-powers-of-two.json).
-SMALLEST, STEP = 256, 512
+SMALLEST, STEP, LARGE_STEP = 256, 512, 1024
+MOST_PATCHES = 32768  # a step's default budget of 8,192 tokens (prefill_graphs.GRAPH_TOKENS), each of 2x2 patches
 
 
 def padded_patches(patches: int) -> int:
-    return max(SMALLEST, -(-patches // STEP) * STEP)
+    step = STEP if patches <= COMPILED_FROM_PATCHES else LARGE_STEP
+    return max(SMALLEST, -(-patches // step) * step)
 
 
 def tower(model):
@@ -62,6 +65,7 @@ class VisionGraphs(ShapeGraphs):
         self.precompute = precompute_export_inputs
         self.unit = visual.spatial_merge_size**2  # patches merged into one feature
         self.entries: dict = {}  # shape -> its buffers and its pass's output
+        self.pixels = None  # every shape's pixels: the first rows of one buffer (made at the first pass)
         self.grids: collections.OrderedDict = collections.OrderedDict()  # (grid, padded) -> helpers, last used last
         self.passes = self.replays = 0  # passes through here, and of them those replayed (benchmarks)
         self._engaged: int | None = None  # the thread whose passes go through here
@@ -80,7 +84,7 @@ class VisionGraphs(ShapeGraphs):
         """The tower's pass: padded and replayed (or run padded, its graph asked for), else its own forward."""
         patches = hidden_states.shape[0]
         plain = kwargs in ({}, {"return_dict": True})  # as Qwen2-VL and Qwen3-VL call it: their output class
-        graphable = plain and varlen.takes(hidden_states) and patches <= COMPILED_FROM_PATCHES  # else host syncs
+        graphable = plain and varlen.takes(hidden_states) and padded_patches(patches) <= MOST_PATCHES
         if not graphable or self._engaged != threading.get_ident() or self.failures >= 3:
             return self._unrecorded(hidden_states, grid_thw, kwargs)
         padded = padded_patches(patches)
@@ -156,7 +160,11 @@ class VisionGraphs(ShapeGraphs):
         import torch
 
         device = hidden_states.device
-        pixels = torch.zeros((padded, *hidden_states.shape[1:]), dtype=hidden_states.dtype, device=device)
+        if self.pixels is None:
+            self.pixels = torch.zeros(
+                (MOST_PATCHES, *hidden_states.shape[1:]), dtype=hidden_states.dtype, device=device
+            )
+        pixels = self.pixels[:padded]
         tensors = {name: to_device(value, device) for name, value in helpers.items() if torch.is_tensor(value)}
         ints = {name: value for name, value in helpers.items() if not torch.is_tensor(value)}
         return types.SimpleNamespace(pixels=pixels, tensors=tensors, ints=ints, output=None)
