@@ -334,7 +334,22 @@ def main() -> None:
         finally:
             spans.unwrap()
         results[run] = result
+        results["graphs"] = graphs_recorded(engine)
+        print("graphs", json.dumps(results["graphs"]))
         (out / "timeline.json").write_text(json.dumps(results, indent=1))
+
+
+def graphs_recorded(engine) -> dict:
+    """The prefill's and the vision tower's graphs recorded so far: their shapes, failures, and the passes replayed."""
+    decoder = engine._current_decoder()
+    found = {}
+    for kind, graphs in (("prefill", decoder.prefill_graphs), ("vision", decoder.vision_graphs)):
+        if graphs is not None:
+            shapes = [shape if kind == "prefill" else shape[0] for shape in graphs.graphs]
+            found[kind] = {"shapes": sorted(shapes), "wanted": len(graphs.wanted), "failures": graphs.failures}
+    if decoder.vision_graphs is not None:
+        found["vision"].update(passes=decoder.vision_graphs.passes, replays=decoder.vision_graphs.replays)
+    return found
 
 
 def python_profiled(engine, jobs: list[dict], path: Path) -> dict:
