@@ -258,6 +258,7 @@ def main() -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     folder = Path(args.models) / "qwen2-vl-2b"
     if not (folder / "config.json").exists():
         tiny_models.build("qwen2-vl", folder, "qwen2-vl-2b", device="cuda", dtype="bf16")
