@@ -14,7 +14,7 @@ from runpod_vlm.answers import generate_all
 from runpod_vlm.engine import prefill_graphs as prefill_graphs_module
 from runpod_vlm.engine import varlen
 from runpod_vlm.engine.decoder import PagedDecoder
-from runpod_vlm.engine.prefill_graphs import KEY_BUCKETS, PrefillGraphs, bucket
+from runpod_vlm.engine.prefill_graphs import KEY_BUCKETS, PrefillGraphs, bucket, key_bucket
 from test_paged_engine import items_of, language_model_inputs, packed_prefill_jobs, solo_generate
 from test_prefill_compile import vqa
 from test_vision_compile import wait_for
@@ -117,6 +117,30 @@ def test_prefills_beyond_the_powers_of_two_pad_to_a_multiple_of_the_step_up_to_t
     shapes.clear()  # a shape new when no more graphs may be asked for: unpadded, not padded for nothing
     assert generate_all(engine, items[1:]) == solo[1:]
     assert shapes[0][:2] == (1, tokens - solo[0].prompt_tokens) and not graphs.wanted
+
+
+def test_a_bursts_shapes_are_recorded_ahead_after_a_pass_over_the_padding_alone(
+    tiny_model, serve, monkeypatch, graphs_on_cpu
+):
+    """The shapes of a burst's groups are asked for at the first prefill, each recorded after a pass of its own
+    shape that writes only block 0: a cached prompt's blocks (the buffers' last prefill) answer as before."""
+    monkeypatch.setattr(prefill_graphs_module, "POWERS_UP_TO", 64)
+    monkeypatch.setattr(prefill_graphs_module, "TOKEN_STEP", 400)
+    monkeypatch.setattr(prefill_graphs_module, "BURST_FROM", 400)
+    engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_TOKENS="1024")
+    graphs = with_graphs(engine)
+    ahead = [(tokens, key_bucket(tokens), sequences) for tokens in (400, 800, 1200) for sequences in (16, 32)]
+    assert graphs.wanted[5:] == ahead
+    items = items_of(engine, [vqa((64, 48), "What is in the picture, and why? Say it in many words.", 8)])
+    solo = solo_generate(engine, items)
+    warmed: list = []
+    real = PrefillGraphs._forward
+    monkeypatch.setattr(PrefillGraphs, "_forward", lambda self, shape: warmed.append(shape) or real(self, shape))
+    assert generate_all(engine, items) == solo
+    assert wait_for(lambda: not graphs.wanted)
+    assert set(ahead) <= set(graphs.graphs) and set(ahead) <= set(warmed)
+    assert generate_all(engine, items) == solo  # its prompt read back from its cached blocks
+    assert engine.timings["prefix_cached_tokens"] > 0
 
 
 def test_a_prompts_last_chunk_after_its_cached_prefix_attends_to_the_prefix_through_the_graphs_path(

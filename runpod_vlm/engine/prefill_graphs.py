@@ -24,6 +24,9 @@ POWERS_UP_TO, TOKEN_STEP = 2048, 1024  # beyond 2,048 tokens a power of two woul
 # little beside the layers (16,384 slots: 16 MB a layer at the 2B's shapes).
 KEY_BUCKETS = (1024, 4096, 16384)  # a longer cached prefix's last chunk runs eagerly
 MAX_GRAPHS = 48  # shapes recorded at most; others run unpadded
+# Groups of new prompts as a burst brings them (3,072 tokens up to the budget; 8 to 31 prompts) are asked for at the
+# first prefill too: a worker started by load meets a burst at once, and a shape's first pass runs padded, eagerly.
+BURST_FROM, BURST_SEQUENCES = 3072, (16, 32)
 SMALLEST = 64
 
 
@@ -71,6 +74,9 @@ class ShapeGraphs:
         """Whether a pass of `shape` ran (its buffers exist)."""
         raise NotImplementedError
 
+    def _warm_up(self, shape: tuple) -> None:
+        """Before recording `shape`: a pass of it, if none ran (a shape asked for ahead)."""
+
     def capture_one(self, pool) -> None:
         """Record the first wanted shape's graph into the memory `pool`."""
         import time
@@ -80,6 +86,7 @@ class ShapeGraphs:
             return
         started = time.perf_counter()
         try:
+            self._warm_up(shape)
             self.graphs[shape] = self._record(shape, pool)
         except Exception:
             self.failures += 1
@@ -91,7 +98,7 @@ class ShapeGraphs:
 
     def _record(self, shape: tuple, pool):
         """No warm-up runs: each would cost the engine as much as the recording (the host's time), and the kernels
-        are loaded (the shape's eager pass ran before its graph was asked for)."""
+        are loaded (the shape's eager pass ran before its graph was asked for, or `_warm_up`'s)."""
         import torch
 
         graph = torch.cuda.CUDAGraph()
@@ -111,8 +118,15 @@ class PrefillGraphs(ShapeGraphs):
         self.decoder = decoder  # the PagedDecoder whose pool and language model the prefills run
         self.most_tokens = token_bucket(min(tokens, GRAPH_TOKENS))
         self.sequences = bucket(rows + 1, 2)  # the most starts a prefill takes, its padding's included
-        # a single prompt's shapes of 64 to 1,024 tokens and up to 1,024 keys, then those met
+        # a single prompt's shapes of 64 to 1,024 tokens and up to 1,024 keys, a burst's, then those met
         self.wanted = [(SMALLEST * 2**n, KEY_BUCKETS[0], 2) for n in range(5)]
+        self.wanted += [
+            (tokens, key_bucket(tokens), sequences)
+            for tokens in range(BURST_FROM, self.most_tokens + 1, TOKEN_STEP)
+            for sequences in BURST_SEQUENCES
+            if sequences <= self.sequences
+        ]
+        self.met: set = set()  # shapes whose pass ran (their kernels loaded)
         self.buffers = None
 
     def shape(self, tokens: int, keys: int, sequences: int) -> tuple:
@@ -158,9 +172,27 @@ class PrefillGraphs(ShapeGraphs):
             graph.replay()
         else:
             self._forward(shape)
+            self.met.add(shape)
             if shape not in self.wanted:
                 self.wanted.append(shape)
         return held.hidden[:, :tokens]
+
+    def _warm_up(self, shape: tuple) -> None:
+        """A pass of a shape asked for ahead, before its recording loads its kernels: over the padding alone (one
+        sequence of every token, reading and writing block 0's first slot, never handed out), not over the buffers'
+        last prefill, whose slots are a live row's or a cached prefix's."""
+        import torch
+
+        if shape in self.met:
+            return
+        padded_tokens, padded_keys, sequences = shape
+        held = self.buffers
+        held.slots[:padded_tokens].zero_()
+        held.key_slots[:padded_keys].zero_()
+        starts = [_starts([], padded_tokens, sequences + 1), _starts([], padded_keys, sequences + 1)]
+        held.starts[:, : sequences + 1].copy_(torch.tensor(starts, dtype=torch.int32))
+        self._forward(shape)
+        self.met.add(shape)
 
     def _buffers(self, embeds, positions) -> types.SimpleNamespace:
         import torch
