@@ -6,6 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
+import threading
+import weakref
 
 import pytest
 import torch
@@ -14,8 +17,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import handler
 from runpod_vlm.answers import generate_all
 from runpod_vlm.engine import admission, varlen
+from runpod_vlm.vocabulary import StreamDelta
 from sample_images import data_uri, striped
-from test_vision_compile import block_diagonal_varlen
+from test_vision_compile import block_diagonal_varlen, wait_for
 from tiny_models import FAMILIES
 
 LONG_TEXT = " ".join(f"word{n}" for n in range(40))  # about 300 tokens: more than one chunk at a 256 budget
@@ -392,6 +396,26 @@ def test_a_row_frees_its_blocks_at_its_own_end(tiny_model, serve):
     results = asyncio.run(run())
     assert finished[-1] == "long" and all(r.completion_tokens for r in results)
     assert results[1:] == solo_generate(engine, short_items)
+
+
+def test_a_finished_items_ticket_and_prepared_pixels_go_without_the_cycle_collector(tiny_model, serve):
+    """Nothing of an answered item outlives it until a garbage collection: on the GPU its page-locked pixels go back
+    to the host's cache for the next burst, where waiting for the collector made every burst allocate new ones."""
+    engine = serve(tiny_model("qwen2-vl"))
+    image = {"task": "vqa", "image_url": data_uri(striped((64, 48))), "question": "What?", "max_new_tokens": 3}
+    (item,) = items_of(engine, [image])
+    done = threading.Event()
+    gc.collect()
+    gc.disable()
+    try:
+        ticket = engine.submit(item, lambda event: isinstance(event, StreamDelta) or done.set())
+        assert done.wait(60)
+        pixels = ticket.prepared.result()[0]["pixel_values"]
+        gone = [weakref.ref(ticket), weakref.ref(pixels)]
+        del ticket, pixels
+        assert wait_for(lambda: all(ref() is None for ref in gone))
+    finally:
+        gc.enable()
 
 
 def test_a_request_the_whole_pool_cannot_hold_fails_alone_with_out_of_memory(tiny_model, serve):

@@ -191,8 +191,9 @@ class Engine(Admission, BackgroundCompile):
         if not queued:
             return tickets
         if self.continuous:
+            call = object()  # the items of one call are admitted together
             for ticket in queued:
-                ticket.call = queued[0]  # the items of one call are admitted together
+                ticket.call = call
                 ticket.prepared = self._intake_of().submit(ticket.item, self._notify)
         with self._wake:
             self._queue.extend(queued)
@@ -286,6 +287,7 @@ class Engine(Admission, BackgroundCompile):
                 self._fail_all(GENERATION_FAILED, queued=not self._rows)  # else the same failure would come again
             finally:
                 self.timings["busy_s"] += time.perf_counter() - started  # the engine thread's time not waiting
+                waiting = earlier = None  # nothing of an answered item held while the thread waits
 
     def _take(self, tickets: list[Ticket]) -> None:
         with self._wake:

@@ -23,7 +23,9 @@ class Ticket:
         self.logprobs: list = []  # (logprob, top ids, top logprobs) per id, when the item asked for them
         self.matcher = None  # its grammar's state, when the item asked for structured output
         self.prepared = None  # a Future of its inputs on the CPU and input size (continuous batching)
-        self.call: Optional[Ticket] = None  # the first ticket of the submit call it came in
+        # What the tickets of its submit call share; not one of them: a ticket naming itself would wait for the
+        # cycle collector, its inputs' page-locked pixels too (new ones allocated for every burst meanwhile).
+        self.call: Optional[object] = None
         self.prompt_tokens, self.input_size = 0, None
         self.admitted = 0  # its admission's number (the newest row is preempted first)
         self.prefix: list[bytes] = []  # the digests of its prompt's full blocks (prefix caching), once placed
