@@ -173,7 +173,7 @@ def _shrink_phi3_vision(config: dict, out: Path) -> str:
 
 def _shrink_minicpm_v(config: dict, out: Path) -> str:
     if not (out / "tokenizer_config.json").is_file():  # a byte-level stand-in for its Qwen2 vocabulary
-        from tiny_models import byte_level_tokenizer
+        from tiny_families.tokenizer import byte_level_tokenizer
 
         tokenizer = byte_level_tokenizer(MINICPM_SPECIAL, eos="<|im_end|>", pad="<|endoftext|>", unk="<unk>")
         tokenizer.chat_template = CHATML_TEMPLATE
