@@ -7,7 +7,8 @@ Random weights at Qwen2-VL-2B shapes, DEFAULT settings, jobs on the handler's pa
 `uniform` 64 x 448x448 x 128 tokens, `mixed` 64 mixed jobs, `images` 64 one-token jobs of a new 448x448
 image. Each is run on new images: first and again with spans only (timeline.json); with each of VARIANTS (Python's
 GIL switch interval at 0.1 ms, one or four intake threads, the jobs read beforehand, two jobs' images read at a
-time; `syncs`: each operation of the engine thread that waited for the GPU, counted by its stack); the uniform
+time, the pixels page-locked by the engine thread; `syncs`: each operation of the engine thread that waited for the
+GPU, counted by its stack); the prefill's and the vision tower's graphs recorded; the uniform
 run under torch.profiler (the GPU's busy time; its trace as timeline-uniform-trace.json.gz); and with the engine
 loop under cProfile (timeline-RUN-python.txt; on Python 3.12 it sees every thread while enabled).
 """
