@@ -72,12 +72,14 @@ def test_a_padded_pass_gives_the_towers_own_features(tiny_model, serve, gpu_layo
     assert torch.allclose(padded, expected, atol=1e-5)
 
 
+@pytest.mark.parametrize("family", PACKED_FAMILIES)
 def test_a_large_pass_pads_to_a_coarser_step_and_one_past_the_most_patches_runs_unrecorded(
-    tiny_model, serve, gpu_layout, monkeypatch
+    tiny_model, serve, gpu_layout, monkeypatch, family
 ):
     """Beyond COMPILED_FROM_PATCHES a pass pads to a multiple of LARGE_STEP, its pixels in the shared buffer's first
-    rows, and gives the tower's own features; one whose padded patches pass MOST_PATCHES is not recorded."""
-    engine = serve(tiny_model("qwen2-vl"))
+    rows, and gives the tower's own features (Qwen2.5-VL's windows, Qwen3-VL's positions too); one whose padded
+    patches pass MOST_PATCHES is not recorded."""
+    engine = serve(tiny_model(family))
     sizes = [(64, 48), (96, 64), (48, 80)]
     expected = image_features(engine, sizes)
     patches = expected.shape[0] * 4  # 2x2 patches a feature
