@@ -5,6 +5,7 @@ forward from the same buffers (bench/paged.py checks the GPU's)."""
 
 from __future__ import annotations
 
+import time
 import types
 
 import pytest
@@ -54,6 +55,7 @@ def graphs_on_cpu(monkeypatch):
     monkeypatch.setattr(varlen, "takes", lambda query: True)
     monkeypatch.setattr(varlen, "kernel", lambda: varlen_reference)
     monkeypatch.setattr(PrefillGraphs, "_record", record)
+    monkeypatch.setattr(prefill_graphs_module, "BURST_FROM", 10**9)  # a burst's shapes: seconds each on the CPU
     monkeypatch.setattr(PagedDecoder, "_capture", lambda self, bucket, span: None)
     monkeypatch.setattr(PagedDecoder, "_graph_memory", lambda self: None)
     return replayed
@@ -143,6 +145,30 @@ def test_a_bursts_shapes_are_recorded_ahead_after_a_pass_over_the_padding_alone(
     assert engine.timings["prefix_cached_tokens"] > 0
 
 
+def test_no_prefill_graph_is_recorded_while_a_shape_compiles_and_the_shapes_asked_for_wait(
+    tiny_model, serve, monkeypatch, graphs_on_cpu
+):
+    """A worker's first request meets the background compile: while it holds the GPU nothing is recorded, and the
+    shapes asked for stay wanted (before, they were dropped: a burst's shapes asked for ahead would be lost), the
+    engine thread waiting, not spinning, until the compile lets go and wakes it."""
+    engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_TOKENS="1024")  # no burst's shapes: long on the CPU
+    graphs = with_graphs(engine)
+    wanted = list(graphs.wanted)
+    items = items_of(engine, [vqa((64, 48), "What?", 2)])
+    tries: list = []
+    real = engine._current_decoder().capture_one_ahead
+    monkeypatch.setattr(engine._current_decoder(), "capture_one_ahead", lambda: tries.append(1) or real())
+    with engine._capture_lock:
+        assert generate_all(engine, items) == solo_generate(engine, items)
+        time.sleep(0.3)
+        assert not graphs.graphs and set(wanted) <= set(graphs.wanted) and len(tries) < 5
+        engine._current_decoder()._capture_pass()  # the compile took the GPU after the engine thread looked
+        assert set(wanted) <= set(graphs.wanted)
+    with engine._wake:
+        engine._wake.notify()  # as the compile does when it is done
+    assert wait_for(lambda: set(wanted) <= set(graphs.graphs))
+
+
 def test_a_prompts_last_chunk_after_its_cached_prefix_attends_to_the_prefix_through_the_graphs_path(
     tiny_model, serve, monkeypatch, graphs_on_cpu
 ):
@@ -194,17 +220,3 @@ def test_a_shape_that_cannot_be_recorded_runs_eagerly_and_three_failures_end_the
     before = len(padded)
     assert generate_all(engine, items) == solo
     assert len(padded) == before and not graphs.graphs  # the prefills ran the unpadded path
-
-
-def test_no_prefill_graph_is_recorded_while_a_shape_compiles(tiny_model, serve, graphs_on_cpu):
-    """While the background compile holds the GPU the shapes asked for are dropped, not recorded; a prefill that
-    meets one again asks for it again."""
-    engine = serve(tiny_model("qwen2-vl"), VLM_PREFIX_CACHING="false")
-    graphs = with_graphs(engine)
-    items = items_of(engine, packed_prefill_jobs()[1:2])
-    with engine._capture_lock:
-        held = generate_all(engine, items)
-        assert wait_for(lambda: not graphs.wanted)
-        assert not graphs.graphs
-    assert generate_all(engine, items) == held
-    assert wait_for(lambda: len(graphs.graphs) == 1)

@@ -415,9 +415,11 @@ class PagedDecoder(Prefill):
             self.ahead.extend((bucket, sample) for sample in (False, True))
 
     def captures_ahead_due(self) -> bool:
-        """Whether `capture_one_ahead` has one to record: the KV pool exists (made by the first prefill)."""
+        """Whether `capture_one_ahead` has one to record: the KV pool exists (made by the first prefill), and the
+        background compile does not hold the GPU (the engine thread would spin; it is woken when a shape compiled)."""
         wanted = self.ahead or any(graphs is not None and graphs.wanted for graphs in self._pass_graphs())
-        return bool(wanted and self.use_graph and self.keys and self.position is not None)
+        compiling = self.capture_lock is not None and self.capture_lock.locked()
+        return bool(wanted and self.use_graph and self.keys and self.position is not None and not compiling)
 
     def capture_one_ahead(self) -> None:
         """Record one graph `capture_ahead` asked for, else one of a vision pass's or a prefill's shape met (one at a
@@ -430,8 +432,8 @@ class PagedDecoder(Prefill):
         flags = self.any_sample, self.any_logprobs, self.any_constrained
         self.any_sample, self.any_logprobs, self.any_constrained = sample, False, False
         try:
-            if self._graph_key(bucket, 0) not in self.graphs:
-                self._capture_unless_compiling(bucket, 0)
+            if self._graph_key(bucket, 0) not in self.graphs and not self._capture_unless_compiling(bucket, 0):
+                self.ahead.insert(0, (bucket, sample))  # the compile took the GPU meanwhile: later
         except Exception:  # captured again when a step needs it
             log.warning("CUDA graph capture ahead of the %d-row steps failed", bucket, exc_info=True)
         finally:
@@ -441,12 +443,12 @@ class PagedDecoder(Prefill):
         return self.vision_graphs, self.prefill_graphs
 
     def _capture_pass(self) -> None:
-        """Record a vision pass's or a prefill's graph of a shape met, unless the background compile holds the GPU
-        (then it is asked for again when a pass meets the shape)."""
+        """Record a vision pass's or a prefill's graph of a shape met or asked for ahead, unless the background
+        compile holds the GPU (then later: a worker's first request meets the compile, and a burst's shapes asked for
+        ahead are recorded once it is done)."""
         graphs = next(graphs for graphs in self._pass_graphs() if graphs is not None and graphs.wanted)
         try:
-            if not self._unless_compiling(lambda: graphs.capture_one(self._graph_memory())):
-                graphs.wanted.pop(0)
+            self._unless_compiling(lambda: graphs.capture_one(self._graph_memory()))
         except Exception:  # the pass runs eagerly, as before
             log.warning("CUDA graph capture of a %s failed", graphs.kind, exc_info=True)
 
@@ -464,9 +466,9 @@ class PagedDecoder(Prefill):
             self.graph_pool = torch.cuda.MemPool()
         return self.graph_pool.id
 
-    def _capture_unless_compiling(self, bucket: int, span: int) -> None:
+    def _capture_unless_compiling(self, bucket: int, span: int) -> bool:
         """Record a step's graph unless the background compile holds the GPU (tried again at a later step)."""
-        self._unless_compiling(lambda: self._capture(bucket, span))
+        return self._unless_compiling(lambda: self._capture(bucket, span))
 
     def _unless_compiling(self, record) -> bool:
         """Run `record` (a graph's recording) unless the background compile holds the GPU: its synchronizing
