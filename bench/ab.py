@@ -48,7 +48,7 @@ def child(tree: str, variant: str, models: str) -> dict:
     handler = importlib.import_module("handler")  # first: bench's modules put their own checkout ahead on sys.path
     runpod_vlm = importlib.import_module("runpod_vlm")
     from paged import vqa
-    from serving import concurrent, data_uri, mixed_jobs
+    from serving import concurrent, counted_since, counters, data_uri, mixed_jobs
 
     for module in (handler, runpod_vlm):  # the tree's own code, not this one's
         assert Path(module.__file__).resolve().is_relative_to(Path(tree).resolve()), module.__file__
@@ -69,9 +69,9 @@ def child(tree: str, variant: str, models: str) -> dict:
             ("mixed_64", mixed_jobs(64, seed=7, first_image=base + 2000)),
             ("images_64", [vqa(f"i{i}", [data_uri(448, 448, base + 3000 + i)], 1) for i in range(64)]),
         ):
-            before = dict(engine.timings)
+            before = counters(engine)
             result = asyncio.run(concurrent(handler, jobs))
-            result["phases"] = {k: round(v - before.get(k, 0), 3) for k, v in engine.timings.items()}
+            result["phases"] = counted_since(engine, before)
             runs[name].append(result)
     pool = engine._current_decoder().pool
     kv = {"blocks": pool.capacity, "free": pool.free, "cached": pool.cached}

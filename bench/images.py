@@ -29,7 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
 
-from serving import QUESTIONS, bench_model, bench_parser, concurrent_records, data_uri, run_job  # noqa: E402
+from serving import QUESTIONS, bench_model, bench_parser, concurrent_records, counted_since, counters, data_uri, run_job  # noqa: E402
 
 
 def job(name: str, images: list[str], tokens: int, history: list | None = None, question: str = QUESTIONS[0]) -> dict:
@@ -64,11 +64,11 @@ def main() -> None:
 
     def burst(first_image: int) -> dict:
         jobs = [job(f"p{i}", [data_uri(size, size, first_image + i)], 1) for i in range(count)]  # not timed
-        before = dict(engine.timings)
+        before = counters(engine)
         started = time.perf_counter()
         asyncio.run(concurrent_records(handler, jobs))
         seconds = time.perf_counter() - started
-        phases = {k: round(v - before.get(k, 0), 3) for k, v in engine.timings.items()}
+        phases = counted_since(engine, before)
         return {"jobs": count, "seconds": seconds, "images_per_s": count / seconds, "phases": phases}
 
     # A process's first burst of this size also meets its first prefill shapes (kernels loaded, the KV

@@ -37,7 +37,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
 
-from serving import QUESTIONS, SIZES, bench_parser, concurrent, data_uri, gpu_parity, mixed_jobs, open_loop, sequential  # noqa: E402
+from serving import (  # noqa: E402
+    QUESTIONS,
+    SIZES,
+    bench_parser,
+    concurrent,
+    counted_since,
+    counters,
+    data_uri,
+    gpu_parity,
+    mixed_jobs,
+    open_loop,
+    sequential,
+)
 
 PARTS = {  # part -> (model shape, memory cap in GB or None)
     "h200": ("qwen2-vl-2b", None),
@@ -183,12 +195,12 @@ def child(part: str, args) -> dict:
 
     def measure(name: str, run):
         torch.cuda.reset_peak_memory_stats()
-        before = dict(engine.timings)
+        before = counters(engine)
         with BlocksInUse(engine) as blocks:
             value = run()
         if isinstance(value, dict):
             value.update(most_blocks_in_use=blocks.most, peak_memory_gb=torch.cuda.max_memory_allocated() / 1e9)
-            value["phases"] = {k: round(v - before.get(k, 0), 3) for k, v in engine.timings.items()}
+            value["phases"] = counted_since(engine, before)
         results[name] = value
         save()
         return value

@@ -115,6 +115,23 @@ def bench_model(models: str, tiny: bool = False) -> Path:
     return folder
 
 
+def counters(engine) -> dict:
+    """The engine's timings and counts so far, and on the GPU the page-locked blocks allocated (each a `cudaHostAlloc`
+    of milliseconds, which stalls the engine thread's CUDA calls meanwhile: bench/README.md, fourteenth session)."""
+    import torch
+
+    now = dict(engine.timings)
+    stats = getattr(torch.cuda, "host_memory_stats", None)  # torch 2.6+
+    if torch.cuda.is_available() and stats is not None:
+        now["page_locked_allocations"] = stats().get("num_host_alloc", 0)
+    return now
+
+
+def counted_since(engine, before: dict) -> dict:
+    """`counters` since `before` (the phases of a run)."""
+    return {k: round(v - before.get(k, 0), 3) for k, v in counters(engine).items()}
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
