@@ -193,6 +193,8 @@ class PrefillGraphs(ShapeGraphs):
         held.starts[:, : sequences + 1].copy_(torch.tensor(starts, dtype=torch.int32))
         self._forward(shape)
         self.met.add(shape)
+        if held.slots.is_cuda:  # its work memory back to the GPU, as before any recording (`_graph_memory`)
+            torch.cuda.empty_cache()
 
     def _buffers(self, embeds, positions) -> types.SimpleNamespace:
         import torch
