@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tiny_families.shapes import TINY_TEXT, TINY_VISION
 from tiny_families.tokenizer import byte_level_tokenizer
 
 GEMMA_SPECIAL = [
@@ -54,11 +55,7 @@ def gemma3_parts(family: str, shape: str):
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GEMMA_SPECIAL}
     text = tf.Gemma3TextConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_TEXT,
         head_dim=16,
         query_pre_attn_scalar=16,
         sliding_window=64,
@@ -108,21 +105,14 @@ def paligemma_parts(family: str, shape: str):
     )
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in specials}
     vision = tf.SiglipVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **TINY_VISION,
         image_size=32,
         patch_size=8,
         projection_dim=64,
     )
     text = tf.GemmaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_TEXT,
         head_dim=16,
         bos_token_id=ids["<bos>"],
         eos_token_id=ids["<eos>"],

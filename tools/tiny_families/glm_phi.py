@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from tiny_families.shapes import TINY_TEXT, TINY_VISION
 from tiny_families.tokenizer import byte_level_tokenizer
 
 GLM4V_SPECIAL = [
@@ -46,11 +47,7 @@ def glm4v_parts(family: str, shape: str):
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GLM4V_SPECIAL}
     text = dict(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_TEXT,
         max_position_embeddings=4096,
         rope_parameters={
             "rope_type": "default",
@@ -123,10 +120,7 @@ def phi4_multimodal_parts(family: str, shape: str):
     # The processor writes 256 + ... tokens per image whatever its size: the vision side keeps the real
     # 448 px crops of 14 px patches; everything else is tiny (the audio encoder is built but never used).
     vision = dict(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **TINY_VISION,
         image_size=448,
         patch_size=14,
         crop_size=448,
@@ -144,11 +138,7 @@ def phi4_multimodal_parts(family: str, shape: str):
     )
     config = tf.Phi4MultimodalConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_TEXT,
         max_position_embeddings=131072,
         original_max_position_embeddings=4096,
         sliding_window=262144,  # as the real config: LongRoPE

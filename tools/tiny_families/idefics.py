@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tiny_families.qwen import QWEN_SPECIAL
+from tiny_families.shapes import TINY_TEXT, TINY_VISION
 from tiny_families.tokenizer import byte_level_tokenizer
 
 SMOLVLM_SPECIAL = [
@@ -48,11 +49,7 @@ def smolvlm_parts(family: str, shape: str):
     )
     text = tf.LlamaConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_TEXT,
         bos_token_id=ids["<|im_start|>"],
         eos_token_id=ids["<end_of_utterance>"],
         pad_token_id=ids["<|endoftext|>"],
@@ -115,20 +112,13 @@ def internvl_parts(family: str, shape: str):
     )
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in INTERNVL_SPECIAL}
     vision = tf.InternVLVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **TINY_VISION,
         image_size=[32, 32],
         patch_size=[8, 8],
     )
     text = tf.Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_TEXT,
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tiny_families.shapes import TINY_TEXT, TINY_VISION
 from tiny_families.tokenizer import byte_level_tokenizer
 
 MISTRAL3_SPECIAL = [
@@ -41,21 +42,14 @@ def mistral3_parts(family: str, shape: str):
     tokenizer = byte_level_tokenizer(MISTRAL3_SPECIAL, bos="<s>", eos="</s>", pad="<pad>", unk="<unk>", add_bos=True)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in MISTRAL3_SPECIAL}
     vision = tf.PixtralVisionConfig(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
+        **TINY_VISION,
         head_dim=8,
         image_size=64,
         patch_size=8,
     )
     text = tf.MistralConfig(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_TEXT,
         head_dim=16,
         bos_token_id=ids["<s>"],
         eos_token_id=ids["</s>"],

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from tiny_families.qwen import QWEN_SPECIAL
+from tiny_families.shapes import TINY_TEXT
 from tiny_families.tokenizer import byte_level_tokenizer
 
 LLAVA_SPECIAL = ["<unk>", "<s>", "</s>", "<image>", "<pad>"]
@@ -49,11 +50,7 @@ def llava_parts(family: str, shape: str):
     )
     text = dict(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_TEXT,
         bos_token_id=ids["<s>"],
         eos_token_id=ids["</s>"],
         pad_token_id=ids["<pad>"],
@@ -132,11 +129,7 @@ def llava_onevision_parts(family: str, shape: str):
     )
     text = tf.Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_TEXT,
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|im_end|>"],
         pad_token_id=ids["<|endoftext|>"],

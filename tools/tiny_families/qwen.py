@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from tiny_families.shapes import TINY_TEXT
 from tiny_families.tokenizer import byte_level_tokenizer
 
 QWEN_SPECIAL = [
@@ -43,11 +44,7 @@ QWEN_TEMPLATE = (
 # Real Qwen2-VL sizes (config.json of Qwen/Qwen2-VL-2B-Instruct and -7B-Instruct).
 QWEN2_VL_TEXT = {
     "tiny": dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_TEXT,
         vocab_size=None,
         mrope_section=[2, 3, 3],
         tie=False,
@@ -149,11 +146,7 @@ def qwen3_parts(family: str, shape: str):
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL}
     text = dict(
         vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
+        **TINY_TEXT,
         head_dim=16,
         max_position_embeddings=32768,
         rope_parameters={
