@@ -206,14 +206,15 @@ def child(part: str, args) -> dict:
         return value
 
     if part == "h200":
-        results["gpu_parity"] = gpu_parity(handler, engine)
+        # 16 mixed jobs at once: prefills past 2,048 tokens and vision passes past 4,096 patches, the step-sized graphs'
+        results["gpu_parity"] = gpu_parity(handler, engine, 16)
         # Its first prefill made the KV pool: the engine now records the decode graphs ahead while idle (a new
         # worker's first second of idle time), and the graph of the parity's prefill; batch 1 is timed after that,
         # as a worker serves once warm.
         deadline = time.monotonic() + 60
         while engine._current_decoder().captures_ahead_due() and time.monotonic() < deadline:
             time.sleep(0.05)
-        results["gpu_parity_prefill_replayed"] = gpu_parity(handler, engine)  # the same prefill's shape, its graph
+        results["gpu_parity_prefill_replayed"] = gpu_parity(handler, engine, 16)  # the same prefills' shapes, replayed
         from serving import run_job
 
         def first(n):  # a new image each time: a repeated one is answered from the image and prefix caches
