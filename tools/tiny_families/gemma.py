@@ -65,9 +65,7 @@ def gemma3_parts(family: str, shape: str):
         eos_token_id=ids["<eos>"],
         pad_token_id=ids["<pad>"],
     )
-    vision = tf.SiglipVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8
-    )
+    vision = tf.SiglipVisionConfig(**TINY_VISION, image_size=32, patch_size=8)
     config = tf.Gemma3Config(
         text_config=text,
         vision_config=vision,

@@ -44,9 +44,7 @@ def smolvlm_parts(family: str, shape: str):
         end_of_utterance_token="<end_of_utterance>",
     )
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in SMOLVLM_SPECIAL}
-    vision = dict(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8
-    )
+    vision = dict(**TINY_VISION, image_size=32, patch_size=8)
     text = tf.LlamaConfig(
         vocab_size=len(tokenizer),
         **TINY_TEXT,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tiny_families.qwen import QWEN_SPECIAL
-from tiny_families.shapes import TINY_TEXT
+from tiny_families.shapes import TINY_TEXT, TINY_VISION
 from tiny_families.tokenizer import byte_level_tokenizer
 
 LLAVA_SPECIAL = ["<unk>", "<s>", "</s>", "<image>", "<pad>"]
@@ -45,9 +45,7 @@ def llava_parts(family: str, shape: str):
         raise ValueError(f"{family} has only the 'tiny' shape")
     tokenizer = byte_level_tokenizer(LLAVA_SPECIAL, bos="<s>", eos="</s>", pad="<pad>", unk="<unk>", add_bos=True)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in LLAVA_SPECIAL}
-    vision = tf.CLIPVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8
-    )
+    vision = tf.CLIPVisionConfig(**TINY_VISION, image_size=32, patch_size=8)
     text = dict(
         vocab_size=len(tokenizer),
         **TINY_TEXT,
@@ -124,9 +122,7 @@ def llava_onevision_parts(family: str, shape: str):
     )
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in ONEVISION_SPECIAL}
     pinpoints = [[32, 32], [32, 64], [64, 32], [64, 64]]
-    vision = tf.SiglipVisionConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8
-    )
+    vision = tf.SiglipVisionConfig(**TINY_VISION, image_size=32, patch_size=8)
     text = tf.Qwen2Config(
         vocab_size=len(tokenizer),
         **TINY_TEXT,
