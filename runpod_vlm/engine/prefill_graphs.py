@@ -150,23 +150,16 @@ class PrefillGraphs(ShapeGraphs):
         `positions` [..., 1, tokens]: sequences of `lengths` tokens packed, their keys and values written at
         `slots`; each attends causally to its `key_lengths` keys, read back at `key_slots` (its cached prefix, then
         its new tokens)."""
-        import torch
 
         tokens = len(slots)
         shape = self.shape(tokens, len(key_slots), len(lengths))
         padded_tokens, padded_keys, sequences = shape
         held = self._buffers(embeds, positions)
-        for buffer, value, padded in (
-            (held.embeds[0], embeds[0], padded_tokens),
-            (held.slots, slots, padded_tokens),  # the padding's keys and values go to block 0
-            (held.key_slots, key_slots, padded_keys),
-        ):
-            buffer[: len(value)].copy_(value)
-            buffer[len(value) : padded].zero_()
+        held.embeds[0, :tokens].copy_(embeds[0])
+        held.embeds[0, tokens:padded_tokens].zero_()
         held.positions[..., :tokens].copy_(positions)
         held.positions[..., tokens:padded_tokens].zero_()
-        starts = [_starts(lengths, padded_tokens, sequences + 1), _starts(key_lengths, padded_keys, sequences + 1)]
-        held.starts[:, : sequences + 1].copy_(torch.tensor(starts, dtype=torch.int32), non_blocking=True)
+        self._fill(shape, slots, key_slots, lengths, key_lengths)
         graph = self.graphs.get(shape)
         if graph is not None:
             graph.replay()
@@ -185,16 +178,25 @@ class PrefillGraphs(ShapeGraphs):
 
         if shape in self.met:
             return
-        padded_tokens, padded_keys, sequences = shape
         held = self.buffers
-        held.slots[:padded_tokens].zero_()
-        held.key_slots[:padded_keys].zero_()
-        starts = [_starts([], padded_tokens, sequences + 1), _starts([], padded_keys, sequences + 1)]
-        held.starts[:, : sequences + 1].copy_(torch.tensor(starts, dtype=torch.int32))
+        self._fill(shape, held.slots[:0], held.key_slots[:0], [], [])
         self._forward(shape)
         self.met.add(shape)
         if held.slots.is_cuda:  # its work memory back to the GPU, as before any recording (`_graph_memory`)
             torch.cuda.empty_cache()
+
+    def _fill(self, shape: tuple, slots, key_slots, lengths: list[int], key_lengths: list[int]) -> None:
+        """The buffers' slots and starts for a prefill of `shape`: its sequences', then the padding's (one more
+        sequence, whose keys and values go to block 0)."""
+        import torch
+
+        padded_tokens, padded_keys, sequences = shape
+        held = self.buffers
+        for buffer, value, padded in ((held.slots, slots, padded_tokens), (held.key_slots, key_slots, padded_keys)):
+            buffer[: len(value)].copy_(value)
+            buffer[len(value) : padded].zero_()
+        starts = [_starts(lengths, padded_tokens, sequences + 1), _starts(key_lengths, padded_keys, sequences + 1)]
+        held.starts[:, : sequences + 1].copy_(torch.tensor(starts, dtype=torch.int32), non_blocking=True)
 
     def _buffers(self, embeds, positions) -> types.SimpleNamespace:
         import torch
