@@ -595,6 +595,70 @@ def test_image_placeholders_are_counted_on_the_host(family, tiny_model, serve):
         decoder.prefill(inputs, decoder.free_rows()[:1], [item.params])
 
 
+def image_device_intake(engine, monkeypatch, image_bytes: int, fail=None):
+    """An intake that processes images on an image device (the CPU standing in for the GPU) while under
+    `image_bytes`, and the image devices its `batch_inputs` calls were given; `fail(image_device)` may raise."""
+    from runpod_vlm.engine.intake import Intake
+
+    calls = []
+    real = engine.adapter.batch_inputs
+
+    def batch_inputs(processor, items, device, dtype, image_device=None):
+        calls.append(image_device)
+        if fail is not None:
+            fail(image_device)
+        return real(processor, items, device, dtype, image_device=image_device)
+
+    monkeypatch.setattr(engine.adapter, "batch_inputs", batch_inputs)
+    intake = Intake(
+        engine.adapter, engine.processor, engine.dtype, engine.timings, image_device="cpu", image_bytes=image_bytes
+    )
+    return intake, calls
+
+
+def test_the_intake_processes_images_on_the_device_while_their_pixels_waiting_there_stay_under_a_budget(
+    tiny_model, serve, monkeypatch
+):
+    """Pixels prepared on the GPU hold its memory until admitted: past the budget an item is prepared on the host,
+    and once the waiting pixels are dropped there is room again. Either way the inputs are the same."""
+    engine = serve(tiny_model("qwen2-vl"))
+    (item,) = items_of(engine, packed_prefill_jobs()[:1])
+    intake, calls = image_device_intake(engine, monkeypatch, image_bytes=1)
+    on_device, _, _ = intake._prepare(item)
+    assert calls == ["cpu"] and intake._held_on_device > 0
+    on_host, _, _ = intake._prepare(item)  # the first item's pixels still wait: no room
+    assert calls == ["cpu", None]
+    assert on_device.keys() == on_host.keys()
+    assert all(torch.equal(on_device[name], on_host[name]) for name in on_device)
+    del on_device
+    assert intake._held_on_device == 0
+    intake._prepare(item)
+    assert calls == ["cpu", None, "cpu"]
+
+
+def test_an_item_whose_images_run_out_of_device_memory_is_prepared_on_the_host(tiny_model, serve, monkeypatch):
+    def fail(image_device):
+        if image_device is not None:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    engine = serve(tiny_model("qwen2-vl"))
+    (item,) = items_of(engine, packed_prefill_jobs()[:1])
+    intake, calls = image_device_intake(engine, monkeypatch, image_bytes=1 << 30, fail=fail)
+    inputs, _, _ = intake._prepare(item)
+    assert calls == ["cpu", None] and intake._held_on_device == 0
+    expected, _ = engine.adapter.batch_inputs(engine.processor, [item], "cpu", engine.dtype)
+    assert torch.equal(inputs["pixel_values"], expected["pixel_values"])
+
+    def broken(image_device):
+        if image_device is not None:
+            raise ValueError("not a memory error")
+
+    intake, calls = image_device_intake(engine, monkeypatch, image_bytes=1 << 30, fail=broken)
+    with pytest.raises(ValueError):  # any other error is the item's, not tried again on the host
+        intake._prepare(item)
+    assert calls == ["cpu"]
+
+
 def test_the_intake_puts_pixels_for_a_gpu_in_page_locked_memory(tiny_model, serve, monkeypatch):
     """A copy to the GPU from pageable memory waits for the GPU's earlier work (a prefill launched ahead): pixels
     bound for a GPU are page-locked on the intake thread, a cached image's repeated row as one row, small tensors

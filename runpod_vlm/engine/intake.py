@@ -7,12 +7,17 @@ import contextlib
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 from runpod_vlm.engine.host_copies import page_locked
 from runpod_vlm.families.base import to_without_copying_repeats
 from runpod_vlm.vocabulary import GenerationRequest
+
+# Pixels prepared on the GPU and not yet admitted, at most: a burst's worth of 448x448 images (2.4 MB each in bf16),
+# out of the share of the GPU that `VLM_GPU_MEMORY_UTILIZATION` leaves free (a tenth by default).
+PREPARED_ON_GPU_BYTES = 256 << 20
 
 
 class Intake:
@@ -24,12 +29,28 @@ class Intake:
     launch of a prefill (500 ms a prefill of six 720p images on the H200)."""
 
     def __init__(
-        self, adapter, processor, dtype, device: str, timings: collections.Counter, image_cache=None, pin=False
+        self,
+        adapter,
+        processor,
+        dtype,
+        timings: collections.Counter,
+        image_cache=None,
+        pin=False,
+        image_device: str | None = None,
+        image_bytes: int = 0,
     ):
-        """`device`: where the inputs go ("cpu", or the GPU for torchvision-backed image processing); `pin`: inputs
-        left on the host are for a GPU (`page_locked`)."""
-        self.adapter, self.processor, self.dtype, self.device, self.timings = adapter, processor, dtype, device, timings
+        """`pin`: inputs left on the host are for a GPU (`page_locked`). `image_device`: a GPU where torchvision-backed
+        image processors resize and normalize, on a stream of their own, while the pixels the items prepared there
+        hold, not yet admitted, stay under `image_bytes`; past it, or out of its memory, an item's go on the host."""
+        self.adapter, self.processor, self.dtype, self.timings = adapter, processor, dtype, timings
         self.image_cache, self.pin = image_cache, pin
+        self.image_device, self.image_bytes, self._held_on_device = image_device, image_bytes, 0
+        self._held_lock = threading.Lock()
+        self._stream = None
+        if str(image_device).startswith("cuda"):
+            import torch
+
+            self._stream = torch.cuda.Stream(image_device)
         self.pool = ThreadPoolExecutor(
             max_workers=max(1, min(2, (os.cpu_count() or 2) - 1)), thread_name_prefix="vlm-intake"
         )
@@ -43,18 +64,60 @@ class Intake:
     def _prepare(self, item: GenerationRequest):
         """The first call runs alone: a fast tokenizer sets its padding state then, which concurrent calls race for."""
         started = time.perf_counter()
-        image_device = None if self.device == "cpu" else self.device
         processor, held = self._recalled(item)
         with self._first if not self._warm else contextlib.nullcontext():
-            inputs, sizes = self.adapter.batch_inputs(
-                processor, [item], self.device, self.dtype, image_device=image_device
-            )
+            inputs, sizes = self._on_device(processor, item) if self._room_on_device() else (None, None)
+            if inputs is None:
+                inputs, sizes = self.adapter.batch_inputs(processor, [item], "cpu", self.dtype)
             self._warm = True
         if self.pin:  # here, not on the engine thread where they go to the GPU
             for name, value in inputs.items():
                 inputs[name] = page_locked(value)
         self.timings["intake_s"] += time.perf_counter() - started
         return inputs, sizes[0], held
+
+    def _room_on_device(self) -> bool:
+        with self._held_lock:
+            return self.image_device is not None and self._held_on_device < self.image_bytes
+
+    def _on_device(self, processor, item: GenerationRequest):
+        """`batch_inputs` with the images processed on `image_device`, or (None, None) when that runs out of memory.
+        Its own stream: on the engine's, the image's copy to the GPU would wait for the steps launched before it.
+        The pixels are ready when this returns, and their memory is not reused before the engine's stream (the
+        default one) has read them."""
+        import torch
+
+        from runpod_vlm.engine.gpu_errors import is_out_of_memory
+
+        try:
+            with torch.cuda.stream(self._stream) if self._stream else contextlib.nullcontext():
+                inputs, sizes = self.adapter.batch_inputs(
+                    processor, [item], "cpu", self.dtype, image_device=self.image_device
+                )
+            if self._stream:
+                self._stream.synchronize()
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            return None, None
+        for value in inputs.values():
+            if isinstance(value, torch.Tensor) and value.device == torch.device(self.image_device):
+                if value.is_cuda:
+                    value.record_stream(torch.cuda.default_stream(value.device))
+                self._hold(value)
+        return inputs, sizes
+
+    def _hold(self, value) -> None:
+        """Counts `value`'s bytes as held on the device until the tensor is dropped (once admitted, the engine
+        joins or reads it into tensors of its own)."""
+        size = value.untyped_storage().nbytes()
+        with self._held_lock:
+            self._held_on_device += size
+        weakref.finalize(value, self._release, size)
+
+    def _release(self, size: int) -> None:
+        with self._held_lock:
+            self._held_on_device -= size
 
     def _recalled(self, item: GenerationRequest) -> tuple:
         """The processor for `item`, and the image-cache entries it holds on to: where every image's encoding is

@@ -125,7 +125,7 @@ class FamilyAdapter:
 
     def batch_inputs(self, processor, items: list[GenerationRequest], device, dtype, image_device=None):
         """Left-padded prompts and pixels on `device`, and per item its first image's input size (or None).
-        `image_device`: where a torchvision-backed image processor resizes and normalizes (the GPU's is faster)."""
+        `image_device`: where a torchvision-backed image processor resizes and normalizes; its pixels stay there."""
         prompts = [
             processor.apply_chat_template(
                 self.chat_messages(self.request_turns(item)), tokenize=False, add_generation_prompt=True
@@ -143,7 +143,9 @@ class FamilyAdapter:
         bos = getattr(processor.tokenizer, "bos_token", None)  # a template that writes BOS gets no second one
         if isinstance(bos, str) and prompts[0].startswith(bos):
             kwargs["add_special_tokens"] = False
-        inputs = processor(**kwargs).to(device)
+        inputs = processor(**kwargs)
+        if "device" not in kwargs:  # else the pixels stay on the image device, the rest on the host
+            inputs = inputs.to(device)
         for name in ("pixel_values", "pixel_values_videos"):
             if name in inputs:
                 inputs[name] = to_without_copying_repeats(inputs[name], dtype)
