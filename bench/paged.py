@@ -49,6 +49,7 @@ from serving import (  # noqa: E402
     mixed_jobs,
     open_loop,
     sequential,
+    wait_for_recordings,
 )
 
 PARTS = {  # part -> (model shape, memory cap in GB or None)
@@ -211,10 +212,9 @@ def child(part: str, args) -> dict:
         # Its first prefill made the KV pool: the engine now records the decode graphs ahead while idle (a new
         # worker's first second of idle time), and the graph of the parity's prefill; batch 1 is timed after that,
         # as a worker serves once warm.
-        deadline = time.monotonic() + 60
-        while engine._current_decoder().captures_ahead_due() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_for_recordings(engine)
         results["gpu_parity_prefill_replayed"] = gpu_parity(handler, engine, 16)  # the same prefills' shapes, replayed
+        wait_for_recordings(engine)  # its groups' new shapes too (bench/README.md, fifteenth session)
         from serving import run_job
 
         def first(n):  # a new image each time: a repeated one is answered from the image and prefix caches

@@ -509,7 +509,7 @@ def ttft_breakdown(handler, engine, out: Path) -> dict:
     import statistics
     import threading
 
-    from serving import QUESTIONS, data_uri, python_profile
+    from serving import QUESTIONS, data_uri, python_profile, wait_for_recordings
 
     def once(n: int) -> dict:
         job = {"task": "vqa", "question": QUESTIONS[0], "image_url": data_uri(448, 448, 8000 + n),
@@ -537,9 +537,7 @@ def ttft_breakdown(handler, engine, out: Path) -> dict:
         }
 
     once(100)  # the first prefill makes the KV pool; the decode graphs are then recorded ahead while idle
-    deadline = time.monotonic() + 60
-    while engine._current_decoder().captures_ahead_due() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for_recordings(engine)
     result = {}
     for name in ("new_image", "same_again"):
         runs = [once(n) for n in range(5)]

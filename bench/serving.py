@@ -132,6 +132,14 @@ def counted_since(engine, before: dict) -> dict:
     return {k: round(v - before.get(k, 0), 3) for k, v in counters(engine).items()}
 
 
+def wait_for_recordings(engine, seconds: float = 60) -> None:
+    """Until the engine has recorded the CUDA graphs it asked for while idle (at most `seconds`): a job arriving
+    meanwhile waits for one recording, which is not the steady state (bench/README.md, fifteenth session)."""
+    deadline = time.monotonic() + seconds
+    while engine._current_decoder().captures_ahead_due() and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]

@@ -30,7 +30,15 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
 
 from paged import vqa  # noqa: E402
-from serving import bench_parser, concurrent, data_uri, gpu_parity, mixed_jobs, python_profile  # noqa: E402
+from serving import (  # noqa: E402
+    bench_parser,
+    concurrent,
+    data_uri,
+    gpu_parity,
+    mixed_jobs,
+    python_profile,
+    wait_for_recordings,
+)
 
 ENGINE_TOP = ("_admit", "_prefill_next_chunk", "_decode_interval")  # what one engine-loop turn does
 
@@ -272,9 +280,7 @@ def main() -> None:
     engine.warm_up()
     engine.wait_until_compiled(600)
     parity = gpu_parity(handler, engine)  # its first prefill makes the KV pool; the decode graphs are then recorded
-    deadline = time.monotonic() + 60
-    while engine._current_decoder().captures_ahead_due() and time.monotonic() < deadline:
-        time.sleep(0.05)
+    wait_for_recordings(engine)
 
     def one_token(n):
         return {"id": f"i{n}", "input": {"task": "vqa", "question": "What is shown?", "max_new_tokens": 1,
