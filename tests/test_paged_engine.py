@@ -636,6 +636,44 @@ def test_the_intake_processes_images_on_the_device_while_their_pixels_waiting_th
     assert calls == ["cpu", None, "cpu"]
 
 
+@pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
+def test_images_for_a_gpu_are_resized_on_the_host_as_the_processor_resizes_them(tiny_model, serve, monkeypatch, family):
+    """A GPU's resize rounds differently from the host's (bench/README.md, fifteenth session). So an item for the
+    GPU gets its images already at the size the processor gives them, resized by the processor's own steps on the
+    host: there it only rescales, normalizes and cuts patches, and its inputs are the host's."""
+    engine = serve(tiny_model(family))
+    images = [striped((200, 130)), striped((61, 333)), striped((40, 56))]
+    content = [{"type": "image_url", "image_url": {"url": data_uri(image)}} for image in images]
+    job = {"messages": [{"role": "user", "content": [*content, {"type": "text", "text": "Compare them."}]}]}
+    (item,) = items_of(engine, [job])
+    adapter, processor = engine.adapter, engine.processor
+    on_host, _ = adapter.batch_inputs(processor, [item], "cpu", engine.dtype)
+    resized, resizes = [], []  # what host_resized gave; the processor's resizes (in, out) after it
+    spy_on, resize = adapter.host_resized, processor.image_processor.resize
+
+    def host_resized(*args):
+        resized.append(spy_on(*args))
+        resizes.clear()
+        return resized[-1]
+
+    def resized_by_the_processor(images, *args, **kwargs):
+        out = resize(images, *args, **kwargs)
+        resizes.append((tuple(images.shape[-2:]), tuple(out.shape[-2:])))
+        return out
+
+    monkeypatch.setattr(adapter, "host_resized", host_resized)
+    monkeypatch.setattr(processor.image_processor, "resize", resized_by_the_processor)
+    for_device, _ = adapter.batch_inputs(processor, [item], "cpu", engine.dtype, image_device="cpu")
+    assert on_host.keys() == for_device.keys()
+    assert all(torch.equal(on_host[name], for_device[name]) for name in on_host)
+    assert resizes and all(before == after for before, after in resizes)  # on the device its resize does nothing
+    patch = processor.image_processor.patch_size
+    assert len(resized) == len(item.images)
+    for image, tensor, (_, rows, columns) in zip(item.images, resized, on_host["image_grid_thw"].tolist()):
+        assert image.size != (columns * patch, rows * patch)  # the processor resizes each of them
+        assert tensor.dtype == torch.uint8 and tuple(tensor.shape) == (3, rows * patch, columns * patch)
+
+
 def test_an_item_whose_images_run_out_of_device_memory_is_prepared_on_the_host(tiny_model, serve, monkeypatch):
     def fail(image_device):
         if image_device is not None:

@@ -41,6 +41,16 @@ class QwenVLAdapter(FamilyAdapter):
         height, width = smart_resize(image.height, image.width, factor, min_pixels=low, max_pixels=max(high, low))
         return image if (width, height) == image.size else image.resize((width, height), Image.Resampling.BICUBIC)
 
+    def host_resized(self, processor, image):
+        """On the host, as the processor does it first (its image, as a tensor, resized by its own smart resize): given
+        that, its resize on the GPU does nothing, and the pixels are the host's."""
+        from transformers.image_utils import SizeDict
+
+        images = processor.image_processor
+        tensor = images.process_image(image, do_convert_rgb=images.do_convert_rgb)
+        size = images.size if isinstance(images.size, SizeDict) else SizeDict(**images.size)
+        return images.resize(tensor, size=size, resample=images.resample, factor=images.patch_size * images.merge_size)
+
     def _image_encoding_model(self, model):
         """Qwen2-VL's and Qwen2.5-VL's inner model, whose `get_image_features` returns one embedding per image
         (Qwen3-VL's returns its deepstack features too); None for the others."""
