@@ -2,8 +2,10 @@
 
     python bench/preprocess_gpu.py
 
-how many of the bf16 pixel values differ, by how much at most, over 20 images of 448x448 to 1280x720; and one
-processor call's time on one thread with the GPU otherwise idle, per image size. Printed (GPU).
+over 20 images of 448x448 to 1280x720, how many of the bf16 pixel values differ from the CPU's, and by how much at
+most: resized on the GPU by the processor, and resized on the host as the worker now does (`host_resized`, the
+processor's own steps) with the rest on the GPU; and one processor call's time on one thread, with the GPU otherwise
+idle, per image size. Printed (GPU).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
 
 from serving import SIZES, bench_model, data_uri  # noqa: E402
 
+from runpod_vlm.families import adapter_for  # noqa: E402
+
 
 def main() -> None:
     import torch
@@ -26,37 +30,49 @@ def main() -> None:
     from PIL import Image
 
     processor = transformers.AutoProcessor.from_pretrained(bench_model("/tmp/runpod-vlm-bench"))
+    adapter = adapter_for("qwen2_vl")
     images = [
         Image.open(io.BytesIO(base64.b64decode(data_uri(w, h, n).split(",", 1)[1]))).convert("RGB")
         for n, (w, h) in enumerate(SIZES * 4)
     ]
     stream = torch.cuda.Stream()  # as the intake's: not behind other work
-    worst, differing, total = 0.0, 0, 0
-    for image in images:
-        on_cpu = processor.image_processor(images=[image], return_tensors="pt")["pixel_values"].to(torch.bfloat16)
+
+    def pixels(image, device=None, host_resized=False):
+        if host_resized:
+            image = adapter.host_resized(processor, image)
         with torch.cuda.stream(stream):
-            on_gpu = processor.image_processor(images=[image], return_tensors="pt", device="cuda")["pixel_values"]
-            on_gpu = on_gpu.to(torch.bfloat16)
+            kwargs = {"device": device} if device else {}
+            values = processor.image_processor(images=[image], return_tensors="pt", **kwargs)["pixel_values"]
+            values = values.to(torch.bfloat16)
         stream.synchronize()
-        difference = (on_cpu.float() - on_gpu.float().cpu()).abs()
-        worst = max(worst, difference.max().item())
-        differing += int((difference > 0).sum())
-        total += difference.numel()
-    print(f"bf16 pixels: {differing} of {total} differ, worst {worst}")
+        return values.float().cpu()
+
+    for name, host_resized in (("resized on the GPU", False), ("resized on the host", True)):
+        worst, differing, total = 0.0, 0, 0
+        for image in images:
+            difference = (pixels(image) - pixels(image, "cuda", host_resized)).abs()
+            worst = max(worst, difference.max().item())
+            differing += int((difference > 0).sum())
+            total += difference.numel()
+        print(f"bf16 pixels {name}: {differing} of {total} differ from the CPU's, worst {worst}")
     prompt = "<|vision_start|><|image_pad|><|vision_end|>What is shown?"
-    for device in (None, "cuda"):
+    for name, device, host_resized in (
+        ("cpu", None, False),
+        ("cuda", "cuda", False),
+        ("host resize, cuda", "cuda", True),
+    ):
         times = []
         for image in images[: len(SIZES)] * 3:
             started = time.perf_counter()
+            given = adapter.host_resized(processor, image) if host_resized else image
             with torch.cuda.stream(stream):
-                inputs = processor(
-                    text=[prompt], images=[image], return_tensors="pt", **({"device": device} if device else {})
-                )
+                kwargs = {"device": device} if device else {}
+                inputs = processor(text=[prompt], images=[given], return_tensors="pt", **kwargs)
                 inputs["pixel_values"] = inputs["pixel_values"].to(torch.bfloat16)
             stream.synchronize()
             times.append(time.perf_counter() - started)
         last = [round(1000 * t, 1) for t in times[len(SIZES) : 2 * len(SIZES)]]  # the second round: warm
-        print(device or "cpu", "ms a processor call,", " / ".join(f"{w}x{h}" for w, h in SIZES), last)
+        print(name, "ms a processor call,", " / ".join(f"{w}x{h}" for w, h in SIZES), last)
 
 
 if __name__ == "__main__":
