@@ -105,7 +105,7 @@ def main() -> None:
             history = this["input"]["messages"] + [{"role": "assistant", "content": f"Answer {turn}."}]
         return {"ttft_s": turns, "turns_2_4_vs_1": statistics.mean(turns[1:]) / turns[0]}
 
-    wait_for_recordings(engine)  # the bursts' new shapes: a job meanwhile waits for one recording
+    wait_for_recordings(engine)  # the bursts' new shapes
     results["repeated_image"] = repeated_image(5000)
     results["chat_4_turns"] = chat(7000)
     save()
