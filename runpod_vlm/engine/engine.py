@@ -20,7 +20,7 @@ from runpod_vlm.engine.decoder import PagedDecoder
 from runpod_vlm.engine.gpu_errors import is_fatal_gpu_error
 from runpod_vlm.engine.grammar import Grammars
 from runpod_vlm.engine.image_cache import ImageEmbeddingCache
-from runpod_vlm.engine.intake import PREPARED_ON_GPU_BYTES, Intake
+from runpod_vlm.engine.intake import Intake
 from runpod_vlm.engine.loading import load_model
 from runpod_vlm.engine.memory import kv_pool_tokens
 from runpod_vlm.engine.paged_attention import use_paged_attention
@@ -213,7 +213,6 @@ class Engine(Admission, BackgroundCompile):
                     self.image_cache,
                     pin=on_gpu,
                     image_device=str(self.model.device) if on_gpu and self.settings.preprocess_on_gpu else None,
-                    image_bytes=PREPARED_ON_GPU_BYTES,
                 )
             return self._intake
 

@@ -37,11 +37,12 @@ class Intake:
         image_cache=None,
         pin=False,
         image_device: str | None = None,
-        image_bytes: int = 0,
+        image_bytes: int = PREPARED_ON_GPU_BYTES,
     ):
         """`pin`: inputs left on the host are for a GPU (`page_locked`). `image_device`: a GPU where torchvision-backed
-        image processors resize and normalize, on a stream of their own, while the pixels the items prepared there
-        hold, not yet admitted, stay under `image_bytes`; past it, or out of its memory, an item's go on the host."""
+        image processors rescale, normalize and cut into patches the images resized on the host (`host_resized`), on
+        a stream of their own, while the pixels the items prepared there hold, not yet admitted, stay under
+        `image_bytes`; past it, or out of its memory, an item's go on the host."""
         self.adapter, self.processor, self.dtype, self.timings = adapter, processor, dtype, timings
         self.image_cache, self.pin = image_cache, pin
         self.image_device, self.image_bytes, self._held_on_device = image_device, image_bytes, 0

@@ -121,8 +121,8 @@ class PrefillGraphs(ShapeGraphs):
         # a single prompt's shapes of 64 to 1,024 tokens and up to 1,024 keys, a burst's, then those met
         self.wanted = [(SMALLEST * 2**n, KEY_BUCKETS[0], 2) for n in range(5)]
         self.wanted += [
-            (tokens, key_bucket(tokens), sequences)
-            for tokens in range(BURST_FROM, self.most_tokens + 1, TOKEN_STEP)
+            (size, key_bucket(size), sequences)
+            for size in range(BURST_FROM, self.most_tokens + 1, TOKEN_STEP)
             for sequences in BURST_SEQUENCES
             if sequences <= self.sequences
         ]
