@@ -1,12 +1,19 @@
 """Whether PyTorch's cache of page-locked memory keeps a freed block through `torch.cuda.empty_cache()` and through a
-CUDA graph recording (GPU; printed):
+CUDA graph recording, by `torch.cuda.graph` and by the engine's `prefill_graphs.record` (GPU; printed):
 
     python bench/host_cache.py
 
 Each line: (blocks the cache holds, blocks allocated from CUDA so far, blocks given back to CUDA so far).
 """
 
+import sys
+from pathlib import Path
+
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from runpod_vlm.engine.prefill_graphs import record  # noqa: E402
 
 
 def blocks() -> tuple:
@@ -37,6 +44,11 @@ def main() -> None:
     with torch.cuda.graph(graph):
         value.add_(1)
     print("after a graph recording", blocks())
+    block = pinned()
+    del block
+    print("the same size again", blocks())
+    record(torch.cuda.CUDAGraph(), None, lambda: value.add_(1))
+    print("after the engine's recording (prefill_graphs.record)", blocks())
     block = pinned()
     del block
     print("the same size again", blocks())

@@ -889,11 +889,31 @@ def cuda_stream(stream):
 
 
 class FakeCUDAGraph:
-    """A captured step: the tape of ops recorded under torch.cuda.graph(), run again by replay()."""
+    """A captured step: the tape of ops recorded between capture_begin() and capture_end(), run again by replay()."""
 
     def __init__(self, keep_graph=False):
         self.nodes, self.captured, self.replays = [], False, 0
         HUB.graphs.append(self)
+
+    def capture_begin(self, pool=None, capture_error_mode="global"):
+        _use("torch.cuda.CUDAGraph.capture_begin")
+        if CAPTURE[0] is not None:
+            raise RuntimeError("a graph capture is already under way")
+        HUB.capture_attempts += 1
+        if HUB.capture_failures:
+            HUB.capture_failures -= 1
+            raise RuntimeError("CUDA error: operation failed due to a previous error during capture (fake)")
+        self.nodes.clear()
+        CAPTURE[0] = self.nodes
+
+    def capture_end(self):
+        _use("torch.cuda.CUDAGraph.capture_end")
+        if CAPTURE[0] is not self.nodes:
+            raise RuntimeError("capture_end() without this graph's capture_begin()")
+        CAPTURE[0] = None
+        if not self.nodes:
+            raise RuntimeError("the captured graph is empty")
+        self.captured = True
 
     def replay(self):
         _use("torch.cuda.CUDAGraph.replay")
@@ -905,30 +925,6 @@ class FakeCUDAGraph:
         with _quiet():
             for fn, args, kwargs, result in self.nodes:
                 _refresh(result, fn(*args, **kwargs))
-
-
-@contextlib.contextmanager
-def _graph_cm(graph):
-    if CAPTURE[0] is not None:
-        raise RuntimeError("a graph capture is already under way")
-    HUB.capture_attempts += 1
-    if HUB.capture_failures:
-        HUB.capture_failures -= 1
-        raise RuntimeError("CUDA error: operation failed due to a previous error during capture (fake)")
-    graph.nodes.clear()
-    CAPTURE[0] = graph.nodes
-    try:
-        yield graph
-    finally:
-        CAPTURE[0] = None
-    if not graph.nodes:
-        raise RuntimeError("the captured graph is empty")
-    graph.captured = True
-
-
-def cuda_graph(graph, pool=None, stream=None, **kwargs):
-    _use("torch.cuda.graph")
-    return _graph_cm(graph)
 
 
 @contextlib.contextmanager
@@ -1790,7 +1786,6 @@ def build_stub_modules() -> dict:
             "current_stream": cuda_current_stream,
             "stream": cuda_stream,
             "CUDAGraph": FakeCUDAGraph,
-            "graph": cuda_graph,
             "synchronize": cuda_synchronize,
             "empty_cache": cuda_empty_cache,
             "get_device_properties": cuda_get_device_properties,

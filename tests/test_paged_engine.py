@@ -155,16 +155,17 @@ def test_a_decode_graphs_recording_that_fails_midway_leaves_the_rows_where_they_
         def wait_stream(self, other):
             pass
 
-    def graph(*args, **kwargs):
-        raise RuntimeError("no CUDA graph on the CPU")
+    class CUDAGraph:
+        def capture_begin(self, *args, **kwargs):
+            raise RuntimeError("no CUDA graph on the CPU")
 
     monkeypatch.setattr(decoder, "_advance", advance)
     monkeypatch.setattr(decoder, "_graph_memory", lambda: None)
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
     monkeypatch.setattr(torch.cuda, "current_stream", Stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", object)
-    monkeypatch.setattr(torch.cuda, "graph", graph)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", CUDAGraph)
     assert generate_all(engine, items) == solo
     assert len(decoder.unrecorded) == 1  # the step that ran out of memory is not recorded again; the others fail apart
 

@@ -15,7 +15,7 @@ from runpod_vlm.engine.gpu_errors import is_out_of_memory
 from runpod_vlm.engine.host_copies import to_device
 from runpod_vlm.engine.paged_attention import PagedStep, paged
 from runpod_vlm.engine.prefill import Prefill, beside_fx_traces, placeholder_counts_on_the_host
-from runpod_vlm.engine.prefill_graphs import GRAPH_TOKENS, PrefillGraphs
+from runpod_vlm.engine.prefill_graphs import GRAPH_TOKENS, PrefillGraphs, record
 from runpod_vlm.engine.sampling import Sampler, row_seed
 from runpod_vlm.engine.vision_graphs import VisionGraphs, tower
 
@@ -502,8 +502,7 @@ class PagedDecoder(Prefill):
             self._put_back(kept)
         self.ring_index.zero_()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._graph_memory(), capture_error_mode="thread_local"):
-            self._advance(bucket, span)
+        record(graph, self._graph_memory(), lambda: self._advance(bucket, span))
         self._put_back(kept)
         self.graphs[self._graph_key(bucket, span)] = graph
 
