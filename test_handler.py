@@ -1769,7 +1769,7 @@ def test_the_kv_pool_takes_what_the_weights_and_a_measured_step_leave_of_the_gpu
     hub.cuda_available, hub.device = True, "cuda:0"
     hub.gpu_memory, hub.gpu_used, hub.work_memory = 80 * 2**30, 16 * 2**30, 4 * 2**30
     serve(monkeypatch, QWEN, VLM_COMPILE="false")
-    images = 512 * 2**20  # VLM_IMAGE_CACHE_MB's default
+    images = 512 * 2**20 + 256 * 2**20  # VLM_IMAGE_CACHE_MB's default, the pixels waiting on the GPU (intake's)
     left = 0.9 * 80 * 2**30 - 16 * 2**30 - 4 * 2**30 - images  # VLM_GPU_MEMORY_UTILIZATION 0.9
     tokens = handler.get_engine()._current_decoder().pool.capacity_tokens
     assert tokens == int(left // hub.kv_bytes_per_token) // 16 * 16
@@ -1778,6 +1778,13 @@ def test_the_kv_pool_takes_what_the_weights_and_a_measured_step_leave_of_the_gpu
     capped = handler.get_engine()._current_decoder().pool.capacity_tokens
     # Of the cap too, as of a 24 GB card: the rest is the headroom a large request's vision pass needs.
     assert capped == int((0.9 * 0.3 * 80 * 2**30 - 20 * 2**30 - images) // hub.kv_bytes_per_token) // 16 * 16
+    handler.reset_engine()
+    monkeypatch.setenv("VLM_PREPROCESS_ON_GPU", "false")  # images processed on the host: nothing of theirs waits
+    on_host = handler.get_engine()._current_decoder().pool.capacity_tokens
+    assert (
+        on_host
+        == int((0.9 * 0.3 * 80 * 2**30 - 20 * 2**30 - images + 256 * 2**20) // hub.kv_bytes_per_token) // 16 * 16
+    )
     handler.reset_engine()
     monkeypatch.setenv("VLM_KV_CACHE_TOKENS", "1000")
     assert handler.get_engine()._current_decoder().pool.capacity_tokens == 992  # whole blocks

@@ -132,7 +132,7 @@ class Settings:
     min_pixels: pydantic.NonNegativeInt = 0  # Qwen processors' visual-token bounds; 0 keeps the model's own
     max_pixels: pydantic.NonNegativeInt = 0
     compile: bool = True  # torch.compile + CUDA graphs for decoding (CUDA only, never bitsandbytes)
-    preprocess_on_gpu: bool = False  # torchvision-backed processors resize on the GPU: faster; pixels differ slightly
+    preprocess_on_gpu: bool = True  # the Qwen family's processors finish on the GPU (resized on the host: same pixels)
     max_batch_tokens: Annotated[int, Field(ge=256)] = 8192  # prompt tokens per prefill; longer prompts go in chunks
     gpu_memory_utilization: Annotated[float, Field(gt=0, le=1)] = 0.9  # of the GPU (or process cap): weights, KV, work
     image_cache_mb: pydantic.NonNegativeInt = 512  # vision-encoder outputs kept for images sent again; 0: off

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from runpod_vlm.engine.intake import PREPARED_ON_GPU_BYTES
 from runpod_vlm.settings import Settings
 
 log = logging.getLogger("runpod-vlm")
@@ -29,10 +30,11 @@ def kv_pool_tokens(model, settings: Settings, dtype, graph_tokens: int = 0) -> i
     limit = min(limit, torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device))
     work = measured_work_memory(model, settings, dtype, graph_tokens)
     weights = torch.cuda.memory_allocated(device)
-    images = settings.image_cache_mb * 2**20
+    # the image cache's encodings, and the pixels prepared on the GPU waiting for admission
+    images = settings.image_cache_mb * 2**20 + (PREPARED_ON_GPU_BYTES if settings.preprocess_on_gpu else 0)
     tokens = max(0, int((limit - weights - work - images) // kv_bytes_per_token(model)))
     log.info(
-        "KV pool from GPU memory: limit %.1f GB, weights %.1f GB, measured work memory %.1f GB, image cache "
+        "KV pool from GPU memory: limit %.1f GB, weights %.1f GB, measured work memory %.1f GB, images "
         "%.1f GB -> %d tokens",
         limit / 1e9,
         weights / 1e9,
