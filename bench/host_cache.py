@@ -47,7 +47,7 @@ def main() -> None:
     block = pinned()
     del block
     print("the same size again", blocks())
-    record(torch.cuda.CUDAGraph(), None, lambda: value.add_(1))
+    record(torch.cuda.CUDAGraph(), torch.cuda.graph_pool_handle(), lambda: value.add_(1))
     print("after the engine's recording (prefill_graphs.record)", blocks())
     block = pinned()
     del block

@@ -5,6 +5,7 @@ forward from the same buffers (bench/paged.py checks the GPU's)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 import types
 
@@ -220,3 +221,64 @@ def test_a_shape_that_cannot_be_recorded_runs_eagerly_and_three_failures_end_the
     before = len(padded)
     assert generate_all(engine, items) == solo
     assert len(padded) == before and not graphs.graphs  # the prefills ran the unpadded path
+
+
+class AllocatorStandIn:
+    """PyTorch's caching allocator as a recording sees it (read in its CUDAGraph.cpp, seen on the H200): capture_begin
+    takes the pool for the graph, and only a capture_end that succeeds gives it back; a pool still taken refuses the
+    next capture_begin, and its entry holds the graph."""
+
+    def __init__(self):
+        self.taken: dict = {}  # pool -> the graph recording into it
+
+    def graph_class(self):
+        allocator = self
+
+        class CUDAGraph:
+            def __init__(self):
+                self.pool, self.voided, self.captured = None, False, False
+
+            def capture_begin(self, pool, capture_error_mode="global"):
+                if pool in allocator.taken:
+                    raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
+                allocator.taken[pool], self.pool = self, pool
+
+            def capture_end(self):
+                if self.voided:
+                    raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
+                del allocator.taken[self.pool]
+                self.captured = True
+
+        return CUDAGraph
+
+    def end_allocate_to_pool(self, device, pool):
+        if pool not in self.taken:
+            raise RuntimeError("endAllocatePool: not currently recording to mempool_id")
+        del self.taken[pool]
+
+
+def test_a_voided_recording_gives_its_pool_back_and_its_graph_is_kept(monkeypatch):
+    """On the H200 a recording voided by another thread's synchronize left its pool taken: every later recording into
+    the shared pool failed, and the process died of a segmentation fault soon after (likely the allocators' filters,
+    which point at the dropped graph)."""
+    import gc
+    import weakref
+
+    allocator = AllocatorStandIn()
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", allocator.graph_class())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda: "capture stream")
+    monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", allocator.end_allocate_to_pool)
+    monkeypatch.setattr(prefill_graphs_module, "_capture_stream", None)
+    monkeypatch.setattr(prefill_graphs_module, "_voided", [])
+    pool, graphs = (1, 0), [torch.cuda.CUDAGraph()]
+    with pytest.raises(RuntimeError, match="previous error during capture"):
+        prefill_graphs_module.record(graphs[0], pool, lambda: setattr(graphs[0], "voided", True))
+    kept = weakref.ref(graphs.pop())
+    gc.collect()
+    assert kept() is not None and not allocator.taken
+    graph = torch.cuda.CUDAGraph()
+    prefill_graphs_module.record(graph, pool, lambda: None)  # the next recording into the same pool
+    assert graph.captured and not allocator.taken

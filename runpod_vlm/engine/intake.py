@@ -18,6 +18,7 @@ from runpod_vlm.vocabulary import GenerationRequest
 # Pixels prepared on the GPU and not yet admitted, at most: a burst's worth of 448x448 images (2.4 MB each in bf16),
 # out of the share of the GPU that `VLM_GPU_MEMORY_UTILIZATION` leaves free (a tenth by default).
 PREPARED_ON_GPU_BYTES = 256 << 20
+THREADS = 2  # at most, one CPU left to the engine thread (why two: Intake's docstring)
 
 
 class Intake:
@@ -53,7 +54,7 @@ class Intake:
 
             self._stream = torch.cuda.Stream(image_device)
         self.pool = ThreadPoolExecutor(
-            max_workers=max(1, min(2, (os.cpu_count() or 2) - 1)), thread_name_prefix="vlm-intake"
+            max_workers=max(1, min(THREADS, (os.cpu_count() or 2) - 1)), thread_name_prefix="vlm-intake"
         )
         self._first, self._warm = threading.Lock(), False
 

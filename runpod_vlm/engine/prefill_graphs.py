@@ -31,12 +31,21 @@ SMALLEST = 64
 
 
 _capture_stream = None  # the one side stream every graph is recorded on, as torch.cuda.graph keeps one
+_voided: list = []  # graphs whose recording failed: PyTorch's allocators still hold filters that point at them
 
 
 def record(graph, pool, forward) -> None:
-    """Record `forward` into `graph`, its memory from `pool`: torch.cuda.graph's steps but for its release of the
-    page-locked host cache (`torch._C._host_emptyCache`), after which the next copies to the GPU each allocate anew
-    (2.3 ms each, bench/results/host-cache.txt). The caller gives the GPU's free blocks back first (`_graph_memory`)."""
+    """Record `forward` into `graph`, its memory from `pool` (a pool id, not None): torch.cuda.graph's steps but for
+    its release of the page-locked host cache (`torch._C._host_emptyCache`), after which the next copies to the GPU
+    each allocate anew (2.3 ms each, bench/README.md, fifteenth session). The caller gives the GPU's free blocks back
+    first (`_graph_memory`).
+
+    A voided capture (another thread synchronized the GPU, say) makes `capture_end` raise before it tells the
+    allocators that the capture is over, which PyTorch does not undo: the pool stays taken, so every later recording
+    into it failed ("already recording to mempool_id", on the H200), and the allocators keep a filter that points at
+    the graph, freed with it. Here the graph is kept and the pool given back."""
+    import contextlib
+
     import torch
 
     global _capture_stream
@@ -48,7 +57,13 @@ def record(graph, pool, forward) -> None:
         try:
             forward()
         finally:
-            graph.capture_end()
+            try:
+                graph.capture_end()
+            except Exception:
+                _voided.append(graph)
+                with contextlib.suppress(RuntimeError):  # a capture_end that failed after giving the pool back
+                    torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
+                raise
 
 
 def bucket(count: int, smallest: int = SMALLEST) -> int:
