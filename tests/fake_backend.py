@@ -72,6 +72,11 @@ STUBBED_API = frozenset(
         "torch.tensor",
         "torch.Tensor.dtype",
         "torch.Tensor.device",
+        # torch: images processed on the GPU by the intake, on a stream of its own (VLM_PREPROCESS_ON_GPU)
+        "torch.device",
+        "torch.cuda.Stream",
+        "torch.cuda.stream",
+        "torch.cuda.Stream.synchronize",
         # torch: the compiled path (torch.compile, CUDA graphs on a side stream)
         "torch.compile",
         "torch.cuda.synchronize",
@@ -867,6 +872,14 @@ class FakeStream:
     def wait_stream(self, stream):
         _use("torch.cuda.Stream.wait_stream")
         self.waited_on.append(stream)
+
+    def synchronize(self):  # the fakes' work is done when it returns
+        _use("torch.cuda.Stream.synchronize")
+
+
+def torch_device(name):
+    _use("torch.device")
+    return str(name)
 
 
 def cuda_current_stream(device=None):
@@ -1819,6 +1832,7 @@ def build_stub_modules() -> dict:
             "where": torch_where,
             "softmax": torch_softmax,
             "compile": torch_compile,
+            "device": torch_device,
         },
         {"cuda": cuda, "Tensor": FakeTensor, "backends": backends},
     )

@@ -70,6 +70,8 @@ CUDA_ONLY = {
     "torch.cuda.stream": "graph capture runs on a side stream, CUDA only",
     "torch.cuda.current_stream": "graph capture runs on a side stream, CUDA only",
     "torch.cuda.Stream.wait_stream": "graph capture runs on a side stream, CUDA only",
+    "torch.cuda.Stream.synchronize": "the intake waits for images processed on its GPU stream, CUDA only",
+    "torch.device": "the intake compares its pixels' device with the GPU it processes images on, CUDA only",
     "torch.cuda.CUDAGraph.replay": "decode steps replay CUDA graphs only on a CUDA device",
     "torch.cuda.get_device_properties": "the KV pool is sized from GPU memory only on a CUDA device",
     "torch.cuda.get_per_process_memory_fraction": "the KV pool is sized from GPU memory only on a CUDA device",
