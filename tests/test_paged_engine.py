@@ -16,7 +16,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import handler
 from runpod_vlm.answers import generate_all
-from runpod_vlm.engine import admission, varlen
+from runpod_vlm.engine import admission, prefill_graphs, varlen
 from runpod_vlm.vocabulary import StreamDelta
 from sample_images import data_uri, striped
 from test_vision_compile import block_diagonal_varlen, wait_for
@@ -166,6 +166,7 @@ def test_a_decode_graphs_recording_that_fails_midway_leaves_the_rows_where_they_
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", CUDAGraph)
+    monkeypatch.setattr(prefill_graphs, "_capture_stream", None)  # made from the stand-in Stream, not kept
     assert generate_all(engine, items) == solo
     assert len(decoder.unrecorded) == 1  # the step that ran out of memory is not recorded again; the others fail apart
 
