@@ -529,8 +529,8 @@ def ttft_breakdown(handler, engine, out: Path) -> dict:
         ticket.prepared.add_done_callback(lambda _: marks.setdefault("prepared", time.perf_counter()))
         first.wait(30)
         time.sleep(0.05)  # the rest of the job
-        # and the graphs it asked for: a recording under way when the next job comes, or a profiler's synchronize
-        # on this thread, would void it (bench/README.md, sixteenth session)
+        # and the graphs it asked for: the next job would wait for a recording, and a profiler's exit, which
+        # synchronizes the GPU from this thread, would void it (bench/README.md, sixteenth session)
         wait_for_recordings(engine)
         return {
             "read_ms": 1000 * (marks["read"] - marks["start"]),
