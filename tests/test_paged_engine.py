@@ -166,7 +166,8 @@ def test_a_decode_graphs_recording_that_fails_midway_leaves_the_rows_where_they_
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", CUDAGraph)
-    monkeypatch.setattr(prefill_graphs, "_capture_stream", None)  # made from the stand-in Stream, not kept
+    monkeypatch.setattr(prefill_graphs, "_capture_stream", None)  # made from the stand-ins, not kept
+    monkeypatch.setattr(prefill_graphs, "_voided", [])
     assert generate_all(engine, items) == solo
     assert len(decoder.unrecorded) == 1  # the step that ran out of memory is not recorded again; the others fail apart
 

@@ -230,6 +230,7 @@ class AllocatorStandIn:
 
     def __init__(self):
         self.taken: dict = {}  # pool -> the graph recording into it
+        self.fail_begin = False
 
     def graph_class(self):
         allocator = self
@@ -242,6 +243,8 @@ class AllocatorStandIn:
                 if pool in allocator.taken:
                     raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
                 allocator.taken[pool], self.pool = self, pool
+                if allocator.fail_begin:  # as cudaStreamBeginCapture failing after the pool was taken
+                    raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
             def capture_end(self):
                 if self.voided:
@@ -282,3 +285,15 @@ def test_a_voided_recording_gives_its_pool_back_and_its_graph_is_kept(monkeypatc
     graph = torch.cuda.CUDAGraph()
     prefill_graphs_module.record(graph, pool, lambda: None)  # the next recording into the same pool
     assert graph.captured and not allocator.taken
+    allocator.fail_begin = True  # a capture_begin that fails after taking the pool: the same
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        prefill_graphs_module.record(torch.cuda.CUDAGraph(), pool, lambda: None)
+    assert not allocator.taken and len(prefill_graphs_module._voided) == 2
+    allocator.fail_begin = False
+
+    def fails(message: str):
+        raise torch.OutOfMemoryError(message)
+
+    with pytest.raises(torch.OutOfMemoryError):  # a recording that failed but ended: nothing to give back or keep
+        prefill_graphs_module.record(torch.cuda.CUDAGraph(), pool, lambda: fails("a stand-in"))
+    assert not allocator.taken and len(prefill_graphs_module._voided) == 2

@@ -43,7 +43,8 @@ def record(graph, pool, forward) -> None:
     A voided capture (another thread synchronized the GPU, say) makes `capture_end` raise before it tells the
     allocators that the capture is over, which PyTorch does not undo: the pool stays taken, so every later recording
     into it failed ("already recording to mempool_id", on the H200), and the allocators keep a filter that points at
-    the graph, freed with it. Here the graph is kept and the pool given back."""
+    the graph, freed with it. Here the graph is kept and the pool given back; so too where `capture_begin` failed
+    after taking the pool."""
     import contextlib
 
     import torch
@@ -52,18 +53,21 @@ def record(graph, pool, forward) -> None:
     if _capture_stream is None:
         _capture_stream = torch.cuda.Stream()
     torch.cuda.synchronize()  # no work of another stream still running into the capture
+    ended = False
     with torch.cuda.stream(_capture_stream):
-        graph.capture_begin(pool, capture_error_mode="thread_local")
         try:
-            forward()
-        finally:
+            graph.capture_begin(pool, capture_error_mode="thread_local")
             try:
+                forward()
+            finally:
                 graph.capture_end()
-            except Exception:
+                ended = True
+        except Exception:
+            if not ended:
                 _voided.append(graph)
-                with contextlib.suppress(RuntimeError):  # a capture_end that failed after giving the pool back
+                with contextlib.suppress(RuntimeError):  # failed before taking the pool, or after giving it back
                     torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
-                raise
+            raise
 
 
 def bucket(count: int, smallest: int = SMALLEST) -> int:
