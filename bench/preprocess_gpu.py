@@ -37,15 +37,18 @@ def main() -> None:
     ]
     stream = torch.cuda.Stream()  # as the intake's: not behind other work
 
-    def pixels(image, device=None, host_resized=False):
+    def processed(call, image, device=None, host_resized=False, **kwargs):
+        """`call` (the processor or its image processor) on `image`, on `device`, the pixels in bf16 when it returns."""
         if host_resized:
             image = adapter.host_resized(processor, image)
         with torch.cuda.stream(stream):
-            kwargs = {"device": device} if device else {}
-            values = processor.image_processor(images=[image], return_tensors="pt", **kwargs)["pixel_values"]
-            values = values.to(torch.bfloat16)
+            inputs = call(images=[image], return_tensors="pt", **({"device": device} if device else {}), **kwargs)
+            inputs["pixel_values"] = inputs["pixel_values"].to(torch.bfloat16)
         stream.synchronize()
-        return values.float().cpu()
+        return inputs
+
+    def pixels(image, device=None, host_resized=False):
+        return processed(processor.image_processor, image, device, host_resized)["pixel_values"].float().cpu()
 
     for name, host_resized in (("resized on the GPU", False), ("resized on the host", True)):
         worst, differing, total = 0.0, 0, 0
@@ -64,12 +67,7 @@ def main() -> None:
         times = []
         for image in images[: len(SIZES)] * 3:
             started = time.perf_counter()
-            given = adapter.host_resized(processor, image) if host_resized else image
-            with torch.cuda.stream(stream):
-                kwargs = {"device": device} if device else {}
-                inputs = processor(text=[prompt], images=[given], return_tensors="pt", **kwargs)
-                inputs["pixel_values"] = inputs["pixel_values"].to(torch.bfloat16)
-            stream.synchronize()
+            processed(processor, image, device, host_resized, text=[prompt])
             times.append(time.perf_counter() - started)
         last = [round(1000 * t, 1) for t in times[len(SIZES) : 2 * len(SIZES)]]  # the second round: warm
         print(name, "ms a processor call,", " / ".join(f"{w}x{h}" for w, h in SIZES), last)
