@@ -60,6 +60,7 @@ from fake_backend import (
     sent_images,
 )
 from runpod_vlm.engine.blocks import BlockPool, PoolExhausted, prefix_digests
+from runpod_vlm.families.native import QwenVLAdapter
 from runpod_vlm.grounding import box_to_pixels, parse_bbox
 from runpod_vlm.request import TASK_PROMPTS
 from runpod_vlm.settings import CURATED_MODELS, DEFAULT_MODEL, MediaPolicy, Settings, SettingsError
@@ -1766,7 +1767,7 @@ def test_a_prompt_sent_again_alone_computes_only_what_its_cached_blocks_do_not_h
 
 
 def test_the_kv_pool_takes_what_the_weights_and_a_measured_step_leave_of_the_gpu(monkeypatch, hub):
-    hub.cuda_available, hub.device = True, "cuda:0"
+    hub.cuda_available, hub.device, hub.torchvision_images = True, "cuda:0", True
     hub.gpu_memory, hub.gpu_used, hub.work_memory = 80 * 2**30, 16 * 2**30, 4 * 2**30
     serve(monkeypatch, QWEN, VLM_COMPILE="false")
     images = 512 * 2**20 + 256 * 2**20  # VLM_IMAGE_CACHE_MB's default, the pixels waiting on the GPU (intake's)
@@ -1778,13 +1779,17 @@ def test_the_kv_pool_takes_what_the_weights_and_a_measured_step_leave_of_the_gpu
     capped = handler.get_engine()._current_decoder().pool.capacity_tokens
     # Of the cap too, as of a 24 GB card: the rest is the headroom a large request's vision pass needs.
     assert capped == int((0.9 * 0.3 * 80 * 2**30 - 20 * 2**30 - images) // hub.kv_bytes_per_token) // 16 * 16
+    on_host = int((0.9 * 0.3 * 80 * 2**30 - 20 * 2**30 - images + 256 * 2**20) // hub.kv_bytes_per_token) // 16 * 16
     handler.reset_engine()
-    monkeypatch.setenv("VLM_PREPROCESS_ON_GPU", "false")  # images processed on the host: nothing of theirs waits
-    on_host = handler.get_engine()._current_decoder().pool.capacity_tokens
-    assert (
-        on_host
-        == int((0.9 * 0.3 * 80 * 2**30 - 20 * 2**30 - images + 256 * 2**20) // hub.kv_bytes_per_token) // 16 * 16
-    )
+    hub.torchvision_images = False  # a processor that cannot finish its images on the GPU: nothing of theirs waits
+    assert handler.get_engine()._current_decoder().pool.capacity_tokens == on_host
+    handler.reset_engine()
+    hub.torchvision_images = True
+    monkeypatch.setenv("VLM_PREPROCESS_ON_GPU", "false")  # nor where the images are processed on the host
+    assert handler.get_engine()._current_decoder().pool.capacity_tokens == on_host
+    handler.reset_engine()
+    serve(monkeypatch, "llava-hf/llava-1.5-7b-hf", VLM_COMPILE="false", VLM_PREPROCESS_ON_GPU="true")
+    assert handler.get_engine()._current_decoder().pool.capacity_tokens == on_host  # nor where the family cannot
     handler.reset_engine()
     monkeypatch.setenv("VLM_KV_CACHE_TOKENS", "1000")
     assert handler.get_engine()._current_decoder().pool.capacity_tokens == 992  # whole blocks
@@ -2376,6 +2381,9 @@ def test_stubbed_api_is_exactly_what_the_handler_uses(monkeypatch, hub):
     # 1. Native family on a (fake) GPU: auto dtype, compiled decode loop with repetition penalty,
     #    min_new_tokens, images; then sampling, and a second identical batch (cache reuse).
     hub.cuda_available, hub.device, hub.repetition_penalty, hub.reply = True, "cuda:0", 1.2, echo
+    # the images finished on the GPU, on the intake's stream (the host's resize is the real processor's own steps)
+    hub.torchvision_images = True
+    monkeypatch.setattr(QwenVLAdapter, "host_resized", lambda self, processor, image: image)
     serve(monkeypatch, QWEN)
     assert call(caption(min_new_tokens=2))["response"]
     assert call(caption(min_new_tokens=2))["response"]

@@ -116,6 +116,7 @@ STUBBED_API = frozenset(
         "transformers.ProcessorMixin.__call__",
         "transformers.ProcessorMixin.apply_chat_template",
         "transformers.ProcessorMixin.tokenizer",
+        "transformers.ProcessorMixin.image_processor",
         "transformers.BatchFeature.to",
         "transformers.BatchFeature.__getitem__",
         "transformers.BatchFeature.__setitem__",
@@ -1168,6 +1169,7 @@ class Hub:
         self.reply = "ok"
         self.cuda_available = False
         self.bf16_supported = True
+        self.torchvision_images = False  # whether processors' image processors are torchvision-backed (fast) ones
         self.device = "cpu"
         self.repetition_penalty = None
         self.inference_depth = 0
@@ -1303,6 +1305,10 @@ class FakeBatch(dict):
         return super().__contains__(key)
 
 
+class TorchvisionBackend:
+    """Named as transformers' base class of its torchvision-backed image processors, which adapters look for."""
+
+
 class FakeProcessor:
     chat_template = None  # Phi-4-multimodal's: transformers 5.17 loads it onto the tokenizer only
 
@@ -1314,6 +1320,13 @@ class FakeProcessor:
     def tokenizer(self):
         _use("transformers.ProcessorMixin.tokenizer")
         return self._tokenizer
+
+    @property
+    def image_processor(self):
+        _use("transformers.ProcessorMixin.image_processor")
+        if not HUB.torchvision_images:
+            raise AttributeError("image_processor")
+        return TorchvisionBackend()
 
     def apply_chat_template(self, messages, add_generation_prompt=False, tokenize=True, **kwargs):
         _use("transformers.ProcessorMixin.apply_chat_template")

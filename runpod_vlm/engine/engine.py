@@ -20,7 +20,7 @@ from runpod_vlm.engine.decoder import PagedDecoder
 from runpod_vlm.engine.gpu_errors import is_fatal_gpu_error
 from runpod_vlm.engine.grammar import Grammars
 from runpod_vlm.engine.image_cache import ImageEmbeddingCache
-from runpod_vlm.engine.intake import Intake
+from runpod_vlm.engine.intake import PREPARED_ON_GPU_BYTES, Intake
 from runpod_vlm.engine.loading import load_model
 from runpod_vlm.engine.memory import kv_pool_tokens
 from runpod_vlm.engine.paged_attention import use_paged_attention
@@ -204,15 +204,14 @@ class Engine(Admission, BackgroundCompile):
     def _intake_of(self) -> Intake:
         with self._wake:
             if self._intake is None:
-                on_gpu = str(self.model.device).startswith("cuda")
                 self._intake = Intake(
                     self.adapter,
                     self.processor,
                     self.dtype,
                     self.timings,
                     self.image_cache,
-                    pin=on_gpu,
-                    image_device=str(self.model.device) if on_gpu and self.settings.preprocess_on_gpu else None,
+                    pin=str(self.model.device).startswith("cuda"),
+                    image_device=str(self.model.device) if self._images_on_gpu() else None,
                 )
             return self._intake
 
@@ -479,9 +478,15 @@ class Engine(Admission, BackgroundCompile):
         decoder.capture_lock = self._capture_lock
         return decoder
 
+    def _images_on_gpu(self) -> bool:
+        """Whether the intake finishes the images on the model's GPU (VLM_PREPROCESS_ON_GPU, where the family can)."""
+        on_gpu = str(self.model.device).startswith("cuda")
+        return on_gpu and self.settings.preprocess_on_gpu and self.adapter.images_finish_on_gpu(self.processor)
+
     def _kv_pool_blocks(self) -> int:
         graph_tokens = min(GRAPH_TOKENS, self.settings.max_batch_tokens) if self.use_graphs else 0
-        return max(2, kv_pool_tokens(self.model, self.settings, self.dtype, graph_tokens) // BLOCK_SIZE + 1)
+        pixels = PREPARED_ON_GPU_BYTES if self._images_on_gpu() else 0
+        return max(2, kv_pool_tokens(self.model, self.settings, self.dtype, graph_tokens, pixels) // BLOCK_SIZE + 1)
 
     def warm_up(self) -> None:
         """Start compiling the decode step in the background; the engine switches shape by shape."""

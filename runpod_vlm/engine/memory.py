@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 
-from runpod_vlm.engine.intake import PREPARED_ON_GPU_BYTES
 from runpod_vlm.settings import Settings
 
 log = logging.getLogger("runpod-vlm")
@@ -12,10 +11,11 @@ log = logging.getLogger("runpod-vlm")
 CPU_KV_CACHE_TOKENS = 32768
 
 
-def kv_pool_tokens(model, settings: Settings, dtype, graph_tokens: int = 0) -> int:
+def kv_pool_tokens(model, settings: Settings, dtype, graph_tokens: int = 0, prepared_pixels: int = 0) -> int:
     """VLM_KV_CACHE_TOKENS, else what the GPU holds beside the weights and a step's measured work memory (and the
-    prefill graphs' own, for prefills of up to `graph_tokens`), within VLM_GPU_MEMORY_UTILIZATION of the memory this
-    process may use (its cap, when it has one)."""
+    prefill graphs' own, for prefills of up to `graph_tokens`), the image cache and the `prepared_pixels` bytes that
+    may wait on it for admission, within VLM_GPU_MEMORY_UTILIZATION of the memory this process may use (its cap,
+    when it has one)."""
     import torch
 
     if settings.kv_cache_tokens:
@@ -30,8 +30,7 @@ def kv_pool_tokens(model, settings: Settings, dtype, graph_tokens: int = 0) -> i
     limit = min(limit, torch.cuda.mem_get_info(device)[0] + torch.cuda.memory_reserved(device))
     work = measured_work_memory(model, settings, dtype, graph_tokens)
     weights = torch.cuda.memory_allocated(device)
-    # the image cache's encodings, and the pixels prepared on the GPU waiting for admission
-    images = settings.image_cache_mb * 2**20 + (PREPARED_ON_GPU_BYTES if settings.preprocess_on_gpu else 0)
+    images = settings.image_cache_mb * 2**20 + prepared_pixels
     tokens = max(0, int((limit - weights - work - images) // kv_bytes_per_token(model)))
     log.info(
         "KV pool from GPU memory: limit %.1f GB, weights %.1f GB, measured work memory %.1f GB, images "

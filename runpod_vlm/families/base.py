@@ -125,8 +125,8 @@ class FamilyAdapter:
 
     def batch_inputs(self, processor, items: list[GenerationRequest], device, dtype, image_device=None):
         """Left-padded prompts and pixels on `device`, and per item its first image's input size (or None).
-        `image_device`: where a torchvision-backed image processor rescales, normalizes and cuts into patches the
-        images `host_resized` gives (the rest stays on the host); its pixels stay there."""
+        `image_device`: where the images are rescaled, normalized and cut into patches after `host_resized`, where
+        `images_finish_on_gpu` (the rest stays on the host); its pixels stay there."""
         prompts = [
             processor.apply_chat_template(
                 self.chat_messages(self.request_turns(item)), tokenize=False, add_generation_prompt=True
@@ -136,11 +136,9 @@ class FamilyAdapter:
         kwargs: dict = {"text": prompts, "padding": True, "return_tensors": "pt"}
         if any(item.images for item in items):
             kwargs["images"] = [self.bounded_images(processor, item) for item in items]
-            backend = type(getattr(processor, "image_processor", None)).__mro__
-            if image_device is not None and any(c.__name__ == "TorchvisionBackend" for c in backend):
+            if image_device is not None and self.images_finish_on_gpu(processor):
                 resized = [[self.host_resized(processor, image) for image in images] for images in kwargs["images"]]
-                if all(image is not None for images in resized for image in images):
-                    kwargs["images"], kwargs["device"] = resized, image_device
+                kwargs["images"], kwargs["device"] = resized, image_device
         if any(item.videos for item in items):
             kwargs.update(self.video_inputs(processor, items))
         bos = getattr(processor.tokenizer, "bos_token", None)  # a template that writes BOS gets no second one
@@ -207,11 +205,11 @@ class FamilyAdapter:
     def input_sizes(self, processor, inputs, items: list[GenerationRequest]) -> list:
         return [None] * len(items)
 
-    def host_resized(self, processor, image):
-        """`image` as the processor's own steps turn it into a tensor and resize it, on the host, for a processor
-        that then runs on a GPU (whose resize rounds differently); None where the family cannot say (the images
-        stay on the host)."""
-        return None
+    def images_finish_on_gpu(self, processor) -> bool:
+        """Whether `batch_inputs` given an `image_device` processes the images there: where the family can resize them
+        on the host as `processor` would (`host_resized`; a GPU's resize rounds differently) and `processor` then runs
+        on a GPU."""
+        return False
 
 
 def text_of(turn: Turn) -> str:

@@ -41,6 +41,10 @@ class QwenVLAdapter(FamilyAdapter):
         height, width = smart_resize(image.height, image.width, factor, min_pixels=low, max_pixels=max(high, low))
         return image if (width, height) == image.size else image.resize((width, height), Image.Resampling.BICUBIC)
 
+    def images_finish_on_gpu(self, processor) -> bool:
+        backend = type(getattr(processor, "image_processor", None)).__mro__  # transformers' torchvision-backed ones
+        return any(c.__name__ == "TorchvisionBackend" for c in backend)
+
     def host_resized(self, processor, image):
         """On the host, as the processor does it first (its image, as a tensor, resized by its own smart resize): given
         that, its resize on the GPU does nothing, and the pixels are the host's."""
