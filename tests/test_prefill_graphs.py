@@ -224,12 +224,14 @@ def test_a_shape_that_cannot_be_recorded_runs_eagerly_and_three_failures_end_the
 
 
 class AllocatorStandIn:
-    """PyTorch's caching allocator as a recording sees it (read in its CUDAGraph.cpp, seen on the H200): capture_begin
-    takes the pool for the graph, and only a capture_end that succeeds gives it back; a pool still taken refuses the
-    next capture_begin, and its entry holds the graph."""
+    """PyTorch 2.11's allocators as a recording sees them (read in its CUDAGraph.cpp and CachingHostAllocator.h, seen
+    on the H200): capture_begin has the GPU's and the page-locked allocator each take the pool for the graph, and only
+    a capture_end that succeeds gives both back; Python can end only the GPU's (`_cuda_endAllocateToPool`). A pool
+    still taken by either refuses the next capture_begin, and their entries hold the graph."""
 
     def __init__(self):
-        self.taken: dict = {}  # pool -> the graph recording into it
+        self.taken: dict = {}  # pool -> the graph recording into it, the GPU's caching allocator
+        self.taken_page_locked: dict = {}  # the same, the page-locked host allocator
         self.fail_begin = False
 
     def graph_class(self):
@@ -240,16 +242,18 @@ class AllocatorStandIn:
                 self.pool, self.voided, self.captured = None, False, False
 
             def capture_begin(self, pool, capture_error_mode="global"):
-                if pool in allocator.taken:
-                    raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
-                allocator.taken[pool], self.pool = self, pool
+                for taken in (allocator.taken, allocator.taken_page_locked):
+                    if pool in taken:
+                        raise RuntimeError("beginAllocateToPool: already recording to mempool_id")
+                    taken[pool] = self
+                self.pool = pool
                 if allocator.fail_begin:  # as cudaStreamBeginCapture failing after the pool was taken
                     raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
 
             def capture_end(self):
                 if self.voided:
                     raise RuntimeError("CUDA error: operation failed due to a previous error during capture")
-                del allocator.taken[self.pool]
+                del allocator.taken[self.pool], allocator.taken_page_locked[self.pool]
                 self.captured = True
 
         return CUDAGraph
@@ -260,10 +264,10 @@ class AllocatorStandIn:
         del self.taken[pool]
 
 
-def test_a_voided_recording_gives_its_pool_back_and_its_graph_is_kept(monkeypatch):
-    """On the H200 a recording voided by another thread's synchronize left its pool taken: every later recording into
-    the shared pool failed, and the process died of a segmentation fault soon after (likely the allocators' filters,
-    which point at the dropped graph)."""
+def test_a_voided_recording_keeps_its_graph_and_the_next_recordings_go_to_a_new_pool(monkeypatch):
+    """On the H200 a recording voided by a synchronize left its pool taken: every later recording into the shared
+    pool failed, and the process died of a segmentation fault soon after (likely the allocators' filters, which
+    point at the dropped graph)."""
     import gc
     import weakref
 
@@ -273,27 +277,44 @@ def test_a_voided_recording_gives_its_pool_back_and_its_graph_is_kept(monkeypatc
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    pools = iter(range(1, 100))
+    monkeypatch.setattr(torch.cuda, "MemPool", lambda: types.SimpleNamespace(id=(next(pools), 0)))
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", allocator.end_allocate_to_pool)
     monkeypatch.setattr(prefill_graphs_module, "_capture_stream", None)
     monkeypatch.setattr(prefill_graphs_module, "_voided", [])
-    pool, graphs = (1, 0), [torch.cuda.CUDAGraph()]
+    monkeypatch.setattr(prefill_graphs_module, "_stuck_pools", set())
+    decoder = types.SimpleNamespace(graph_pool=None)  # the decoder's memory pool for every graph
+    pool = PagedDecoder._graph_memory(decoder)
+    graph = torch.cuda.CUDAGraph()
+    prefill_graphs_module.record(graph, pool, lambda: None)
+    assert graph.captured and PagedDecoder._graph_memory(decoder) == pool  # recorded: the same pool next
+    graphs = [torch.cuda.CUDAGraph()]
     with pytest.raises(RuntimeError, match="previous error during capture"):
         prefill_graphs_module.record(graphs[0], pool, lambda: setattr(graphs[0], "voided", True))
     kept = weakref.ref(graphs.pop())
     gc.collect()
-    assert kept() is not None and not allocator.taken
+    assert kept() is not None and not allocator.taken  # the graph kept; the GPU's allocator has its pool back
+    with pytest.raises(RuntimeError, match="already recording"):  # the page-locked allocator's is taken for good
+        prefill_graphs_module.record(torch.cuda.CUDAGraph(), pool, lambda: None)
+    assert not allocator.taken  # the GPU's allocator took it before the page-locked one refused: given back too
+    new_pool = PagedDecoder._graph_memory(decoder)
+    assert new_pool != pool
     graph = torch.cuda.CUDAGraph()
-    prefill_graphs_module.record(graph, pool, lambda: None)  # the next recording into the same pool
-    assert graph.captured and not allocator.taken
+    prefill_graphs_module.record(graph, new_pool, lambda: None)
+    assert graph.captured and PagedDecoder._graph_memory(decoder) == new_pool
     allocator.fail_begin = True  # a capture_begin that fails after taking the pool: the same
     with pytest.raises(RuntimeError, match="stream is capturing"):
-        prefill_graphs_module.record(torch.cuda.CUDAGraph(), pool, lambda: None)
-    assert not allocator.taken and len(prefill_graphs_module._voided) == 2
+        prefill_graphs_module.record(torch.cuda.CUDAGraph(), new_pool, lambda: None)
+    assert not allocator.taken and len(prefill_graphs_module._voided) == 3
+    assert PagedDecoder._graph_memory(decoder) not in (pool, new_pool)
     allocator.fail_begin = False
 
     def fails(message: str):
         raise torch.OutOfMemoryError(message)
 
+    pool = PagedDecoder._graph_memory(decoder)
     with pytest.raises(torch.OutOfMemoryError):  # a recording that failed but ended: nothing to give back or keep
         prefill_graphs_module.record(torch.cuda.CUDAGraph(), pool, lambda: fails("a stand-in"))
-    assert not allocator.taken and len(prefill_graphs_module._voided) == 2
+    assert not allocator.taken and len(prefill_graphs_module._voided) == 3
+    assert PagedDecoder._graph_memory(decoder) == pool

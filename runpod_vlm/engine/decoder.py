@@ -15,7 +15,7 @@ from runpod_vlm.engine.gpu_errors import is_out_of_memory
 from runpod_vlm.engine.host_copies import to_device
 from runpod_vlm.engine.paged_attention import PagedStep, paged
 from runpod_vlm.engine.prefill import Prefill, beside_fx_traces, placeholder_counts_on_the_host
-from runpod_vlm.engine.prefill_graphs import GRAPH_TOKENS, PrefillGraphs, record
+from runpod_vlm.engine.prefill_graphs import GRAPH_TOKENS, PrefillGraphs, record, usable
 from runpod_vlm.engine.sampling import Sampler, row_seed
 from runpod_vlm.engine.vision_graphs import VisionGraphs, tower
 
@@ -459,6 +459,9 @@ class PagedDecoder(Prefill):
         import torch
 
         torch.cuda.empty_cache()
+        if self.graph_pool is not None and not usable(self.graph_pool.id):
+            log.warning("a CUDA graph recording was voided: the next ones record into a memory pool of their own")
+            self.graph_pool = None  # its graphs keep their memory
         if self.graph_pool is None:
             # A MemPool, not a bare graph_pool_handle(): it holds the pool open, so that capturing into it
             # after every graph in it was dropped (a bucket switching to the compiled forward) does not

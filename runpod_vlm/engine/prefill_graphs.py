@@ -32,6 +32,7 @@ SMALLEST = 64
 
 _capture_stream = None  # the one side stream every graph is recorded on, as torch.cuda.graph keeps one
 _voided: list = []  # graphs whose recording failed: PyTorch's allocators still hold filters that point at them
+_stuck_pools: set = set()  # pools a voided recording left taken by the page-locked allocator
 
 
 def record(graph, pool, forward) -> None:
@@ -40,11 +41,12 @@ def record(graph, pool, forward) -> None:
     each allocate anew (2.3 ms each, bench/README.md, fifteenth session). The caller gives the GPU's free blocks back
     first (`_graph_memory`).
 
-    A voided capture (another thread synchronized the GPU, say) makes `capture_end` raise before it tells the
-    allocators that the capture is over, which PyTorch does not undo: the pool stays taken, so every later recording
-    into it failed ("already recording to mempool_id", on the H200), and the allocators keep a filter that points at
-    the graph, freed with it. Here the graph is kept and the pool given back; so too where `capture_begin` failed
-    after taking the pool."""
+    A voided capture (a synchronize during it, say) makes `capture_end` raise before it tells the allocators that the
+    capture is over, which PyTorch 2.11 does not undo: the pool stays taken, so every later recording into it fails
+    ("already recording to mempool_id", on the H200), and the allocators keep a filter that points at the graph,
+    freed with it. Here the graph is kept, and the pool given back to the GPU's caching allocator; the page-locked
+    allocator's hold on it has no Python binding to end it, so the pool is left for good (`usable`). So too where
+    `capture_begin` failed after taking the pool."""
     import contextlib
 
     import torch
@@ -65,9 +67,15 @@ def record(graph, pool, forward) -> None:
         except Exception:
             if not ended:
                 _voided.append(graph)
+                _stuck_pools.add(pool)
                 with contextlib.suppress(RuntimeError):  # failed before taking the pool, or after giving it back
                     torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
             raise
+
+
+def usable(pool) -> bool:
+    """Whether graphs can still be recorded into `pool`: no recording into it was voided (`record`)."""
+    return pool not in _stuck_pools
 
 
 def bucket(count: int, smallest: int = SMALLEST) -> int:
