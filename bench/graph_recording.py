@@ -1,19 +1,23 @@
-"""Whether PyTorch's cache of page-locked memory keeps a freed block through `torch.cuda.empty_cache()` and through a
-CUDA graph recording, by `torch.cuda.graph` and by the engine's `prefill_graphs.record` (GPU; printed):
+"""The engine's CUDA graph recordings (`prefill_graphs.record`) on a GPU, printed:
 
-    python bench/host_cache.py
+- whether PyTorch's cache of page-locked memory keeps a freed block through `torch.cuda.empty_cache()` and through a
+  recording, by `torch.cuda.graph` and by `record` (each line: blocks the cache holds, blocks allocated from CUDA so
+  far, blocks given back to CUDA so far);
+- what a recording voided midway (the GPU synchronized during it, from its own thread and from another) leaves: the
+  next recording into its memory pool, and into a new one as the engine then takes, and their replays.
 
-Each line: (blocks the cache holds, blocks allocated from CUDA so far, blocks given back to CUDA so far).
+    python bench/graph_recording.py
 """
 
 import sys
+import threading
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from runpod_vlm.engine.prefill_graphs import record  # noqa: E402
+from runpod_vlm.engine.prefill_graphs import record, usable  # noqa: E402
 
 
 def blocks() -> tuple:
@@ -52,6 +56,54 @@ def main() -> None:
     block = pinned()
     del block
     print("the same size again", blocks())
+    voided_recordings()
+
+
+def voided_recordings() -> None:
+    """Each case in a pool of its own: a recording voided midway, then the next recording into the same pool, and
+    into a new one where `prefill_graphs.usable` says the engine would take one (`PagedDecoder._graph_memory`)."""
+    value = torch.zeros(16, device="cuda")
+
+    def from_another_thread():
+        value.add_(1)
+        synchronizing = threading.Thread(target=torch.cuda.synchronize)
+        synchronizing.start()
+        synchronizing.join()
+        value.add_(1)
+
+    def doubled(pool) -> str:
+        graph = torch.cuda.CUDAGraph()
+        try:
+            record(graph, pool, lambda: value.mul_(2))
+        except Exception as error:
+            return f"failed: {type(error).__name__}: {str(error)[:100]}"
+        value.fill_(3)
+        graph.replay()
+        torch.cuda.synchronize()
+        return f"replays 3 -> {value[0].item():g} (6 expected)"
+
+    for name, voiding in (("on its own thread", torch.cuda.synchronize), ("from another thread", from_another_thread)):
+        pool = torch.cuda.MemPool()
+        try:
+            record(torch.cuda.CUDAGraph(), pool.id, voiding)
+            print(f"synchronized {name}: the recording ended")
+        except Exception as error:
+            print(f"synchronized {name}: the recording failed: {type(error).__name__}: {str(error)[:100]}")
+        print(f"  usable(pool): {usable(pool.id)}; the next recording into the same pool {doubled(pool.id)}")
+        print(f"  the next recording into a new pool {doubled(torch.cuda.MemPool().id)}")
+    # Last, as it may leave the allocator broken: the same with torch.cuda.graph, into a pool of its own.
+    pool = torch.cuda.graph_pool_handle()
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), pool=pool):
+            torch.cuda.synchronize()
+    except Exception as error:
+        print(f"torch.cuda.graph, synchronized on its own thread: failed: {type(error).__name__}")
+    try:
+        with torch.cuda.graph(torch.cuda.CUDAGraph(), pool=pool):
+            value.mul_(2)
+        print("  the next torch.cuda.graph recording into its pool ended")
+    except Exception as error:
+        print(f"  the next torch.cuda.graph recording into its pool failed: {str(error)[:100]}")
 
 
 if __name__ == "__main__":

@@ -509,11 +509,12 @@ def ttft_breakdown(handler, engine, out: Path) -> dict:
     import statistics
     import threading
 
-    from serving import QUESTIONS, data_uri, python_profile, wait_for_recordings
+    from serving import QUESTIONS, counted_since, counters, data_uri, python_profile, wait_for_recordings
 
     def once(n: int) -> dict:
         job = {"task": "vqa", "question": QUESTIONS[0], "image_url": data_uri(448, 448, 8000 + n),
                "max_new_tokens": 4, "min_new_tokens": 4}  # fmt: skip
+        before = counters(engine)
         marks, first = {"start": time.perf_counter()}, threading.Event()
         settings, model_id = handler.served_model()
         item = handler.read_job_item(job, settings, model_id)[1]
@@ -537,13 +538,15 @@ def ttft_breakdown(handler, engine, out: Path) -> dict:
             "intake_ms": 1000 * (marks["prepared"] - marks["submitted"]),
             "admission_to_first_token_ms": 1000 * (marks["first"] - marks["prepared"]),
             "total_ms": 1000 * (marks["first"] - marks["start"]),
+            "counted": counted_since(engine, before),
         }
 
     once(100)  # the first prefill makes the KV pool; the decode graphs are then recorded ahead while idle (waited for)
     result = {}
     for name in ("new_image", "same_again"):
         runs = [once(n) for n in range(5)]
-        result[name] = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
+        result[name] = {key: statistics.median(run[key] for run in runs) for key in runs[0] if key.endswith("_ms")}
+        result[f"{name}_runs"] = runs
     from torch.profiler import ProfilerActivity, profile
 
     for name, n in (("new_image", 200), ("same_again", 0)):

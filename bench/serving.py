@@ -117,13 +117,16 @@ def bench_model(models: str, tiny: bool = False) -> Path:
 
 def counters(engine) -> dict:
     """The engine's timings and counts so far, and on the GPU the page-locked blocks allocated (each a `cudaHostAlloc`
-    of milliseconds, which stalls the engine thread's CUDA calls meanwhile: bench/README.md, fourteenth session)."""
+    of milliseconds, which stalls the engine thread's CUDA calls meanwhile: bench/README.md, fourteenth session) and
+    the GPU memory segments the caching allocator took from CUDA."""
     import torch
 
     now = dict(engine.timings)
     stats = getattr(torch.cuda, "host_memory_stats", None)  # torch 2.6+
     if torch.cuda.is_available() and stats is not None:
         now["page_locked_allocations"] = stats().get("num_host_alloc", 0)
+    if torch.cuda.is_available():  # each a cudaMalloc: after a graph recording's empty_cache, a step's memory anew
+        now["gpu_segments_allocated"] = torch.cuda.memory_stats().get("segment.all.allocated", 0)
     return now
 
 
@@ -133,10 +136,16 @@ def counted_since(engine, before: dict) -> dict:
 
 
 def wait_for_recordings(engine, seconds: float = 60) -> None:
-    """Until the engine has recorded the CUDA graphs it asked for while idle (at most `seconds`): a job arriving
-    meanwhile waits for one recording, which is not the steady state (bench/README.md, fifteenth session)."""
-    deadline = time.monotonic() + seconds
-    while engine._current_decoder().captures_ahead_due() and time.monotonic() < deadline:
+    """Until the engine has recorded the CUDA graphs it asked for while idle and none is under way (at most
+    `seconds`): a job arriving meanwhile waits for one recording, which is not the steady state (bench/README.md,
+    fifteenth session), and a synchronize from another thread (a profiler's exit) voids it (sixteenth session). A
+    recording holds the capture lock (as the background compile does), taken before the last one asked for is
+    no longer due."""
+    decoder, deadline = engine._current_decoder(), time.monotonic() + seconds
+    quiet = 0
+    while quiet < 2 and time.monotonic() < deadline:  # twice in a row: a decode step's is asked for before its lock
+        busy = decoder.captures_ahead_due() or (decoder.capture_lock is not None and decoder.capture_lock.locked())
+        quiet = 0 if busy else quiet + 1
         time.sleep(0.05)
 
 
