@@ -266,6 +266,7 @@ class Engine(Admission, BackgroundCompile):
                     continue
                 if idle:  # the GPU has nothing else to do
                     self._decoder.capture_one_ahead()
+                    self.timings["recording_ahead_s"] += time.perf_counter() - started  # a job arriving waits for it
                     continue
                 if not self.continuous:
                     if waiting:

@@ -14,6 +14,7 @@ which the KV pool's sizing sets aside (`memory.measured_work_memory`)."""
 
 from __future__ import annotations
 
+import logging
 import types
 
 from runpod_vlm.engine.paged_attention import PagedStep
@@ -29,6 +30,8 @@ MAX_GRAPHS = 48  # shapes recorded at most; others run unpadded
 BURST_FROM, BURST_SEQUENCES = 3072, (16, 32)
 SMALLEST = 64
 
+
+log = logging.getLogger("runpod-vlm")
 
 _capture_stream = None  # the one side stream every graph is recorded on, as torch.cuda.graph keeps one
 _voided: list = []  # graphs whose recording failed: PyTorch's allocators still hold filters that point at them
@@ -142,7 +145,9 @@ class ShapeGraphs:
                 self.wanted.clear()
             raise
         finally:
-            self.capture_s += time.perf_counter() - started
+            seconds = time.perf_counter() - started
+            self.capture_s += seconds
+            log.debug("recording the %s graph of shape %s took %.0f ms", self.kind, shape, 1000 * seconds)
 
     def _record(self, shape: tuple, pool):
         """No warm-up runs: each would cost the engine as much as the recording (the host's time), and the kernels
