@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import functools
 import io
 import itertools
 import math
@@ -77,7 +76,7 @@ STUBBED_API = frozenset(
         "torch.cuda.Stream",
         "torch.cuda.stream",
         "torch.cuda.Stream.synchronize",
-        # torch: the compiled path (torch.compile, CUDA graphs on a side stream)
+        # torch: the compiled path and the GPU's memory (torch.compile, synchronize, empty_cache)
         "torch.compile",
         "torch.cuda.synchronize",
         "torch.cuda.empty_cache",
@@ -280,52 +279,6 @@ def _assign(data, key: tuple, value) -> None:
             data[idx] = v
 
 
-# ---- CUDA graphs, faked: ops run at once, and the ops run while capturing are recorded as a tape
-# that replay() runs again on the same tensor objects (Python control flow is frozen, as on a GPU).
-
-CAPTURE: list = [None]  # the node list of the graph being captured, or None
-_OP_DEPTH = [0]
-
-
-def _op(fn):
-    """A tensor op: runs at once, and is recorded (outermost calls only) while a graph captures."""
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        if _OP_DEPTH[0]:
-            return fn(*args, **kwargs)
-        _OP_DEPTH[0] += 1
-        try:
-            result = fn(*args, **kwargs)
-        finally:
-            _OP_DEPTH[0] -= 1
-        if CAPTURE[0] is not None:
-            CAPTURE[0].append((fn, args, kwargs, result))
-        return result
-
-    return wrapper
-
-
-def _refresh(old, new) -> None:
-    """Write a replayed op's result into the object the capture handed out (its 'graph memory')."""
-    if old is new:
-        return
-    if isinstance(old, FakeTensor):
-        old._data, old._dtype = new._data, new._dtype
-    elif isinstance(old, FakeOutput):
-        _refresh(old._logits, new._logits)
-    elif isinstance(old, (tuple, list)):
-        for o, n in zip(old, new):
-            _refresh(o, n)
-
-
-def _sync(what: str) -> None:
-    """Reading a GPU value on the host while a graph captures fails on a GPU: fail here too."""
-    if CAPTURE[0] is not None and not _QUIET[0]:
-        HUB.protocol_errors.append(f"{what} during CUDA graph capture (a host sync cannot be captured)")
-        raise RuntimeError("operation not permitted when stream is capturing")
-
-
 def _same_device(*tensors) -> None:
     devices = {_device_name(t._device) for t in tensors if isinstance(t, FakeTensor) and t.dims}
     if len(devices) > 1:
@@ -351,8 +304,8 @@ def _rows(data, fn):
 
 
 def _elementwise(name: str, fn, dtype=None, in_place=False):
-    """A recorded torch.Tensor operator, elementwise over broadcast operands (in place: into self,
-    keeping its dtype unless one is given)."""
+    """A torch.Tensor operator, elementwise over broadcast operands (in place: into self, keeping its dtype unless one
+    is given)."""
 
     def operator(self, other):
         _use(f"torch.Tensor.{name}")
@@ -361,7 +314,7 @@ def _elementwise(name: str, fn, dtype=None, in_place=False):
         return self._binary(other, fn, dtype)
 
     operator.__name__ = operator.__qualname__ = name
-    return _op(operator)
+    return operator
 
 
 class _Dense:
@@ -458,7 +411,6 @@ class FakeTensor(_Dense):
         _use("torch.Tensor.dtype")
         return self._dtype
 
-    @_op
     def __getitem__(self, key):
         _use("torch.Tensor.__getitem__")
         if isinstance(key, list) or (isinstance(key, FakeTensor) and key.dims):
@@ -469,7 +421,6 @@ class FakeTensor(_Dense):
             return FakeTensor(_map(index, lambda i: copy.deepcopy(self._data[i])), self._dtype, self._device)
         return FakeTensor(_index(self._data, _norm_key(key, len(self.dims))), self._dtype, self._device)
 
-    @_op
     def __setitem__(self, key, value):
         _use("torch.Tensor.__setitem__")
         if isinstance(key, list):
@@ -489,10 +440,8 @@ class FakeTensor(_Dense):
 
     def tolist(self):
         _use("torch.Tensor.tolist")
-        _sync("tolist()")
         return copy.deepcopy(self._data)
 
-    @_op
     def to(self, *args, **kwargs):
         _use("torch.Tensor.to")
         dtype = kwargs.get("dtype") or next((a for a in args if isinstance(a, FakeDtype)), self._dtype)
@@ -507,7 +456,6 @@ class FakeTensor(_Dense):
         _use("torch.Tensor.element_size")
         return {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "bool": 1}[self._dtype.name]
 
-    @_op
     def sum(self, dim=None):
         _use("torch.Tensor.sum")
         dtype = F32 if self._dtype.kind == "float" else I64
@@ -516,12 +464,10 @@ class FakeTensor(_Dense):
         _last_dim(self.dims, dim, "sum over a dimension")
         return FakeTensor(_rows(self._data, sum), dtype, self._device)
 
-    @_op
     def float(self):
         _use("torch.Tensor.float")
         return FakeTensor(self._data, F32, self._device)
 
-    @_op
     def argmax(self, dim=-1):
         _use("torch.Tensor.argmax")
         _last_dim(self.dims, dim, "argmax")
@@ -533,7 +479,6 @@ class FakeTensor(_Dense):
 
         return FakeTensor(go(self._data), I64, self._device)
 
-    @_op
     def masked_fill(self, mask, value):
         _use("torch.Tensor.masked_fill")
         mask = FakeTensor.of(mask, self)
@@ -545,19 +490,16 @@ class FakeTensor(_Dense):
         m = _expand(mask._data, mask.dims, self.dims)
         return FakeTensor(_zip(self._data, m, lambda v, hide: value if hide else v), self._dtype, self._device)
 
-    @_op
     def all(self):
         _use("torch.Tensor.all")
         return FakeTensor(all(_flat(self._data)), BOOL, self._device)
 
     def __bool__(self):
         _use("torch.Tensor.__bool__")
-        _sync("bool(tensor)")
         return bool(self._single())
 
     def __int__(self):
         _use("torch.Tensor.__int__")
-        _sync("int(tensor)")
         return int(self._single())
 
     def __len__(self):
@@ -584,7 +526,6 @@ class FakeTensor(_Dense):
     __sub__ = _elementwise("__sub__", lambda a, b: a - b)
     __mul__ = _elementwise("__mul__", lambda a, b: a * b)
 
-    @_op
     def __truediv__(self, other):
         _use("torch.Tensor.__truediv__")
 
@@ -598,20 +539,17 @@ class FakeTensor(_Dense):
         return self._binary(other, divide, dtype)
 
     # in-place writes into fixed buffers
-    @_op
     def fill_(self, value):
         _use("torch.Tensor.fill_")
         value = value._single() if isinstance(value, FakeTensor) else value
         self._data = _filled(list(self.dims), _cast(value, self._dtype))
         return self
 
-    @_op
     def zero_(self):
         _use("torch.Tensor.zero_")
         self._data = _filled(list(self.dims), _cast(0, self._dtype))
         return self
 
-    @_op
     def copy_(self, src):
         _use("torch.Tensor.copy_")
         src = FakeTensor.of(src, self)  # any device: copy_ moves data
@@ -620,7 +558,6 @@ class FakeTensor(_Dense):
         self._data = _map(_expand(src._data, src.dims, self.dims), lambda v: _cast(v, self._dtype))
         return self
 
-    @_op
     def index_copy_(self, dim, index, source):
         _use("torch.Tensor.index_copy_")
         _same_device(self, index, source)
@@ -642,13 +579,11 @@ class FakeTensor(_Dense):
         go(self._data, source._data, 0)
         return self
 
-    @_op
     def scatter_(self, dim, index, src):
         _use("torch.Tensor.scatter_")
         self._scatter_into(dim, index, src)
         return self
 
-    @_op
     def scatter(self, dim, index, src):
         _use("torch.Tensor.scatter")
         out = FakeTensor(self._data, self._dtype, self._device)
@@ -656,7 +591,6 @@ class FakeTensor(_Dense):
         return out
 
     # sampling
-    @_op
     def sort(self, dim=-1, descending=False):
         _use("torch.Tensor.sort")
         _last_dim(self.dims, dim, "sort")
@@ -672,19 +606,16 @@ class FakeTensor(_Dense):
 
         return (FakeTensor(split(pairs, 0), self._dtype, self._device), FakeTensor(split(pairs, 1), I64, self._device))
 
-    @_op
     def cumsum(self, dim=-1):
         _use("torch.Tensor.cumsum")
         _last_dim(self.dims, dim, "cumsum")
         return FakeTensor(_rows(self._data, lambda row: list(itertools.accumulate(row))), self._dtype, self._device)
 
-    @_op
     def exponential_(self, lambd=1.0):
         _use("torch.Tensor.exponential_")
         self._data = _map(self._data, lambda v: HUB.rng.expovariate(lambd))
         return self
 
-    @_op
     def clamp(self, min=None, max=None):
         _use("torch.Tensor.clamp")
 
@@ -738,7 +669,6 @@ def _filled(sizes, value):
     return [_filled(sizes[1:], value) for _ in range(sizes[0])]
 
 
-@_op
 def torch_zeros(*size, dtype=None, device=None):
     _use("torch.zeros")
     dtype = dtype or F32
@@ -750,25 +680,21 @@ def _zeros_like(tensor, dtype, device) -> FakeTensor:
     return FakeTensor(_filled(list(tensor.dims), _cast(0, dtype)), dtype, str(device or tensor._device))
 
 
-@_op
 def torch_zeros_like(tensor, dtype=None, device=None):
     _use("torch.zeros_like")
     return _zeros_like(tensor, dtype, device)
 
 
-@_op
 def torch_empty_like(tensor, dtype=None, device=None):
     _use("torch.empty_like")
     return _zeros_like(tensor, dtype, device)  # any contents will do: zeros
 
 
-@_op
 def torch_tensor(data, dtype=None, device=None):
     _use("torch.tensor")
     return FakeTensor(data, dtype or _infer_dtype(data), str(device or "cpu"))
 
 
-@_op
 def torch_arange(start, end=None, step=1, dtype=None, device=None):
     _use("torch.arange")
     if end is None:
@@ -776,7 +702,6 @@ def torch_arange(start, end=None, step=1, dtype=None, device=None):
     return FakeTensor(list(range(int(start), int(end), int(step))), dtype or I64, str(device or "cpu"))
 
 
-@_op
 def torch_where(condition, input, other):
     _use("torch.where")
     condition = _ensure_tensor(condition)
@@ -797,7 +722,6 @@ def torch_where(condition, input, other):
     return FakeTensor(pick(c, x, y), dtype, condition._device)
 
 
-@_op
 def torch_softmax(input, dim=-1):
     _use("torch.softmax")
     _last_dim(input.dims, dim, "softmax")
@@ -857,7 +781,6 @@ def torch_compile(fn, dynamic=None, **kwargs):
     HUB.compiles.append(dict(kwargs, dynamic=dynamic))
     owner = getattr(fn, "__self__", None)
 
-    @_op
     def compiled(*args, **kw):
         if owner is not None:
             owner.compiled_calls += 1
@@ -900,45 +823,6 @@ def _stream_cm(stream):
 def cuda_stream(stream):
     _use("torch.cuda.stream")
     return _stream_cm(stream)
-
-
-class FakeCUDAGraph:
-    """A captured step: the tape of ops recorded between capture_begin() and capture_end(), run again by replay()."""
-
-    def __init__(self, keep_graph=False):
-        self.nodes, self.captured, self.replays = [], False, 0
-        HUB.graphs.append(self)
-
-    def capture_begin(self, pool=None, capture_error_mode="global"):
-        _use("torch.cuda.CUDAGraph.capture_begin")
-        if CAPTURE[0] is not None:
-            raise RuntimeError("a graph capture is already under way")
-        HUB.capture_attempts += 1
-        if HUB.capture_failures:
-            HUB.capture_failures -= 1
-            raise RuntimeError("CUDA error: operation failed due to a previous error during capture (fake)")
-        self.nodes.clear()
-        CAPTURE[0] = self.nodes
-
-    def capture_end(self):
-        _use("torch.cuda.CUDAGraph.capture_end")
-        if CAPTURE[0] is not self.nodes:
-            raise RuntimeError("capture_end() without this graph's capture_begin()")
-        CAPTURE[0] = None
-        if not self.nodes:
-            raise RuntimeError("the captured graph is empty")
-        self.captured = True
-
-    def replay(self):
-        _use("torch.cuda.CUDAGraph.replay")
-        if not self.captured:
-            raise RuntimeError("replay() of a graph that was never captured")
-        if CAPTURE[0] is not None:
-            raise RuntimeError("replay() while another graph captures")
-        self.replays += 1
-        with _quiet():
-            for fn, args, kwargs, result in self.nodes:
-                _refresh(result, fn(*args, **kwargs))
 
 
 @contextlib.contextmanager
@@ -1179,9 +1063,6 @@ class Hub:
         self.rng = random.Random(1234)  # the fake GPU's sampling noise: seeded, so runs repeat
         self.runner_up_logit = 5.0  # the filler's logit (the answer's is 10): near 10, sampling strays
         self.compiles = []  # torch.compile calls
-        self.graphs = []  # every torch.cuda.CUDAGraph made
-        self.capture_attempts = 0
-        self.capture_failures = 0  # the next N captures fail
         self.stream = FakeStream()  # the current CUDA stream
         self.forward_rows = []  # the rows of every forward call of the model (prefills, steps, warm-up)
         self.decoders = []  # every FakePagedDecoder made
@@ -1471,7 +1352,6 @@ class FakeModel(FakeModelBase):
                 positions.append(row)
             return FakeTensor(positions, I64, input_ids._device)
 
-    @_op
     def __call__(self, **kwargs):
         _use("transformers.PreTrainedModel.__call__")
         return self._forward(kwargs)
@@ -1811,7 +1691,6 @@ def build_stub_modules() -> dict:
             "Stream": FakeStream,
             "current_stream": cuda_current_stream,
             "stream": cuda_stream,
-            "CUDAGraph": FakeCUDAGraph,
             "synchronize": cuda_synchronize,
             "empty_cache": cuda_empty_cache,
             "get_device_properties": cuda_get_device_properties,
