@@ -297,7 +297,7 @@ def test_a_voided_recording_keeps_its_graph_and_the_next_recordings_go_to_a_new_
     assert kept() is not None and not allocator.taken  # the graph kept; the GPU's allocator has its pool back
     with pytest.raises(RuntimeError, match="already recording"):  # the page-locked allocator's is taken for good
         prefill_graphs_module.record(torch.cuda.CUDAGraph(), pool, lambda: None)
-    assert not allocator.taken  # the GPU's allocator took it before the page-locked one refused: given back too
+    assert not allocator.taken  # (here the GPU's allocator takes it first): it holds no pool afterwards
     new_pool = PagedDecoder._graph_memory(decoder)
     assert new_pool != pool
     graph = torch.cuda.CUDAGraph()
