@@ -7,43 +7,21 @@ Each run: its time to first token (ms) and the engine's counters over it.
     python bench/batch1_recordings.py --out DIR
 """
 
-import argparse
-import asyncio
 import json
 import logging
-import os
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
 
-from serving import (  # noqa: E402
-    QUESTIONS,
-    counted_since,
-    counters,
-    data_uri,
-    gpu_parity,
-    run_job,
-    wait_for_recordings,
-)
+from serving import bench_model, bench_parser, gpu_parity, one_token_job, run_alone, wait_for_recordings  # noqa: E402
 
 
 def main() -> None:
-    import torch
-
-    import tiny_models
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
-    args = parser.parse_args()
+    args = bench_parser(__doc__).parse_args()
     logging.basicConfig(level=logging.WARNING)
-    folder = Path(args.models) / "qwen2-vl-2b"
-    if not (folder / "config.json").exists():
-        tiny_models.build("qwen2-vl", folder, "qwen2-vl-2b", device="cuda", dtype="bf16")
-        torch.cuda.empty_cache()
-    os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", VLM_DTYPE="bf16")
+    bench_model(args.models)
     import handler
 
     engine = handler.get_engine()
@@ -51,15 +29,8 @@ def main() -> None:
     results: dict = {"compiled": engine.wait_until_compiled(600)}
 
     def batch1(name: str, first_image: int, wait: bool) -> None:
-        runs = []
-        for n in range(5):
-            job = {"id": "t", "input": {"task": "vqa", "question": QUESTIONS[0],
-                   "image_url": data_uri(448, 448, first_image + n), "max_new_tokens": 1}}  # fmt: skip
-            before = counters(engine)
-            ttft_ms = 1000 * asyncio.run(run_job(handler, job))["ttft_s"]
-            runs.append({"ttft_ms": round(ttft_ms, 1), "counted": counted_since(engine, before)})
-            if wait:
-                wait_for_recordings(engine)
+        records = [run_alone(handler, engine, one_token_job(first_image + n), wait) for n in range(5)]
+        runs = [{"ttft_ms": round(1000 * record["ttft_s"], 1), "counted": record["counted"]} for record in records]
         results[name] = runs
         print(name, [run["ttft_ms"] for run in runs], flush=True)
 

@@ -37,6 +37,7 @@ from serving import (  # noqa: E402
     counted_since,
     counters,
     data_uri,
+    run_alone,
     run_job,
     wait_for_recordings,
 )
@@ -87,17 +88,11 @@ def main() -> None:
     results["prefill_64"] = burst(0)
     save()
 
-    def answered(one: dict) -> dict:
-        """`one` run alone, then the graphs it asked for recorded: the next job meets none under way (steady state)."""
-        record = asyncio.run(run_job(handler, one))
-        wait_for_recordings(engine)
-        return record
-
     def repeated_image(first_image: int) -> dict:
         pairs, same_answer = [], 0
         for n in range(5):
             same = job(f"r{n}", [data_uri(size, size, first_image + n)], tokens)
-            miss, hit = (answered(same) for _ in range(2))
+            miss, hit = (run_alone(handler, engine, same) for _ in range(2))
             pairs.append((miss["ttft_s"], hit["ttft_s"]))
             same_answer += miss["text"] == hit["text"]  # the hit's prompt through its cached blocks, the rest anew
         miss, hit = statistics.median(m for m, _ in pairs), statistics.median(h for _, h in pairs)
@@ -107,7 +102,7 @@ def main() -> None:
         images, history, turns = [data_uri(size, size, first_image), data_uri(size, size, first_image + 1)], [], []
         for turn in range(4):  # the images come in the first turn; every later request resends them in its history
             this = job(f"c{turn}", images if turn == 0 else [], tokens, history, QUESTIONS[turn % len(QUESTIONS)])
-            turns.append(answered(this)["ttft_s"])
+            turns.append(run_alone(handler, engine, this)["ttft_s"])
             history = this["input"]["messages"] + [{"role": "assistant", "content": f"Answer {turn}."}]
         return {"ttft_s": turns, "turns_2_4_vs_1": statistics.mean(turns[1:]) / turns[0]}
 

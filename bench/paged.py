@@ -215,27 +215,15 @@ def child(part: str, args) -> dict:
         wait_for_recordings(engine)
         results["gpu_parity_prefill_replayed"] = gpu_parity(handler, engine, 16)  # the same prefills' shapes, replayed
         wait_for_recordings(engine)  # its groups' new shapes too (bench/README.md, fifteenth session)
-        from serving import run_job
-
-        def first(n):  # a new image each time: a repeated one is answered from the image and prefix caches
-            uri = data_uri(448, 448, 800_000 + n)
-            return {
-                "id": "t",
-                "input": {"task": "vqa", "question": QUESTIONS[0], "image_url": uri, "max_new_tokens": 1},
-            }
+        from serving import one_token_job, run_alone
 
         def full(n):
             job = vqa("b1", [data_uri(448, 448, 810_000 + n)], 128)
             job["input"]["stream"] = False
             return job
 
-        def alone(job):  # then the graphs it asked for, recorded while idle: the next job meets none under way
-            record = asyncio.run(run_job(handler, job))  # (bench/batch1_recordings.py: 55-155 ms to the first token)
-            wait_for_recordings(engine)
-            return record
-
-        ttft = statistics.median(alone(first(n))["ttft_s"] for n in range(5))
-        whole = statistics.median(alone(full(n))["latency_s"] for n in range(3))
+        ttft = statistics.median(run_alone(handler, engine, one_token_job(800_000 + n))["ttft_s"] for n in range(5))
+        whole = statistics.median(run_alone(handler, engine, full(n))["latency_s"] for n in range(3))
         results["batch1"] = {"ttft_s": ttft, "latency_128_s": whole, "decode_tokens_per_s": 127 / (whole - ttft)}
         count = 16 if quick else 64
         uniform = [vqa(f"u{i}", [data_uri(448, 448, 820_000 + i)], 128) for i in range(count)]

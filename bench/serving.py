@@ -208,6 +208,23 @@ async def run_job(handler, job: dict) -> dict:
     }
 
 
+def one_token_job(image: int) -> dict:
+    """A job of one new 448x448 image (numbered `image`: a repeated one is answered from the caches) and one token."""
+    input = {"task": "vqa", "question": QUESTIONS[0], "image_url": data_uri(448, 448, image), "max_new_tokens": 1}
+    return {"id": "t", "input": input}
+
+
+def run_alone(handler, engine, job: dict, wait: bool = True) -> dict:
+    """`run_job` of `job` alone, then (`wait`) the graphs it asked for recorded while idle: the next job meets none
+    under way, as a warm worker serves (unwaited, a fresh worker's first jobs took 55-155 ms to their first token
+    against 26-30: bench/README.md, seventeenth session). Its record, with the engine's counters over it."""
+    before = counters(engine)
+    record = asyncio.run(run_job(handler, job))
+    if wait:
+        wait_for_recordings(engine)
+    return {**record, "counted": counted_since(engine, before)}
+
+
 def summarize(records: list[dict], seconds: float) -> dict:
     tokens = sum(r["tokens"] for r in records)
     return {

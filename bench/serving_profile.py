@@ -150,18 +150,11 @@ def ttft_breakdown(handler, engine, out: Path) -> dict:
         result[f"{name}_runs"] = runs
     # bench/paged.py's batch 1, through the handler's path (reading off the event loop, the answer streamed): one
     # token, a new image each time, back to back as there and with the recordings each asked for waited for between.
-    import asyncio
-
-    from serving import run_job
+    from serving import one_token_job, run_alone
 
     def through_handler(n: int, wait: bool) -> dict:
-        job = {"id": "t", "input": {"task": "vqa", "question": QUESTIONS[0], "image_url": data_uri(448, 448, n),
-               "max_new_tokens": 1}}  # fmt: skip
-        before = counters(engine)
-        ttft = asyncio.run(run_job(handler, job))["ttft_s"]
-        if wait:
-            wait_for_recordings(engine)
-        return {"ttft_ms": 1000 * ttft, "counted": counted_since(engine, before)}
+        record = run_alone(handler, engine, one_token_job(n), wait)
+        return {"ttft_ms": 1000 * record["ttft_s"], "counted": record["counted"]}
 
     for name, first, wait in (("handler_back_to_back", 9000, False), ("handler_waiting", 9100, True)):
         runs = [through_handler(first + n, wait) for n in range(5)]
