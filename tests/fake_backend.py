@@ -1985,7 +1985,8 @@ class FakePagedDecoder(PagedDecoder):
         chunked.done = end
         if end < chunked.length:
             return None
-        return self.prefill(chunked.inputs, [chunked.row], [chunked.params], allowed, [chunked.prior])[0]
+        first = self.prefill(chunked.inputs, [chunked.row], [chunked.params], allowed, [chunked.prior])
+        return Launched(1, [first], (), None, (chunked.row,))
 
     def _next(self, row):
         answer = self.answers[row]

@@ -263,6 +263,38 @@ def test_a_long_prompt_enters_in_chunks_while_the_others_decode(tiny_model, serv
     assert decoder.pool.free == decoder.pool.capacity
 
 
+def test_a_chunked_prompts_first_token_is_read_after_the_next_launch(tiny_model, serve, monkeypatch):
+    """A prompt's last chunk hands out its first token as a prefill does: the engine launches the next decode
+    interval before it reads that token, so it does not wait for the GPU there (under open load most prompts,
+    starting with a cached system prompt, enter through chunks)."""
+    engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_TOKENS="256", VLM_SYNC_INTERVAL="2")
+    long_job = {"task": "vqa", "image_url": data_uri(striped((64, 48))), "question": LONG_TEXT + " " + LONG_TEXT}
+    short_jobs = [
+        {"messages": [{"role": "user", "content": f"Count to {n}."}], "max_new_tokens": 30, "min_new_tokens": 30}
+        for n in range(2)
+    ]
+    items = items_of(engine, [*short_jobs, dict(long_job, max_new_tokens=8, min_new_tokens=8)])
+    solo = solo_generate(engine, items)
+    decoder = engine._current_decoder()
+    events: list = []
+    real_chunk, real_read = decoder.prefill_chunk, decoder.read
+
+    def chunk(chunked, *args, **kwargs):
+        launched = real_chunk(chunked, *args, **kwargs)
+        events.append(("chunk", chunked.row))
+        return launched
+
+    monkeypatch.setattr(decoder, "prefill_chunk", chunk)
+    monkeypatch.setattr(decoder, "read", lambda launched: events.append(("read", launched.rows)) or real_read(launched))
+    spy(monkeypatch, decoder, "launch", events, ("step", None))
+    assert generate_all(engine, items) == solo
+    last = max(n for n, (event, _) in enumerate(events) if event == "chunk")
+    row = events[last][1]
+    reads = [n for n, event in enumerate(events) if event == ("read", (row,))]
+    assert reads and reads[0] > last  # the chunk did not wait for its token
+    assert ("step", None) in events[last : reads[0]]
+
+
 # Prefilled whole: Qwen3-VL (deepstack features), PaliGemma (its prefix attends both ways: in causal chunks
 # its answer differed from generate()'s); Gemma 3's tiny window and Llama 4's chunked attention send the
 # prompt to generate().

@@ -338,7 +338,7 @@ class Admission:
                 return  # blocks come back as rows finish (or are preempted before the next interval)
         started = time.perf_counter()
         try:
-            token = decoder.prefill_chunk(chunked, size, self._grammar_masks([ticket]))
+            launched = decoder.prefill_chunk(chunked, size, self._grammar_masks([ticket]))
         except Exception as error:
             self._chunking = None
             decoder.release(chunked.row)
@@ -350,12 +350,13 @@ class Admission:
             log.exception("a chunked prefill failed")
             return ticket.fail(GENERATION_FAILED)
         self.timings["chunk_s"] += time.perf_counter() - started
-        if token is not None:
+        if launched is not None:  # its first token handed out as a prefill's (`_place`), without waiting here
             self._chunking = None
             decoder.pool.remember(chunked.row, ticket.prefix)
             self._give_row(ticket, chunked.row)
-            self._accept(ticket, [token], (decoder.take_logprobs() or {}).get(chunked.row))
-            self._next_grammar_masks()
+            self._launched.append(InFlight.of(launched, {chunked.row: ticket}))
+            if decoder.any_constrained:
+                self._hand_out_all()
 
     def _requeue(self, tickets: list[Ticket], limit: Optional[int] = None) -> None:
         """Back to the front of the queue; `limit`: admitted in groups of at most that many."""

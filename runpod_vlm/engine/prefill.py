@@ -6,13 +6,16 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 from runpod_vlm.engine.host_copies import to_device
 from runpod_vlm.engine.intake import on_device
 from runpod_vlm.engine.memory import kv_layout
 from runpod_vlm.engine.paged_attention import PagedStep, paged
 from runpod_vlm.vocabulary import GenerationParams
+
+if TYPE_CHECKING:
+    from runpod_vlm.engine.decoder import Launched
 
 
 def beside_fx_traces(forward, rewind=None, **kwargs):
@@ -290,9 +293,9 @@ class Prefill:
         chunked.last_position = chunked.last_position + len(ids)
         chunked.input_ids = torch.cat([chunked.input_ids, tail], dim=1)
 
-    def prefill_chunk(self, chunked: ChunkedPrefill, size: int, allowed=None) -> Optional[int]:
+    def prefill_chunk(self, chunked: ChunkedPrefill, size: int, allowed=None) -> Optional[Launched]:
         """Run the next `size` tokens of a chunked prompt into its blocks; at its last chunk the row starts
-        decoding and its first token is returned."""
+        decoding and its first token is returned on its way to the host (`read`), as `prefill_launch`'s."""
         import torch
 
         start, end = chunked.done, min(chunked.done + size, chunked.length)
@@ -319,10 +322,9 @@ class Prefill:
             return None
         logits = self.model.get_output_embeddings()(hidden[:, -1:, :])[:, -1, :]
         prior = [chunked.prior] if chunked.prior else None
-        started = self._start(
+        return self._start(
             [chunked.row], [end], logits, chunked.last_position, chunked.input_ids, [chunked.params], allowed, prior
         )
-        return self.read(started)[0][0]
 
     def _allocate_from_config(self, embeds) -> None:
         import torch
