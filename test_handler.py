@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import concurrent.futures
 import dataclasses
 import fnmatch
 import json
@@ -2058,6 +2059,26 @@ def test_graphs_are_recorded_ahead_only_with_a_pool_and_an_idle_engine(monkeypat
     assert wait_for(lambda: len(hub.captured_ahead) == len(buckets))
     assert [busy for _, _, busy in hub.captured_ahead] == [False] * len(buckets)
     assert timings["recording_ahead_s"] > 0  # the benchmarks' count of the time a job arriving may wait for
+
+
+def test_no_graph_is_recorded_ahead_while_an_item_is_in_the_intake(monkeypatch, hub):
+    engine = compiled_and_ready(monkeypatch, hub)
+    assert call(chat("first"))["response"] == "echo:first"  # the KV pool now exists
+    decoder = engine._decoder
+    assert wait_for(lambda: not decoder.ahead)
+    recorded = len(hub.captured_ahead)
+    prepared, real_inputs = threading.Event(), engine.adapter.batch_inputs
+    monkeypatch.setattr(engine.adapter, "batch_inputs", lambda *a, **k: prepared.wait(10) and real_inputs(*a, **k))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(call, chat("second"))
+        assert wait_for(lambda: engine._queue)
+        decoder.ahead.append(decoder.buckets[0])  # a graph to record while the engine has nothing ready
+        engine._notify()
+        time.sleep(0.2)
+        assert len(hub.captured_ahead) == recorded  # the item in the intake would have waited for it
+        prepared.set()
+        assert answer.result(10)["response"] == "echo:second"
+    assert wait_for(lambda: len(hub.captured_ahead) == recorded + 1)  # recorded once idle
 
 
 def test_compiled_path_is_never_used_with_bitsandbytes(monkeypatch, hub):

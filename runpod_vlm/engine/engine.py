@@ -229,7 +229,9 @@ class Engine(Admission, BackgroundCompile):
         return not ready and not busy and not self._switch_due()
 
     def _captures_ahead_due(self) -> bool:
-        return self._decoder is not None and self._decoder.captures_ahead_due()
+        """A graph to record while idle, and no item queued (call with `_wake` held): one still in the intake would
+        wait for the whole recording (~140 ms on the H200) when it is ready a few ms later."""
+        return not self._queue and self._decoder is not None and self._decoder.captures_ahead_due()
 
     def _start_thread(self) -> None:
         """Start the engine thread once (call with `_wake` held), and end it at the interpreter's exit: a daemon
