@@ -1,13 +1,15 @@
 """The same concurrent runs on several code trees (GPU), a fresh worker each, taken in turns:
 
-    python bench/ab.py --out OUT --tree old=PATH --tree new=. [--rounds 2] [--variant new:gc_freeze]
+    python bench/ab.py --out OUT --tree old=PATH --tree new=. [--rounds 2] [--variant new:gc_freeze] [--runs ...]
 
 A tree is a checkout of the worker (`git archive REV | tar -x -C PATH`); each worker imports `handler` and
 `runpod_vlm` from its tree, and the jobs from this tree's bench/. Trees go in turns (old, new, old, new, ...) so a
 drift of the machine falls on every one. Each worker, Qwen2-VL-2B shapes at DEFAULT settings, waits for its
 background compile, then runs on new images each time: 64 mixed jobs (warm-up, not counted), then three times 32
 short mixed jobs (bench/paged.py's short_32_alone), 64 uniform (448x448 x 128), 64 mixed jobs and 64 one-token jobs
-of a new 448x448 image (their tokens/s: images a second), all at once. A variant `TREE:gc_freeze` freezes the
+of a new 448x448 image (their tokens/s: images a second), all at once (`--runs` picks among them; `open_RATE` adds 128
+mixed jobs arriving at RATE a second, Poisson, and 16 mixed jobs one by one first, once: the p95 latency's divisor,
+as bench/paged.py's open loop). A variant `TREE:gc_freeze` freezes the
 garbage collector's objects after the warm-up; `TREE:after_mixed_256` warms up with 256 mixed jobs at once (as
 bench/paged.py runs them before its short jobs); `TREE:NAME=VALUE,...` sets the worker's environment (e.g.
 VLM_SYNC_INTERVAL=16). Results: OUT/ab.json.
@@ -28,7 +30,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def child(tree: str, variant: str, models: str) -> dict:
+BURSTS = ("short_32", "uniform_64", "mixed_64", "images_64")
+
+
+def child(tree: str, variant: str, models: str, runs: list[str]) -> dict:
     if "=" in variant:
         os.environ.update(pair.split("=", 1) for pair in variant.split(","))
     sys.path[:0] = [str(Path(tree).resolve()), str(ROOT / "tools"), str(ROOT / "bench")]
@@ -47,8 +52,7 @@ def child(tree: str, variant: str, models: str) -> dict:
 
     handler = importlib.import_module("handler")  # first: bench's modules put their own checkout ahead on sys.path
     runpod_vlm = importlib.import_module("runpod_vlm")
-    from paged import vqa
-    from serving import concurrent, counted_since, counters, data_uri, mixed_jobs
+    from serving import concurrent, counted_since, counters, mixed_jobs, open_loop, sequential
 
     for module in (handler, runpod_vlm):  # the tree's own code, not this one's
         assert Path(module.__file__).resolve().is_relative_to(Path(tree).resolve()), module.__file__
@@ -60,22 +64,43 @@ def child(tree: str, variant: str, models: str) -> dict:
     if variant == "gc_freeze":
         gc.collect()
         gc.freeze()
-    runs: dict = {"short_32": [], "uniform_64": [], "mixed_64": [], "images_64": []}
+    unloaded = None
+    if any(name.startswith("open_") for name in runs):
+        unloaded = asyncio.run(sequential(handler, mixed_jobs(16, seed=11, first_image=950_000)))
+    results: dict = {name: [] for name in runs}
     for n in range(3):
         base = 1_000_000 + 10_000 * n
-        for name, jobs in (
-            ("short_32", mixed_jobs(32, seed=5, first_image=base)),
-            ("uniform_64", [vqa(f"u{i}", [data_uri(448, 448, base + 1000 + i)], 128) for i in range(64)]),
-            ("mixed_64", mixed_jobs(64, seed=7, first_image=base + 2000)),
-            ("images_64", [vqa(f"i{i}", [data_uri(448, 448, base + 3000 + i)], 1) for i in range(64)]),
-        ):
+        for name in runs:
             before = counters(engine)
-            result = asyncio.run(concurrent(handler, jobs))
+            if name.startswith("open_"):
+                jobs = mixed_jobs(128, seed=17 + n, first_image=base + 4000)
+                result = asyncio.run(open_loop(handler, jobs, float(name[5:])))
+                result["p95_latency_vs_unloaded"] = result["latency_p95_s"] / unloaded["latency_p95_s"]
+            else:
+                result = asyncio.run(concurrent(handler, burst(name, base)))
             result["phases"] = counted_since(engine, before)
-            runs[name].append(result)
+            results[name].append(result)
     pool = engine._current_decoder().pool
     kv = {"blocks": pool.capacity, "free": pool.free, "cached": pool.cached}
-    return {"compiled": compiled, "runs": runs, "pool": kv}
+    return {"compiled": compiled, "unloaded_sequential_16": unloaded, "runs": results, "pool": kv}
+
+
+def burst(name: str, base: int) -> list[dict]:
+    """A burst's jobs, their images numbered from `base`."""
+    from paged import vqa
+    from serving import data_uri, mixed_jobs
+
+    if name == "short_32":
+        return mixed_jobs(32, seed=5, first_image=base)
+    if name == "mixed_64":
+        return mixed_jobs(64, seed=7, first_image=base + 2000)
+    first, tokens = {"uniform_64": (base + 1000, 128), "images_64": (base + 3000, 1)}[name]
+    return [vqa(f"{name}-{i}", [data_uri(448, 448, first + i)], tokens) for i in range(64)]
+
+
+def figure(run: str, result: dict) -> float:
+    """What a run is compared by: an open loop's p95 latency against the unloaded one, else tokens/s."""
+    return result["p95_latency_vs_unloaded"] if run.startswith("open_") else result["tokens_per_s"]
 
 
 def main() -> None:
@@ -87,10 +112,11 @@ def main() -> None:
         "--variant", action="append", default=[], help="TREE:gc_freeze|after_mixed_256|NAME=VALUE,...: a worker more"
     )
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--runs", default=",".join(BURSTS), help=f"of {', '.join(BURSTS)}, open_RATE (e.g. open_16)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return print("RESULT " + json.dumps(child(*args.child, args.models)))
+        return print("RESULT " + json.dumps(child(*args.child, args.models, args.runs.split(","))))
     trees = dict(pair.split("=", 1) for pair in args.tree) or {"here": str(ROOT)}
     workers = [(name, "plain") for name in trees] + [tuple(v.split(":", 1)) for v in args.variant]
     out = Path(args.out)
@@ -99,7 +125,8 @@ def main() -> None:
     for round_ in range(args.rounds):
         for name, variant in workers:
             started = time.perf_counter()
-            command = [sys.executable, __file__, "--models", args.models, "--child", trees[name], variant]
+            command = [sys.executable, __file__, "--models", args.models, "--runs", args.runs]
+            command += ["--child", trees[name], variant]
             done = subprocess.run(command, text=True, capture_output=True)
             label = name if variant == "plain" else f"{name}:{variant}"
             (out / f"ab-{label.replace(':', '-')}-{round_}.log").write_text(done.stderr[-100_000:])
@@ -111,15 +138,15 @@ def main() -> None:
             if "runs" in record:
                 print(
                     label,
-                    {k: [round(r["tokens_per_s"]) for r in v] for k, v in record["runs"].items()},
+                    {k: [round(figure(k, r), 2) for r in v] for k, v in record["runs"].items()},
                     flush=True,
                 )
     summary: dict = {}
     for record in results["workers"]:
         for run, values in record.get("runs", {}).items():
-            summary.setdefault(record["worker"], {}).setdefault(run, []).extend(r["tokens_per_s"] for r in values)
-    results["median_tokens_per_s"] = {
-        worker: {run: round(statistics.median(v)) for run, v in runs.items()} for worker, runs in summary.items()
+            summary.setdefault(record["worker"], {}).setdefault(run, []).extend(figure(run, r) for r in values)
+    results["median_tokens_per_s"] = {  # open loops: the median p95 latency against the unloaded one
+        worker: {run: round(statistics.median(v), 2) for run, v in runs.items()} for worker, runs in summary.items()
     }
     (out / "ab.json").write_text(json.dumps(results, indent=2))
     print(json.dumps(results["median_tokens_per_s"], indent=2))
