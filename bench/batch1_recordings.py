@@ -43,6 +43,7 @@ def main() -> None:
     batch1("back_to_back_after_parity_again", 800_000, False)
     batch1("recordings_waited_for", 720_000, True)
     batch1("back_to_back_again", 730_000, False)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "batch1-recordings.json").write_text(json.dumps(results, indent=1))
 
 
