@@ -30,6 +30,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "tests"))
 import fake_backend
 import handler
 import runpod_vlm.engine.background_compile as background_compile
+import runpod_vlm.engine.engine as engine_module
 from fake_backend import (
     BF16,
     END,
@@ -2061,7 +2062,17 @@ def test_graphs_are_recorded_ahead_only_with_a_pool_and_an_idle_engine(monkeypat
     assert timings["recording_ahead_s"] > 0  # the benchmarks' count of the time a job arriving may wait for
 
 
+def test_graphs_are_recorded_ahead_only_after_a_quiet_moment(monkeypatch, hub):
+    monkeypatch.setattr(engine_module, "RECORD_AHEAD_AFTER_IDLE_S", 1.0)
+    compiled_and_ready(monkeypatch, hub)
+    assert call(chat("first"))["response"] == "echo:first"  # the KV pool now exists: graphs are due
+    time.sleep(0.3)
+    assert hub.captured_ahead == []  # a request sent on the answer would not meet a recording
+    assert wait_for(lambda: hub.captured_ahead)
+
+
 def test_no_graph_is_recorded_ahead_while_an_item_is_in_the_intake(monkeypatch, hub):
+    monkeypatch.setattr(engine_module, "RECORD_AHEAD_AFTER_IDLE_S", 0.0)
     engine = compiled_and_ready(monkeypatch, hub)
     assert call(chat("first"))["response"] == "echo:first"  # the KV pool now exists
     decoder = engine._decoder

@@ -45,6 +45,11 @@ from runpod_vlm.vocabulary import (
 
 log = logging.getLogger("runpod-vlm")
 
+# A graph is recorded ahead only after the engine has had nothing to do for this long: a request that arrives during
+# a recording waits for it (100-200 ms on the H200), and a client sending its next request on each answer met one per
+# request in a fresh worker (bench/README.md, eighteenth session).
+RECORD_AHEAD_AFTER_IDLE_S = 0.25
+
 
 def _close_at_exit(engine: weakref.ref) -> None:
     live = engine()
@@ -67,6 +72,7 @@ class Engine(Admission, BackgroundCompile):
         self.broken = False  # a fatal GPU error happened: nothing more runs here
         self._stop_by: Optional[float] = None  # after SIGTERM: when the items still running fail
         self._closed = False  # close(): the engine thread ends, nothing more runs here
+        self._worked_at = time.monotonic()  # when the engine thread last had something to do
         self._compiled_shapes: set = set()  # row buckets compiled in the background
         self._newly_compiled: list = []  # ... ready, not yet switched to by the engine thread
         self._compiled_vision = None  # the vision blocks' compiled forwards, likewise
@@ -230,8 +236,19 @@ class Engine(Admission, BackgroundCompile):
 
     def _captures_ahead_due(self) -> bool:
         """A graph to record while idle, and no item queued (call with `_wake` held): one still in the intake would
-        wait for the whole recording (~140 ms on the H200) when it is ready a few ms later."""
+        wait for the whole recording when it is ready a few ms later."""
         return not self._queue and self._decoder is not None and self._decoder.captures_ahead_due()
+
+    def _records_ahead_now(self) -> bool:
+        return self._captures_ahead_due() and time.monotonic() - self._worked_at >= RECORD_AHEAD_AFTER_IDLE_S
+
+    def _idle_wait_s(self) -> Optional[float]:
+        """How long the idle engine thread waits unless woken: until a graph due may be recorded, or a little while
+        after SIGTERM (for its deadline); else until woken."""
+        waits = [0.05] if self._stop_by is not None else []
+        if self._captures_ahead_due():
+            waits.append(RECORD_AHEAD_AFTER_IDLE_S - (time.monotonic() - self._worked_at))
+        return min(waits, default=None)
 
     def _start_thread(self) -> None:
         """Start the engine thread once (call with `_wake` held), and end it at the interpreter's exit: a daemon
@@ -255,8 +272,8 @@ class Engine(Admission, BackgroundCompile):
     def _serve_forever(self) -> None:
         while True:
             with self._wake:
-                while (idle := self._idle()) and not self._closed and not self._captures_ahead_due():
-                    self._wake.wait(None if self._stop_by is None else 0.05)
+                while (idle := self._idle()) and not self._closed and not self._records_ahead_now():
+                    self._wake.wait(self._idle_wait_s())
                 if self._closed:
                     break
                 self._queue = [t for t in self._queue if not t.cancelled]
@@ -293,6 +310,8 @@ class Engine(Admission, BackgroundCompile):
                 self._fail_all(GENERATION_FAILED, queued=not self._rows)  # else the same failure would come again
             finally:
                 self.timings["busy_s"] += time.perf_counter() - started  # the engine thread's time not waiting
+                if not idle:
+                    self._worked_at = time.monotonic()
                 waiting = earlier = None  # nothing of an answered item held while the thread waits
 
     def _take(self, tickets: list[Ticket]) -> None:
