@@ -1934,11 +1934,11 @@ class FakePagedDecoder(PagedDecoder):
     def capture_ahead(self, bucket):
         self.ahead.append(bucket)
 
-    def captures_ahead_due(self):
-        return bool(self.ahead and self.keys)
+    def captures_ahead_due(self, ahead=True):  # only decode steps' graphs, each asked for ahead of need
+        return bool(self.ahead and self.keys and ahead)
 
-    def capture_one_ahead(self):
-        if self.captures_ahead_due():
+    def capture_one_ahead(self, ahead=True):
+        if self.captures_ahead_due(ahead):
             bucket = self.ahead.pop(0)
             HUB.captured_ahead.append((bucket, self.forwards[bucket] is not self.model, bool(self.lengths)))
 

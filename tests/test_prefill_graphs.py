@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from runpod_vlm.answers import generate_all
+from runpod_vlm.engine import engine as engine_module
 from runpod_vlm.engine import prefill_graphs as prefill_graphs_module
 from runpod_vlm.engine import varlen
 from runpod_vlm.engine.decoder import PagedDecoder
@@ -116,7 +117,8 @@ def test_prefills_beyond_the_powers_of_two_pad_to_a_multiple_of_the_step_up_to_t
     assert shapes[0][:2] == (1, tokens) and len(graphs_on_cpu) == 1
 
     graphs.most_tokens = 1024
-    monkeypatch.setattr(prefill_graphs_module, "MAX_GRAPHS", len(graphs.graphs) + len(graphs.wanted))
+    assert wait_for(lambda: not graphs.wanted)  # the single prompts' shapes asked for ahead, once idle a while
+    monkeypatch.setattr(prefill_graphs_module, "MAX_GRAPHS", len(graphs.graphs))
     shapes.clear()  # a shape new when no more graphs may be asked for: unpadded, not padded for nothing
     assert generate_all(engine, items[1:]) == solo[1:]
     assert shapes[0][:2] == (1, tokens - solo[0].prompt_tokens) and not graphs.wanted
@@ -140,10 +142,30 @@ def test_a_bursts_shapes_are_recorded_ahead_after_a_pass_over_the_padding_alone(
     real = PrefillGraphs._forward
     monkeypatch.setattr(PrefillGraphs, "_forward", lambda self, shape: warmed.append(shape) or real(self, shape))
     assert generate_all(engine, items) == solo
-    assert wait_for(lambda: not graphs.wanted)
-    assert set(ahead) <= set(graphs.graphs) and set(ahead) <= set(warmed)
+    assert wait_for(lambda: set(ahead) <= set(graphs.graphs))  # `wanted` empties as the last recording starts
+    assert set(ahead) <= set(warmed)
     assert generate_all(engine, items) == solo  # its prompt read back from its cached blocks
     assert engine.timings["prefix_cached_tokens"] > 0
+
+
+def test_a_shape_met_is_recorded_at_the_first_idle_moment_and_those_asked_for_ahead_after_a_quiet_one(
+    tiny_model, serve, monkeypatch, graphs_on_cpu
+):
+    """A single prompt's graph is recorded as soon as the engine is idle after its first pass, before the shapes asked
+    for ahead of need, which wait until the engine has had nothing to do for RECORD_AHEAD_AFTER_IDLE_S: a client
+    sending its next request on each answer would meet one of their recordings each time."""
+    monkeypatch.setattr(engine_module, "RECORD_AHEAD_AFTER_IDLE_S", 1.5)
+    engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_TOKENS="1024", VLM_PREFIX_CACHING="false")
+    graphs = with_graphs(engine)
+    items = items_of(engine, [vqa((64, 48), "What?", 2)])
+    solo = solo_generate(engine, items)
+    assert generate_all(engine, items) == solo
+    (met,) = graphs.met
+    assert wait_for(lambda: met in graphs.graphs, timeout=1.0)
+    time.sleep(0.2)
+    assert list(graphs.graphs) == [met] and len(graphs.wanted) == 4  # the other single prompts' shapes wait
+    assert wait_for(lambda: not graphs.wanted)
+    assert generate_all(engine, items) == solo and graphs_on_cpu == [met]
 
 
 def test_no_prefill_graph_is_recorded_while_a_shape_compiles_and_the_shapes_asked_for_wait(
@@ -158,7 +180,7 @@ def test_no_prefill_graph_is_recorded_while_a_shape_compiles_and_the_shapes_aske
     items = items_of(engine, [vqa((64, 48), "What?", 2)])
     tries: list = []
     real = engine._current_decoder().capture_one_ahead
-    monkeypatch.setattr(engine._current_decoder(), "capture_one_ahead", lambda: tries.append(1) or real())
+    monkeypatch.setattr(engine._current_decoder(), "capture_one_ahead", lambda *a: tries.append(1) or real(*a))
     with engine._capture_lock:
         assert generate_all(engine, items) == solo_generate(engine, items)
         time.sleep(0.3)

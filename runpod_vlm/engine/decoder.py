@@ -414,19 +414,24 @@ class PagedDecoder(Prefill):
         if self.use_graph and self.decode_kernel:
             self.ahead.extend((bucket, sample) for sample in (False, True))
 
-    def captures_ahead_due(self) -> bool:
-        """Whether `capture_one_ahead` has one to record: the KV pool exists (made by the first prefill), and the
-        background compile does not hold the GPU (the engine thread would spin; it is woken when a shape compiled)."""
-        wanted = self.ahead or any(graphs is not None and graphs.wanted for graphs in self._pass_graphs())
+    def captures_ahead_due(self, ahead: bool = True) -> bool:
+        """Whether `capture_one_ahead` has one to record: of a shape a pass met, or (`ahead`) of one asked for ahead
+        of need; the KV pool exists (made by the first prefill), and the background compile does not hold the GPU
+        (the engine thread would spin; it is woken when a shape compiled)."""
+        passes = [graphs for graphs in self._pass_graphs() if graphs is not None]
+        wanted = any(graphs.demanded() for graphs in passes) or (
+            ahead and (self.ahead or any(graphs.wanted for graphs in passes))
+        )
         compiling = self.capture_lock is not None and self.capture_lock.locked()
         return bool(wanted and self.use_graph and self.keys and self.position is not None and not compiling)
 
-    def capture_one_ahead(self) -> None:
-        """Record one graph `capture_ahead` asked for, else one of a vision pass's or a prefill's shape met (one at a
-        time: a request that comes meanwhile waits on one capture at most)."""
-        if not self.captures_ahead_due():
+    def capture_one_ahead(self, ahead: bool = True) -> None:
+        """Record one graph (one at a time: a request that comes meanwhile waits on one capture at most): of a vision
+        pass's or a prefill's shape met, else (`ahead`) one `capture_ahead` asked for, else one of a shape asked for
+        ahead of need."""
+        if not self.captures_ahead_due(ahead):
             return
-        if not self.ahead:
+        if not self.ahead or any(graphs is not None and graphs.demanded() for graphs in self._pass_graphs()):
             return self._capture_pass()
         bucket, sample = self.ahead.pop(0)
         flags = self.any_sample, self.any_logprobs, self.any_constrained
@@ -446,7 +451,8 @@ class PagedDecoder(Prefill):
         """Record a vision pass's or a prefill's graph of a shape met or asked for ahead, unless the background
         compile holds the GPU (then later: a worker's first request meets the compile, and a burst's shapes asked for
         ahead are recorded once it is done)."""
-        graphs = next(graphs for graphs in self._pass_graphs() if graphs is not None and graphs.wanted)
+        passes = [graphs for graphs in self._pass_graphs() if graphs is not None and graphs.wanted]
+        graphs = next((graphs for graphs in passes if graphs.demanded()), passes[0])
         try:
             self._unless_compiling(lambda: graphs.capture_one(self._graph_memory()))
         except Exception:  # the pass runs eagerly, as before

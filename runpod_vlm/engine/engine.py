@@ -45,9 +45,9 @@ from runpod_vlm.vocabulary import (
 
 log = logging.getLogger("runpod-vlm")
 
-# A graph is recorded ahead only after the engine has had nothing to do for this long: a request that arrives during
-# a recording waits for it (100-200 ms on the H200), and a client sending its next request on each answer met one per
-# request in a fresh worker (bench/README.md, eighteenth session).
+# A graph asked for ahead of need (not of a shape met) is recorded only after the engine has had nothing to do for
+# this long: a request that arrives during a recording waits for it (100-200 ms on the H200), and a client sending its
+# next request on each answer met one per request in a fresh worker (bench/README.md, eighteenth session).
 RECORD_AHEAD_AFTER_IDLE_S = 0.25
 
 
@@ -234,19 +234,20 @@ class Engine(Admission, BackgroundCompile):
         busy = self._rows or self._launched or self._chunking
         return not ready and not busy and not self._switch_due()
 
-    def _captures_ahead_due(self) -> bool:
-        """A graph to record while idle, and no item queued (call with `_wake` held): one still in the intake would
-        wait for the whole recording when it is ready a few ms later."""
-        return not self._queue and self._decoder is not None and self._decoder.captures_ahead_due()
+    def _captures_ahead_due(self, ahead: Optional[bool] = None) -> bool:
+        """A graph to record while idle (`ahead` of need too: by default once `_quiet`), and no item queued (call with
+        `_wake` held): one still in the intake would wait for the whole recording when it is ready a few ms later."""
+        ahead = self._quiet() if ahead is None else ahead
+        return not self._queue and self._decoder is not None and self._decoder.captures_ahead_due(ahead)
 
-    def _records_ahead_now(self) -> bool:
-        return self._captures_ahead_due() and time.monotonic() - self._worked_at >= RECORD_AHEAD_AFTER_IDLE_S
+    def _quiet(self) -> bool:
+        return time.monotonic() - self._worked_at >= RECORD_AHEAD_AFTER_IDLE_S
 
     def _idle_wait_s(self) -> Optional[float]:
-        """How long the idle engine thread waits unless woken: until a graph due may be recorded, or a little while
-        after SIGTERM (for its deadline); else until woken."""
+        """How long the idle engine thread waits unless woken: until a graph asked for ahead may be recorded, or a
+        little while after SIGTERM (for its deadline); else until woken."""
         waits = [0.05] if self._stop_by is not None else []
-        if self._captures_ahead_due():
+        if self._captures_ahead_due(ahead=True):
             waits.append(RECORD_AHEAD_AFTER_IDLE_S - (time.monotonic() - self._worked_at))
         return min(waits, default=None)
 
@@ -272,7 +273,7 @@ class Engine(Admission, BackgroundCompile):
     def _serve_forever(self) -> None:
         while True:
             with self._wake:
-                while (idle := self._idle()) and not self._closed and not self._records_ahead_now():
+                while (idle := self._idle()) and not self._closed and not self._captures_ahead_due():
                     self._wake.wait(self._idle_wait_s())
                 if self._closed:
                     break
@@ -284,7 +285,7 @@ class Engine(Admission, BackgroundCompile):
                     self._fail_all(WORKER_STOPPING, queued=True)  # on every path: one at a time too
                     continue
                 if idle:  # the GPU has nothing else to do
-                    self._decoder.capture_one_ahead()
+                    self._decoder.capture_one_ahead(self._quiet())
                     self.timings["recording_ahead_s"] += time.perf_counter() - started  # a job arriving waits for it
                     continue
                 if not self.continuous:

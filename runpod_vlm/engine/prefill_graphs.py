@@ -128,11 +128,17 @@ class ShapeGraphs:
     def _warm_up(self, shape: tuple) -> None:
         """Before recording `shape`: a pass of it, if none ran (a shape asked for ahead)."""
 
-    def capture_one(self, pool) -> None:
-        """Record the first wanted shape's graph into the memory `pool`."""
+    def demanded(self) -> list:
+        """The wanted shapes a pass met (every one here), whose graphs pay at the next pass of that shape, against
+        those asked for ahead of need."""
+        return list(self.wanted)
+
+    def capture_one(self, pool, ahead: bool = True) -> None:
+        """Record a wanted shape's graph into the memory `pool`: the first one met, else (`ahead`) the first one."""
         import time
 
-        shape = self.wanted.pop(0)
+        shape = (self.demanded() or (self.wanted if ahead else []))[0]
+        self.wanted.remove(shape)
         if shape in self.graphs or not self._ready(shape):
             return
         started = time.perf_counter()
@@ -180,6 +186,9 @@ class PrefillGraphs(ShapeGraphs):
         ]
         self.met: set = set()  # shapes whose pass ran (their kernels loaded)
         self.buffers = None
+
+    def demanded(self) -> list:
+        return [shape for shape in self.wanted if shape in self.met]
 
     def shape(self, tokens: int, keys: int, sequences: int) -> tuple:
         """The graph's shape that holds a prefill of `tokens` new tokens reading `keys` keys, of `sequences`."""
