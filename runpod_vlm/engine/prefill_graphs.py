@@ -133,11 +133,11 @@ class ShapeGraphs:
         those asked for ahead of need."""
         return list(self.wanted)
 
-    def capture_one(self, pool, ahead: bool = True) -> None:
-        """Record a wanted shape's graph into the memory `pool`: the first one met, else (`ahead`) the first one."""
+    def capture_one(self, pool) -> None:
+        """Record a wanted shape's graph into the memory `pool`: the first one met, else the first one."""
         import time
 
-        shape = (self.demanded() or (self.wanted if ahead else []))[0]
+        shape = (self.demanded() or self.wanted)[0]
         self.wanted.remove(shape)
         if shape in self.graphs or not self._ready(shape):
             return
