@@ -154,14 +154,14 @@ def test_a_shape_met_is_recorded_at_the_first_idle_moment_and_those_asked_for_ah
     """A single prompt's graph is recorded as soon as the engine is idle after its first pass, before the shapes asked
     for ahead of need, which wait until the engine has had nothing to do for RECORD_AHEAD_AFTER_IDLE_S: a client
     sending its next request on each answer would meet one of their recordings each time."""
-    monkeypatch.setattr(engine_module, "RECORD_AHEAD_AFTER_IDLE_S", 1.5)
+    monkeypatch.setattr(engine_module, "RECORD_AHEAD_AFTER_IDLE_S", 3.0)
     engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_TOKENS="1024", VLM_PREFIX_CACHING="false")
     graphs = with_graphs(engine)
     items = items_of(engine, [vqa((64, 48), "What?", 2)])
     solo = solo_generate(engine, items)
     assert generate_all(engine, items) == solo
     (met,) = graphs.met
-    assert wait_for(lambda: met in graphs.graphs, timeout=1.0)
+    assert wait_for(lambda: met in graphs.graphs, timeout=2.0)
     time.sleep(0.2)
     assert list(graphs.graphs) == [met] and len(graphs.wanted) == 4  # the other single prompts' shapes wait
     assert wait_for(lambda: not graphs.wanted)
