@@ -265,7 +265,8 @@ def child(part: str, args) -> dict:
         results["unloaded_sequential_16"] = unloaded
         for rate in (8, 16):
             run = measure(
-                f"open_{rate}", lambda r=rate: asyncio.run(open_loop(handler, mixed_jobs(count * 2, seed=r), r))
+                f"open_{rate}",
+                lambda r=rate: asyncio.run(open_loop(handler, mixed_jobs(count * 2, seed=r), r, unloaded=unloaded)),
             )
             run["p95_latency_vs_unloaded"] = run["latency_p95_s"] / unloaded["latency_p95_s"]
             save()

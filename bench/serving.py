@@ -240,9 +240,16 @@ def summarize(records: list[dict], seconds: float) -> dict:
 
 
 async def sequential(handler, jobs: list[dict]) -> dict:
+    """The jobs one by one, and (`latency_fit`, where their lengths differ) a job's latency alone as a line in its
+    tokens, fitted over all of them: what the open loop's jobs would each take alone (`open_loop`'s `unloaded`)."""
     started = time.perf_counter()
     records = [await run_job(handler, job) for job in jobs]
-    return summarize(records, time.perf_counter() - started)
+    result = summarize(records, time.perf_counter() - started)
+    tokens = [r["tokens"] for r in records]
+    if len(set(tokens)) > 1:
+        fit = statistics.linear_regression(tokens, [r["latency_s"] for r in records])
+        result["latency_fit"] = {"intercept_s": fit.intercept, "per_token_s": fit.slope}
+    return result
 
 
 async def concurrent(handler, jobs: list[dict]) -> dict:
@@ -251,7 +258,11 @@ async def concurrent(handler, jobs: list[dict]) -> dict:
     return summarize(list(records), time.perf_counter() - started)
 
 
-async def open_loop(handler, jobs: list[dict], rate: float, seed: int = 1) -> dict:
+async def open_loop(handler, jobs: list[dict], rate: float, seed: int = 1, unloaded: dict | None = None) -> dict:
+    """`jobs` arriving at `rate` a second (Poisson). With `unloaded` (`sequential`'s, with its `latency_fit`): the
+    p95 latency against the p95 of these same jobs alone as the fit predicts them (`p95_latency_vs_alone`), a
+    divisor steadier than the unloaded run's own p95, which is of 16 other jobs (bench/README.md, eighteenth
+    session)."""
     rng = random.Random(seed)
     started = time.perf_counter()
     tasks, at = [], 0.0
@@ -262,7 +273,13 @@ async def open_loop(handler, jobs: list[dict], rate: float, seed: int = 1) -> di
             await asyncio.sleep(delay)
         tasks.append(asyncio.create_task(run_job(handler, job)))
     records = await asyncio.gather(*tasks)
-    return dict(summarize(list(records), time.perf_counter() - started), rate=rate)
+    result = dict(summarize(list(records), time.perf_counter() - started), rate=rate)
+    fit = (unloaded or {}).get("latency_fit")
+    if fit is not None:
+        alone = [fit["intercept_s"] + fit["per_token_s"] * r["tokens"] for r in records]
+        result["latency_p95_alone_s"] = percentile(alone, 0.95)
+        result["p95_latency_vs_alone"] = result["latency_p95_s"] / result["latency_p95_alone_s"]
+    return result
 
 
 def decode_step_ms(handler, engine, rows: int, steps: int = 80) -> float:
