@@ -23,6 +23,7 @@ from runpod_vlm.engine.image_cache import ImageEmbeddingCache
 from runpod_vlm.engine.intake import PREPARED_ON_GPU_BYTES, Intake
 from runpod_vlm.engine.loading import load_model
 from runpod_vlm.engine.memory import kv_pool_tokens
+from runpod_vlm.engine.one_at_a_time import OneAtATime
 from runpod_vlm.engine.paged_attention import use_paged_attention
 from runpod_vlm.engine.prefill import ChunkedPrefill
 from runpod_vlm.engine.prefill_graphs import GRAPH_TOKENS
@@ -57,7 +58,7 @@ def _close_at_exit(engine: weakref.ref) -> None:
         live.close()
 
 
-class Engine(Admission, BackgroundCompile):
+class Engine(Admission, BackgroundCompile, OneAtATime):
     """The loaded model, its processor and family adapter. One per process."""
 
     def __init__(self, settings: Settings, quantize: Optional[str] = None, on_fatal: Callable[[], None] = lambda: None):
@@ -318,54 +319,6 @@ class Engine(Admission, BackgroundCompile):
     def _take(self, tickets: list[Ticket]) -> None:
         with self._wake:
             self._queue = [t for t in self._queue if t not in tickets]
-
-    def _run_alone(self, ticket: Ticket) -> None:
-        """Families outside continuous batching (remote code, sliding-window caches): one at a time."""
-        item = ticket.item
-        try:
-            if item.params.do_sample and item.params.seed is not None:  # one item at a time: the global generator
-                import torch
-
-                torch.manual_seed(item.params.seed)
-            if item.params.json_schema is not None:
-                message = f"the {self.adapter.name} family answers one request at a time, without structured output"
-                raise RequestError("unsupported_parameter", message, join_param(item.param, "response_format"))
-            if item.params.logprobs and not self.adapter.native:
-                message = f"the {self.adapter.name} family answers through its repository's chat(), which gives none"
-                raise RequestError("unsupported_parameter", message, join_param(item.param, "logprobs"))
-            if self.adapter.native:
-                ticket.finish(self._generate_with_generate(item))
-            else:
-                ticket.finish(self.adapter.run(self.model, self.processor, item, self.sampling_kwargs(item.params)))
-        except RequestError as error:
-            ticket.finish(error)
-        except Exception:
-            log.exception("generation failed")
-            ticket.fail(GENERATION_FAILED)
-
-    def _generate_with_generate(self, item: GenerationRequest):
-        import torch
-
-        inputs, input_sizes = self.adapter.batch_inputs(self.processor, [item], self.model.device, self.dtype)
-        prompt_tokens = int(inputs["attention_mask"].sum())
-        error = self._context_error(item, prompt_tokens)
-        if error:
-            return error
-        kwargs = dict(eos_token_id=sorted(self.eos_ids), **self.sampling_kwargs(item.params))
-        with torch.inference_mode():
-            if not item.params.logprobs:
-                out = self.model.generate(**inputs, **kwargs)
-                return self._generation(
-                    item, out[0, inputs["input_ids"].shape[1] :].tolist(), prompt_tokens, input_sizes[0]
-                )
-            out = self.model.generate(**inputs, **kwargs, output_logits=True, return_dict_in_generate=True)
-            ids = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
-            logprobs = []  # of generate's raw logits, before its processors, as on the batched path
-            for step, token in zip(out.logits, ids):
-                step_logprobs = torch.log_softmax(step[0].float(), dim=-1)
-                top_logprobs, top_ids = step_logprobs.topk(min(20, step_logprobs.shape[-1]))
-                logprobs.append((step_logprobs[token].item(), top_ids.tolist(), top_logprobs.tolist()))
-        return self._generation(item, ids, prompt_tokens, input_sizes[0], logprobs)
 
     # ---- structured output --------------------------------------------------------------------
 

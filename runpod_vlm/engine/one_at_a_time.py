@@ -1,0 +1,63 @@
+"""The one-at-a-time path: the items of families outside continuous batching (remote code, sliding-window caches)
+and prompts past a sliding window, answered by the model's own `generate()` or its repository's `chat()`."""
+
+from __future__ import annotations
+
+import logging
+
+from runpod_vlm.engine.ticket import Ticket
+from runpod_vlm.vocabulary import GENERATION_FAILED, GenerationRequest, RequestError, join_param
+
+log = logging.getLogger("runpod-vlm")
+
+
+class OneAtATime:
+    """Part of Engine (its base): an item run alone on the engine thread."""
+
+    def _run_alone(self, ticket: Ticket) -> None:
+        """Families outside continuous batching (remote code, sliding-window caches): one at a time."""
+        item = ticket.item
+        try:
+            if item.params.do_sample and item.params.seed is not None:  # one item at a time: the global generator
+                import torch
+
+                torch.manual_seed(item.params.seed)
+            if item.params.json_schema is not None:
+                message = f"the {self.adapter.name} family answers one request at a time, without structured output"
+                raise RequestError("unsupported_parameter", message, join_param(item.param, "response_format"))
+            if item.params.logprobs and not self.adapter.native:
+                message = f"the {self.adapter.name} family answers through its repository's chat(), which gives none"
+                raise RequestError("unsupported_parameter", message, join_param(item.param, "logprobs"))
+            if self.adapter.native:
+                ticket.finish(self._generate_with_generate(item))
+            else:
+                ticket.finish(self.adapter.run(self.model, self.processor, item, self.sampling_kwargs(item.params)))
+        except RequestError as error:
+            ticket.finish(error)
+        except Exception:
+            log.exception("generation failed")
+            ticket.fail(GENERATION_FAILED)
+
+    def _generate_with_generate(self, item: GenerationRequest):
+        import torch
+
+        inputs, input_sizes = self.adapter.batch_inputs(self.processor, [item], self.model.device, self.dtype)
+        prompt_tokens = int(inputs["attention_mask"].sum())
+        error = self._context_error(item, prompt_tokens)
+        if error:
+            return error
+        kwargs = dict(eos_token_id=sorted(self.eos_ids), **self.sampling_kwargs(item.params))
+        with torch.inference_mode():
+            if not item.params.logprobs:
+                out = self.model.generate(**inputs, **kwargs)
+                return self._generation(
+                    item, out[0, inputs["input_ids"].shape[1] :].tolist(), prompt_tokens, input_sizes[0]
+                )
+            out = self.model.generate(**inputs, **kwargs, output_logits=True, return_dict_in_generate=True)
+            ids = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
+            logprobs = []  # of generate's raw logits, before its processors, as on the batched path
+            for step, token in zip(out.logits, ids):
+                step_logprobs = torch.log_softmax(step[0].float(), dim=-1)
+                top_logprobs, top_ids = step_logprobs.topk(min(20, step_logprobs.shape[-1]))
+                logprobs.append((step_logprobs[token].item(), top_ids.tolist(), top_logprobs.tolist()))
+        return self._generation(item, ids, prompt_tokens, input_sizes[0], logprobs)
