@@ -9,10 +9,10 @@ background compile, then runs on new images each time: 64 mixed jobs (warm-up, n
 short mixed jobs (bench/paged.py's short_32_alone), 64 uniform (448x448 x 128), 64 mixed jobs and 64 one-token jobs
 of a new 448x448 image (their tokens/s: images a second), all at once (`--runs` picks among them; `open_RATE` adds 128
 mixed jobs arriving at RATE a second, Poisson, and 16 mixed jobs one by one first, once: the p95 latency's divisor,
-as bench/paged.py's open loop, and the fit of their latency in their tokens that `p95_latency_vs_alone` divides by). A variant `TREE:gc_freeze` freezes the
-garbage collector's objects after the warm-up; `TREE:after_mixed_256` warms up with 256 mixed jobs at once (as
-bench/paged.py runs them before its short jobs); `TREE:NAME=VALUE,...` sets the worker's environment (e.g.
-VLM_SYNC_INTERVAL=16). Results: OUT/ab.json.
+as bench/paged.py's open loop, and the fit of their latency in their tokens that `p95_latency_vs_alone` divides
+by). A variant `TREE:gc_freeze` freezes the garbage collector's objects after the warm-up; `TREE:after_mixed_256`
+warms up with 256 mixed jobs at once (as bench/paged.py runs them before its short jobs); `TREE:NAME=VALUE,...` sets
+the worker's environment (e.g. VLM_SYNC_INTERVAL=16). Results: OUT/ab.json.
 """
 
 from __future__ import annotations
