@@ -5,17 +5,16 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 import types
 from typing import Any, NamedTuple, Optional
 
 from runpod_vlm.engine import decode_kernel
 from runpod_vlm.engine.blocks import BlockPool
-from runpod_vlm.engine.gpu_errors import is_out_of_memory
+from runpod_vlm.engine.decoder_graphs import DecoderGraphs
 from runpod_vlm.engine.host_copies import to_device
 from runpod_vlm.engine.paged_attention import PagedStep, paged
 from runpod_vlm.engine.prefill import Prefill, beside_fx_traces, placeholder_counts_on_the_host
-from runpod_vlm.engine.prefill_graphs import GRAPH_TOKENS, PrefillGraphs, record, usable
+from runpod_vlm.engine.prefill_graphs import GRAPH_TOKENS, PrefillGraphs
 from runpod_vlm.engine.sampling import Sampler, row_seed
 from runpod_vlm.engine.vision_graphs import VisionGraphs, tower
 
@@ -40,7 +39,7 @@ def row_buckets(rows: int) -> list[int]:
     return sorted({b for b in (8, 16, 32, 64, 128) if b < rows} | {rows})
 
 
-class PagedDecoder(Prefill):
+class PagedDecoder(Prefill, DecoderGraphs):
     """Continuous-batching decoding state: up to `rows` sequences over a pool of KV blocks.
 
     A row holds the blocks of its own tokens (its block table); a decode step writes each row's new
@@ -376,23 +375,6 @@ class PagedDecoder(Prefill):
         """`launch` and `read`: each bucket row's tokens of `steps` decode steps."""
         return self.read(self.launch(steps))
 
-    def _capture_or_log(self, bucket: int, span: int) -> None:
-        started = time.perf_counter()
-        try:
-            self._capture_unless_compiling(bucket, span)
-        except Exception as error:  # still correct without the graph, only slower
-            if is_out_of_memory(error):  # not tried again: each try would run out again beside the rows' steps
-                self.unrecorded.add(self._graph_key(bucket, span))
-                log.warning("a %d-row step's CUDA graph ran out of memory: its steps run eagerly", bucket)
-            else:  # tried again at later steps
-                self.capture_failures += 1
-                log.warning("CUDA graph capture failed (%d of 3 tries)", self.capture_failures, exc_info=True)
-                self.use_graph = self.capture_failures < 3
-        self.capture_s += time.perf_counter() - started
-
-    def _graph_key(self, bucket: int, span: int) -> tuple:
-        return bucket, span, self.any_sample, self.any_logprobs, self.any_constrained
-
     def take_logprobs(self) -> Optional[dict]:
         """The log-probabilities the last prefill or steps recorded (row -> one entry per new token), once."""
         pending, self.pending_logprobs = self.pending_logprobs, None
@@ -401,126 +383,3 @@ class PagedDecoder(Prefill):
     def steps_only_with(self, forward) -> bool:
         """Whether every bucket steps with `forward` (the compiled one)."""
         return all(f is forward for f in self.forwards.values())
-
-    def use_forward(self, bucket: int, forward) -> None:
-        """Step `bucket` with another forward (the compiled one); its graphs are recorded anew."""
-        self.forwards[bucket] = forward
-        self.graphs = {key: graph for key, graph in self.graphs.items() if key[0] != bucket}
-
-    def capture_ahead(self, bucket: int) -> None:
-        """Have `bucket`'s greedy and sampled steps recorded ahead of need (`capture_one_ahead`, while the
-        engine is idle), so that no request waits on their capture; only with the decode kernel, whose graphs
-        hold rows of any length."""
-        if self.use_graph and self.decode_kernel:
-            self.ahead.extend((bucket, sample) for sample in (False, True))
-
-    def captures_ahead_due(self, ahead: bool = True) -> bool:
-        """Whether `capture_one_ahead` has one to record: of a shape a pass met, or (`ahead`) of one asked for ahead
-        of need; the KV pool exists (made by the first prefill), and the background compile does not hold the GPU
-        (the engine thread would spin; it is woken when a shape compiled)."""
-        passes = [graphs for graphs in self._pass_graphs() if graphs is not None]
-        wanted = any(graphs.demanded() for graphs in passes) or (
-            ahead and (self.ahead or any(graphs.wanted for graphs in passes))
-        )
-        compiling = self.capture_lock is not None and self.capture_lock.locked()
-        return bool(wanted and self.use_graph and self.keys and self.position is not None and not compiling)
-
-    def capture_one_ahead(self, ahead: bool = True) -> None:
-        """Record one graph (one at a time: a request that comes meanwhile waits on one capture at most): of a vision
-        pass's or a prefill's shape met, else (`ahead`) one `capture_ahead` asked for, else one of a shape asked for
-        ahead of need."""
-        if not self.captures_ahead_due(ahead):
-            return
-        if not self.ahead or any(graphs is not None and graphs.demanded() for graphs in self._pass_graphs()):
-            return self._capture_pass()
-        bucket, sample = self.ahead.pop(0)
-        flags = self.any_sample, self.any_logprobs, self.any_constrained
-        self.any_sample, self.any_logprobs, self.any_constrained = sample, False, False
-        try:
-            if self._graph_key(bucket, 0) not in self.graphs and not self._capture_unless_compiling(bucket, 0):
-                self.ahead.insert(0, (bucket, sample))  # the compile took the GPU meanwhile: later
-        except Exception:  # captured again when a step needs it
-            log.warning("CUDA graph capture ahead of the %d-row steps failed", bucket, exc_info=True)
-        finally:
-            self.any_sample, self.any_logprobs, self.any_constrained = flags
-
-    def _pass_graphs(self) -> tuple:
-        return self.vision_graphs, self.prefill_graphs
-
-    def _capture_pass(self) -> None:
-        """Record a vision pass's or a prefill's graph of a shape met or asked for ahead, unless the background
-        compile holds the GPU (then later: a worker's first request meets the compile, and a burst's shapes asked for
-        ahead are recorded once it is done)."""
-        passes = [graphs for graphs in self._pass_graphs() if graphs is not None and graphs.wanted]
-        graphs = next((graphs for graphs in passes if graphs.demanded()), passes[0])
-        try:
-            self._unless_compiling(lambda: graphs.capture_one(self._graph_memory()))
-        except Exception:  # the pass runs eagerly, as before
-            log.warning("CUDA graph capture of a %s failed", graphs.kind, exc_info=True)
-
-    def _graph_memory(self):
-        """The memory pool every graph records into: they never replay at once. Called before each recording: it
-        first gives the caching allocator's free blocks back to the GPU, which a recording cannot do (capped to
-        24 GB, a recording ran out of memory beside 1 GB of them)."""
-        import torch
-
-        torch.cuda.empty_cache()
-        if self.graph_pool is not None and not usable(self.graph_pool.id):
-            log.warning("a CUDA graph recording was voided: the next ones record into a memory pool of their own")
-            self.graph_pool = None  # its graphs keep their memory
-        if self.graph_pool is None:
-            # A MemPool, not a bare graph_pool_handle(): it holds the pool open, so that capturing into it
-            # after every graph in it was dropped (a bucket switching to the compiled forward) does not
-            # trip the allocator's `use_count > 0` assert, as it did on a fresh H200.
-            self.graph_pool = torch.cuda.MemPool()
-        return self.graph_pool.id
-
-    def _capture_unless_compiling(self, bucket: int, span: int) -> bool:
-        """Record a step's graph unless the background compile holds the GPU (tried again at a later step)."""
-        return self._unless_compiling(lambda: self._capture(bucket, span))
-
-    def _unless_compiling(self, record) -> bool:
-        """Run `record` (a graph's recording) unless the background compile holds the GPU: its synchronizing
-        benchmarks void a capture, and the capture its compile. Whether it ran."""
-        lock = self.capture_lock
-        if lock is not None and not lock.acquire(blocking=False):
-            return False
-        try:
-            record()
-        finally:
-            if lock is not None:
-                lock.release()
-        return True
-
-    def _capture(self, bucket: int, span: int) -> None:
-        """Record one step as a CUDA graph. The steps run to record it write each row's next slots (written
-        again by the real steps before any reads them) or block 0's; what they advance is put back."""
-        import torch
-
-        self._write_table()
-        kept = self._kept()
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        try:
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self.ring_index.zero_()
-                    self._advance(bucket, span)
-        finally:  # also after a step that failed midway (out of memory): else the rows would go on a step ahead
-            torch.cuda.current_stream().wait_stream(stream)
-            self._put_back(kept)
-        self.ring_index.zero_()
-        graph = torch.cuda.CUDAGraph()
-        record(graph, self._graph_memory(), lambda: self._advance(bucket, span))
-        self._put_back(kept)
-        self.graphs[self._graph_key(bucket, span)] = graph
-
-    def _kept(self) -> list:
-        """Copies of what a step advances in the rows' state (its KV slots are written again by the next step)."""
-        state = self.state
-        advanced = (state.token, self.position, state.count, state.length, state.seen)
-        return [(tensor, tensor.clone()) for tensor in advanced if tensor is not None]
-
-    def _put_back(self, kept: list) -> None:
-        for tensor, value in kept:
-            tensor.copy_(value)
