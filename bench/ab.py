@@ -75,7 +75,6 @@ def child(tree: str, variant: str, models: str, runs: list[str]) -> dict:
             if name.startswith("open_"):
                 jobs = mixed_jobs(128, seed=17 + n, first_image=base + 4000)
                 result = asyncio.run(open_loop(handler, jobs, float(name[5:]), unloaded=unloaded))
-                result["p95_latency_vs_unloaded"] = result["latency_p95_s"] / unloaded["latency_p95_s"]
             else:
                 result = asyncio.run(concurrent(handler, burst(name, base)))
             result["phases"] = counted_since(engine, before)

@@ -264,12 +264,10 @@ def child(part: str, args) -> dict:
         unloaded = asyncio.run(sequential(handler, mixed_jobs(16, seed=11)))
         results["unloaded_sequential_16"] = unloaded
         for rate in (8, 16):
-            run = measure(
+            measure(
                 f"open_{rate}",
                 lambda r=rate: asyncio.run(open_loop(handler, mixed_jobs(count * 2, seed=r), r, unloaded=unloaded)),
             )
-            run["p95_latency_vs_unloaded"] = run["latency_p95_s"] / unloaded["latency_p95_s"]
-            save()
     else:
         short = mixed_jobs(16 if quick else 32, seed=21)
         measure("short_32_at_once", lambda: asyncio.run(concurrent(handler, short)))

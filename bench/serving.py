@@ -259,10 +259,10 @@ async def concurrent(handler, jobs: list[dict]) -> dict:
 
 
 async def open_loop(handler, jobs: list[dict], rate: float, seed: int = 1, unloaded: dict | None = None) -> dict:
-    """`jobs` arriving at `rate` a second (Poisson). With `unloaded` (`sequential`'s, with its `latency_fit`): the
-    p95 latency against the p95 of these same jobs alone as the fit predicts them (`p95_latency_vs_alone`), a
-    divisor steadier than the unloaded run's own p95, which is of 16 other jobs (bench/README.md, eighteenth
-    session)."""
+    """`jobs` arriving at `rate` a second (Poisson). With `unloaded` (`sequential`'s): the p95 latency against its
+    p95 (`p95_latency_vs_unloaded`), and, with its `latency_fit`, against the p95 of these same jobs alone as the fit
+    predicts them (`p95_latency_vs_alone`), a divisor steadier than the unloaded run's own p95, which is of 16 other
+    jobs (bench/README.md, eighteenth session)."""
     rng = random.Random(seed)
     started = time.perf_counter()
     tasks, at = [], 0.0
@@ -274,6 +274,8 @@ async def open_loop(handler, jobs: list[dict], rate: float, seed: int = 1, unloa
         tasks.append(asyncio.create_task(run_job(handler, job)))
     records = await asyncio.gather(*tasks)
     result = dict(summarize(list(records), time.perf_counter() - started), rate=rate)
+    if unloaded is not None:
+        result["p95_latency_vs_unloaded"] = result["latency_p95_s"] / unloaded["latency_p95_s"]
     fit = (unloaded or {}).get("latency_fit")
     if fit is not None:
         alone = [fit["intercept_s"] + fit["per_token_s"] * r["tokens"] for r in records]
