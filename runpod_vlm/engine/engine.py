@@ -242,14 +242,18 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         return not self._queue and self._decoder is not None and self._decoder.captures_ahead_due(ahead)
 
     def _quiet(self) -> bool:
-        return time.monotonic() - self._worked_at >= RECORD_AHEAD_AFTER_IDLE_S
+        return self._quiet_in_s() <= 0
+
+    def _quiet_in_s(self) -> float:
+        """How long until the engine has had nothing to do for RECORD_AHEAD_AFTER_IDLE_S (<= 0: it has)."""
+        return RECORD_AHEAD_AFTER_IDLE_S - (time.monotonic() - self._worked_at)
 
     def _idle_wait_s(self) -> Optional[float]:
         """How long the idle engine thread waits unless woken: until a graph asked for ahead may be recorded, or a
         little while after SIGTERM (for its deadline); else until woken."""
         waits = [0.05] if self._stop_by is not None else []
         if self._captures_ahead_due(ahead=True):
-            waits.append(RECORD_AHEAD_AFTER_IDLE_S - (time.monotonic() - self._worked_at))
+            waits.append(self._quiet_in_s())
         return min(waits, default=None)
 
     def _start_thread(self) -> None:
