@@ -242,7 +242,9 @@ def test_a_decode_step_of_the_fewest_rows_out_of_memory_fails_its_items_and_the_
     assert generate_all(engine, items) == solo and decoder.pool.free == decoder.pool.capacity
 
 
-def test_a_long_prompt_enters_in_chunks_while_the_others_decode(tiny_model, serve, monkeypatch):
+def long_among_short(tiny_model, serve):
+    """An engine with a 256-token budget, three short text jobs and, last, a prompt of more than two budgets; the
+    items and their solo answers."""
     engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_TOKENS="256", VLM_SYNC_INTERVAL="2")
     long_job = {"task": "vqa", "image_url": data_uri(striped((64, 48))), "question": LONG_TEXT + " " + LONG_TEXT}
     short_jobs = [
@@ -250,7 +252,11 @@ def test_a_long_prompt_enters_in_chunks_while_the_others_decode(tiny_model, serv
         for n in range(3)
     ]
     items = items_of(engine, [*short_jobs, dict(long_job, max_new_tokens=12, min_new_tokens=12)])
-    solo = solo_generate(engine, items)
+    return engine, items, solo_generate(engine, items)
+
+
+def test_a_long_prompt_enters_in_chunks_while_the_others_decode(tiny_model, serve, monkeypatch):
+    engine, items, solo = long_among_short(tiny_model, serve)
     assert solo[-1].prompt_tokens > 2 * 256  # three chunks at least
     decoder = engine._current_decoder()
     events: list = []
@@ -267,14 +273,7 @@ def test_a_chunked_prompts_first_token_is_read_after_the_next_launch(tiny_model,
     """A prompt's last chunk hands out its first token as a prefill does: the engine launches the next decode
     interval before it reads that token, so it does not wait for the GPU there (under open load most prompts,
     starting with a cached system prompt, enter through chunks)."""
-    engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_TOKENS="256", VLM_SYNC_INTERVAL="2")
-    long_job = {"task": "vqa", "image_url": data_uri(striped((64, 48))), "question": LONG_TEXT + " " + LONG_TEXT}
-    short_jobs = [
-        {"messages": [{"role": "user", "content": f"Count to {n}."}], "max_new_tokens": 30, "min_new_tokens": 30}
-        for n in range(2)
-    ]
-    items = items_of(engine, [*short_jobs, dict(long_job, max_new_tokens=8, min_new_tokens=8)])
-    solo = solo_generate(engine, items)
+    engine, items, solo = long_among_short(tiny_model, serve)
     decoder = engine._current_decoder()
     events: list = []
     real_chunk, real_read = decoder.prefill_chunk, decoder.read
