@@ -1,9 +1,11 @@
 """One layer's decode attention over a paged KV pool (GPU), at Qwen2-VL-2B's text shapes: the gather of
 each row's slots up to a length bucket + SDPA (the engine's first paged kernel) against FlexAttention
 reading each row's own blocks through a BlockMask (64-token blocks: it takes no smaller) and the engine's
-Triton kernel (runpod_vlm/engine/decode_kernel.py); all replayed as CUDA graphs.
+Triton kernel (runpod_vlm/engine/decode_kernel.py); all replayed as CUDA graphs. `--sweep`: the Triton kernel
+alone at 16-token blocks over its launch settings (programs aimed at, tokens a tile, warps, pipeline stages), 20
+calls a graph, against the settings it ships with.
 
-python bench/decode_attention.py --out OUT
+python bench/decode_attention.py --out OUT [--sweep]
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ def scenarios() -> dict:
 
     return {
         "1 row x 400": [400],
+        "16 rows x 300-500": [int(x) for x in torch.randint(300, 500, (16,))],
         "64 rows x 300-500": [int(x) for x in torch.randint(300, 500, (64,))],
         "64 rows x 300-1300": [int(x) for x in torch.randint(300, 1300, (64,))],
         "256 rows x 300-1300": [int(x) for x in torch.randint(300, 1300, (256,))],
@@ -31,8 +34,8 @@ def scenarios() -> dict:
     }
 
 
-def replayed_us(fn) -> float:
-    """Microseconds per call of `fn`, recorded once as a CUDA graph and replayed."""
+def replayed_us(fn, calls: int = 1) -> float:
+    """Microseconds per call of `fn`, recorded `calls` times into one CUDA graph and replayed."""
     import torch
 
     stream = torch.cuda.Stream()
@@ -43,7 +46,8 @@ def replayed_us(fn) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
+        for _ in range(calls):
+            fn()
     for _ in range(5):
         graph.replay()
     torch.cuda.synchronize()
@@ -51,7 +55,7 @@ def replayed_us(fn) -> float:
     for _ in range(200):
         graph.replay()
     torch.cuda.synchronize()
-    return round((time.perf_counter() - began) / 200 * 1e6, 1)
+    return round((time.perf_counter() - began) / 200 / calls * 1e6, 2)
 
 
 def methods(keys, values, block_size: int, lengths: list[int], compiled_flex) -> tuple[dict, dict]:
@@ -110,10 +114,56 @@ def methods(keys, values, block_size: int, lengths: list[int], compiled_flex) ->
     return found, {"span": span}
 
 
+def sweep(out: Path) -> None:
+    """The kernel's launch settings against the shipped ones, per scenario; the best by the sum of the scenarios'
+    times relative to the shipped settings'."""
+    import itertools
+
+    import torch
+
+    from runpod_vlm.engine import decode_kernel
+
+    shipped = {name: getattr(decode_kernel, name) for name in ("SPLITS_TARGET", "TILE", "NUM_WARPS", "NUM_STAGES")}
+    torch.manual_seed(0)
+    keys = torch.randn(2_000_000, KV_HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    cases = {name: methods(keys, values, 16, lengths, None)[0] for name, lengths in scenarios().items()}
+    references = {name: found["gather_sdpa"]().float() for name, found in cases.items()}
+    settings = [shipped] + [
+        dict(zip(shipped, values))
+        for values in itertools.product((256, 512, 1024, 2048, 4096), (16, 32, 64, 128), (2, 4, 8), (1, 2, 3))
+    ]
+    results = []
+    for setting in settings:
+        vars(decode_kernel).update(setting)
+        entry = dict(setting)
+        try:
+            for name, found in cases.items():
+                difference = float((found["triton"]().float() - references[name]).abs().max())
+                entry[name] = replayed_us(found["triton"], calls=20)
+                entry["max_abs_diff"] = max(entry.get("max_abs_diff", 0.0), difference)
+        except Exception as error:  # noqa: BLE001 - a setting Triton cannot build (too much shared memory)
+            entry["error"] = repr(error)[:200]
+        results.append(entry)
+        print(json.dumps(entry), flush=True)
+    vars(decode_kernel).update(shipped)
+    timed = [entry for entry in results if "error" not in entry]
+    for entry in timed:
+        entry["relative"] = round(sum(entry[name] / timed[0][name] for name in cases) / len(cases), 3)
+    best = min(timed, key=lambda entry: entry["relative"])
+    print("shipped", json.dumps(timed[0]), "\nbest", json.dumps(best), flush=True)
+    meta = {"torch": torch.__version__, "gpu": torch.cuda.get_device_name(), "shipped": shipped, "best": best}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode-kernel-sweep.json").write_text(json.dumps({"meta": meta, "results": results}, indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default="bench/results")
+    parser.add_argument("--sweep", action="store_true")
     args = parser.parse_args()
+    if args.sweep:
+        return sweep(Path(args.out))
     import torch
     from torch.nn.attention.flex_attention import flex_attention
 
