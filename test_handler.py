@@ -2071,26 +2071,6 @@ def test_graphs_are_recorded_ahead_only_after_a_quiet_moment(monkeypatch, hub):
     assert wait_for(lambda: hub.captured_ahead)
 
 
-def test_no_graph_is_recorded_until_arrivals_pause(monkeypatch, hub):
-    """A burst's jobs arrive a few ms apart while they are read: the engine, idle between them, records nothing until
-    none has been submitted for RECORD_AFTER_ARRIVALS_PAUSE_S, and then without being woken."""
-    monkeypatch.setattr(engine_module, "RECORD_AHEAD_AFTER_IDLE_S", 0.0)
-    monkeypatch.setattr(engine_module, "RECORD_AFTER_ARRIVALS_PAUSE_S", 1.0)
-    engine = compiled_and_ready(monkeypatch, hub)
-    recorded_at: list = []
-    real_record = engine._decoder.capture_one_ahead
-    monkeypatch.setattr(
-        engine._decoder, "capture_one_ahead", lambda *a: recorded_at.append(time.monotonic()) or real_record(*a)
-    )
-    waits: list = []
-    real_wait = engine._idle_wait_s
-    monkeypatch.setattr(engine, "_idle_wait_s", lambda: waits.append(1) or real_wait())
-    assert call(chat("first"))["response"] == "echo:first"  # the KV pool now exists: graphs are due
-    assert wait_for(lambda: hub.captured_ahead)
-    assert recorded_at[0] >= engine._submitted_at + 1.0
-    assert len(waits) < 20  # it slept until the pause was over, it did not spin
-
-
 def test_no_graph_is_recorded_ahead_while_an_item_is_in_the_intake(monkeypatch, hub):
     monkeypatch.setattr(engine_module, "RECORD_AHEAD_AFTER_IDLE_S", 0.0)
     engine = compiled_and_ready(monkeypatch, hub)

@@ -168,27 +168,6 @@ def test_a_shape_met_is_recorded_at_the_first_idle_moment_and_those_asked_for_ah
     assert generate_all(engine, items) == solo and graphs_on_cpu == [met]
 
 
-def test_a_shape_met_waits_for_a_pause_in_arrivals(tiny_model, serve, monkeypatch, graphs_on_cpu):
-    """The graph of a shape met is recorded once no item has been submitted for RECORD_AFTER_ARRIVALS_PAUSE_S, the
-    engine thread waking for it by itself, not at the quiet moment the shapes asked for ahead wait for: a burst's
-    later jobs, a few ms apart, would each wait for the recording."""
-    monkeypatch.setattr(engine_module, "RECORD_AFTER_ARRIVALS_PAUSE_S", 1.5)
-    monkeypatch.setattr(engine_module, "RECORD_AHEAD_AFTER_IDLE_S", 30.0)
-    engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_TOKENS="1024", VLM_PREFIX_CACHING="false")
-    graphs = with_graphs(engine)
-    items = items_of(engine, [vqa((64, 48), "What?", 2)])
-    solo = solo_generate(engine, items)
-    recorded_at: list = []
-    real = PrefillGraphs.capture_one
-    monkeypatch.setattr(
-        PrefillGraphs, "capture_one", lambda self, pool: recorded_at.append(time.monotonic()) or real(self, pool)
-    )
-    assert generate_all(engine, items) == solo
-    (met,) = graphs.met
-    assert wait_for(lambda: met in graphs.graphs, timeout=5.0)
-    assert recorded_at[0] >= engine._submitted_at + 1.5
-
-
 def test_no_prefill_graph_is_recorded_while_a_shape_compiles_and_the_shapes_asked_for_wait(
     tiny_model, serve, monkeypatch, graphs_on_cpu
 ):

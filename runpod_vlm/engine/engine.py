@@ -50,11 +50,6 @@ log = logging.getLogger("runpod-vlm")
 # this long: a request that arrives during a recording waits for it (100-200 ms on the H200), and a client sending its
 # next request on each answer met one per request in a fresh worker (bench/README.md, eighteenth session).
 RECORD_AHEAD_AFTER_IDLE_S = 0.25
-# Any graph, a shape met too, is recorded only once no item has been submitted for this long: a burst's jobs arrive a
-# few ms apart while they are read, and one arriving during a recording waits for it; in a burst of 64 one-image jobs
-# the engine had recorded 0.3-0.4 s of graphs between their arrivals (bench/README.md, nineteenth session). A job sent
-# on the previous one's answer arrives 20 ms or more after it, so its shape is still recorded between the two.
-RECORD_AFTER_ARRIVALS_PAUSE_S = 0.02
 
 
 def _close_at_exit(engine: weakref.ref) -> None:
@@ -79,7 +74,6 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         self._stop_by: Optional[float] = None  # after SIGTERM: when the items still running fail
         self._closed = False  # close(): the engine thread ends, nothing more runs here
         self._worked_at = time.monotonic()  # when the engine thread last had something to do
-        self._submitted_at = 0.0  # when an item was last queued
         self._compiled_shapes: set = set()  # row buckets compiled in the background
         self._newly_compiled: list = []  # ... ready, not yet switched to by the engine thread
         self._compiled_vision = None  # the vision blocks' compiled forwards, likewise
@@ -210,7 +204,6 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
                 ticket.prepared = self._intake_of().submit(ticket.item, self._notify)
         with self._wake:
             self._queue.extend(queued)
-            self._submitted_at = time.monotonic()
             self._wake.notify()
             self._start_thread()
         return tickets
@@ -243,18 +236,10 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         return not ready and not busy and not self._switch_due()
 
     def _captures_ahead_due(self, ahead: Optional[bool] = None) -> bool:
-        """A graph to record while idle (`ahead` of need too: by default once `_quiet`), no item queued and none
-        submitted for RECORD_AFTER_ARRIVALS_PAUSE_S (call with `_wake` held): one still in the intake would wait for
-        the whole recording when it is ready a few ms later."""
+        """A graph to record while idle (`ahead` of need too: by default once `_quiet`), and no item queued (call with
+        `_wake` held): one still in the intake would wait for the whole recording when it is ready a few ms later."""
         ahead = self._quiet() if ahead is None else ahead
-        return self._pause_in_s() <= 0 and self._graphs_to_record(ahead)
-
-    def _graphs_to_record(self, ahead: bool) -> bool:
         return not self._queue and self._decoder is not None and self._decoder.captures_ahead_due(ahead)
-
-    def _pause_in_s(self) -> float:
-        """How long until no item has been submitted for RECORD_AFTER_ARRIVALS_PAUSE_S (<= 0: none has)."""
-        return RECORD_AFTER_ARRIVALS_PAUSE_S - (time.monotonic() - self._submitted_at)
 
     def _quiet(self) -> bool:
         return self._quiet_in_s() <= 0
@@ -264,14 +249,11 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         return RECORD_AHEAD_AFTER_IDLE_S - (time.monotonic() - self._worked_at)
 
     def _idle_wait_s(self) -> Optional[float]:
-        """How long the idle engine thread waits unless woken: until a graph may be recorded (a shape met once
-        arrivals pause, one asked for ahead once quiet too), or a little while after SIGTERM (for its deadline); else
-        until woken."""
+        """How long the idle engine thread waits unless woken: until a graph asked for ahead may be recorded, or a
+        little while after SIGTERM (for its deadline); else until woken."""
         waits = [0.05] if self._stop_by is not None else []
-        if self._graphs_to_record(ahead=False):
-            waits.append(self._pause_in_s())
-        elif self._graphs_to_record(ahead=True):
-            waits.append(max(self._pause_in_s(), self._quiet_in_s()))
+        if self._captures_ahead_due(ahead=True):
+            waits.append(self._quiet_in_s())
         return min(waits, default=None)
 
     def _start_thread(self) -> None:
