@@ -19,7 +19,7 @@ log = logging.getLogger("runpod-vlm")
 SPLITS_TARGET = 2048  # programs a step aims at (rows x kv heads x splits): enough to fill an H200's 132 SMs
 TILE = 64  # tokens one program reads per iteration
 NUM_WARPS = 4
-# Two, not Triton's default three: 2-16% faster in each of six mixes of rows and lengths on the H200 (13-16% at 16-64
+# Two, not Triton's default three: 2-16% faster in each of six mixes of rows and lengths on the H200 (12-16% at 16-64
 # rows of 300-1,300 tokens), in two sweeps (bench/decode_attention.py --sweep).
 NUM_STAGES = 2
 
