@@ -49,7 +49,7 @@ class DecoderGraphs:
         """Whether `capture_one_ahead` has one to record: of a shape a pass met, or (`ahead`) of one asked for ahead
         of need; the KV pool exists (made by the first prefill), and the background compile does not hold the GPU
         (the engine thread would spin; it is woken when a shape compiled)."""
-        passes = [graphs for graphs in self._pass_graphs() if graphs is not None]
+        passes = self._pass_graphs()
         wanted = any(graphs.demanded() for graphs in passes) or (
             ahead and (self.ahead or any(graphs.wanted for graphs in passes))
         )
@@ -62,7 +62,7 @@ class DecoderGraphs:
         ahead of need."""
         if not self.captures_ahead_due(ahead):
             return
-        if not self.ahead or any(graphs is not None and graphs.demanded() for graphs in self._pass_graphs()):
+        if not self.ahead or any(graphs.demanded() for graphs in self._pass_graphs()):
             return self._capture_pass()
         bucket, sample = self.ahead.pop(0)
         flags = self.any_sample, self.any_logprobs, self.any_constrained
@@ -75,14 +75,15 @@ class DecoderGraphs:
         finally:
             self.any_sample, self.any_logprobs, self.any_constrained = flags
 
-    def _pass_graphs(self) -> tuple:
-        return self.vision_graphs, self.prefill_graphs
+    def _pass_graphs(self) -> list:
+        """The vision passes' and the prefills' graphs, those this decoder has."""
+        return [graphs for graphs in (self.vision_graphs, self.prefill_graphs) if graphs is not None]
 
     def _capture_pass(self) -> None:
         """Record a vision pass's or a prefill's graph of a shape met or asked for ahead, unless the background
         compile holds the GPU (then later: a worker's first request meets the compile, and a burst's shapes asked for
         ahead are recorded once it is done)."""
-        passes = [graphs for graphs in self._pass_graphs() if graphs is not None and graphs.wanted]
+        passes = [graphs for graphs in self._pass_graphs() if graphs.wanted]
         graphs = next((graphs for graphs in passes if graphs.demanded()), passes[0])
         try:
             self._unless_compiling(lambda: graphs.capture_one(self._graph_memory()))
