@@ -3,6 +3,7 @@ one-token jobs on a timeline (`intake`) (GPU)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -103,6 +104,50 @@ def intake_timeline(handler, engine) -> dict:
     return result
 
 
+ENGINE_SPANS = ("_place", "_begin_chunks", "_prefill_next_chunk", "_launch", "_hand_out", "_accept")
+DECODER_SPANS = (
+    "_positions",
+    "_on_device",
+    "_language_model_inputs",
+    "prefill_launch",
+    "prefill_chunk",
+    "_start",
+    "read",
+)
+
+
+@contextlib.contextmanager
+def spans_of(engine, spans: list):
+    """Within the block, each call of the engine's and its decoder's methods named above (and the intake's
+    `_prepare`) appended to `spans` as (name, thread, start, end) in perf_counter seconds."""
+    import threading
+
+    decoder, intake = engine._current_decoder(), engine._intake_of()
+    wrapped = [(engine, n) for n in ENGINE_SPANS] + [(decoder, n) for n in DECODER_SPANS] + [(intake, "_prepare")]
+
+    def timed(name, method):
+        def run(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                spans.append((name, threading.current_thread().name, start, time.perf_counter()))
+
+        return run
+
+    shadowed = [(owner, name, owner.__dict__.get(name)) for owner, name in wrapped]  # another wrapper (a profile's)
+    for owner, name in wrapped:
+        setattr(owner, name, timed(name, getattr(owner, name)))
+    try:
+        yield spans
+    finally:
+        for owner, name, before in shadowed:
+            if before is None:
+                delattr(owner, name)  # the class's method again
+            else:
+                setattr(owner, name, before)
+
+
 def ttft_breakdown(handler, engine, out: Path) -> dict:
     """One job at a time, one 448x448 image, streamed: reading (fetch, decode), submit to prepared (intake),
     prepared to first token (admission, prefill); medians of 5, for new images and for each job sent again
@@ -126,10 +171,12 @@ def ttft_breakdown(handler, engine, out: Path) -> dict:
                 marks["first"] = time.perf_counter()
                 first.set()
 
-        ticket = engine.submit(item, listener, stream=True)
-        marks["submitted"] = time.perf_counter()
-        ticket.prepared.add_done_callback(lambda _: marks.setdefault("prepared", time.perf_counter()))
-        first.wait(30)
+        spans: list = []
+        with spans_of(engine, spans):
+            ticket = engine.submit(item, listener, stream=True)
+            marks["submitted"] = time.perf_counter()
+            ticket.prepared.add_done_callback(lambda _: marks.setdefault("prepared", time.perf_counter()))
+            first.wait(30)
         time.sleep(0.05)  # the rest of the job
         # and the graphs it asked for: the next job would wait for a recording, and a profiler's exit, which
         # synchronizes the GPU from this thread, would void it (bench/README.md, sixteenth session)
@@ -140,6 +187,12 @@ def ttft_breakdown(handler, engine, out: Path) -> dict:
             "admission_to_first_token_ms": 1000 * (marks["first"] - marks["prepared"]),
             "total_ms": 1000 * (marks["first"] - marks["start"]),
             "counted": counted_since(engine, before),
+            # ms from submitted: where the engine thread's (and the intake's) time went up to the first token
+            "spans_ms": [
+                [name, thread, round(1000 * (start - marks["submitted"]), 2), round(1000 * (end - start), 2)]
+                for name, thread, start, end in sorted(spans, key=lambda span: span[2])
+                if start < marks["first"]
+            ],
         }
 
     once(100)  # the first prefill makes the KV pool; the decode graphs are then recorded ahead while idle (waited for)
