@@ -196,7 +196,8 @@ def test_a_prompts_last_chunk_after_its_cached_prefix_attends_to_the_prefix_thro
     tiny_model, serve, monkeypatch, graphs_on_cpu
 ):
     """The same prompt again reads its cached blocks and runs only its last tokens, which attend to the cached keys
-    too, through the graph of its shape (a single prompt's, recorded after the first prefill)."""
+    too, through the graph of its shape (a single prompt's, recorded after the first prefill). The padding's sequence
+    attends to no more keys than it has tokens, not to the rest of the keys' bucket (1,024 here)."""
     engine = serve(tiny_model("qwen2-vl"))
     graphs = with_graphs(engine)
     items = items_of(engine, [vqa((64, 48), "What is in the picture, and why? Say it in many words.", 8)])
@@ -204,9 +205,14 @@ def test_a_prompts_last_chunk_after_its_cached_prefix_attends_to_the_prefix_thro
     runs: list = []
     real = PrefillGraphs.run
 
+    paddings: list = []  # (tokens, keys) of the padding's sequence
+
     def run(self, embeds, positions, slots, key_slots, lengths, key_lengths):
         runs.append((lengths, key_lengths))
-        return real(self, embeds, positions, slots, key_slots, lengths, key_lengths)
+        hidden = real(self, embeds, positions, slots, key_slots, lengths, key_lengths)
+        query_starts, key_starts = self.buffers.starts[:, 1:3].tolist()  # one sequence, then the padding's
+        paddings.append((query_starts[1] - query_starts[0], key_starts[1] - key_starts[0]))
+        return hidden
 
     monkeypatch.setattr(PrefillGraphs, "run", run)
     for _ in range(3):
@@ -217,6 +223,7 @@ def test_a_prompts_last_chunk_after_its_cached_prefix_attends_to_the_prefix_thro
     assert runs[0] == ([prompt], [prompt]) and keys == prompt and 0 < new < prompt  # the second read its prefix
     assert runs[2] == runs[1] and graphs_on_cpu == [(bucket(new), KEY_BUCKETS[0], 2)] * 2
     assert engine.timings["prefix_cached_tokens"] == 2 * (prompt - new)
+    assert paddings == [(bucket(prompt) - prompt,) * 2] + [(bucket(new) - new,) * 2] * 2
 
 
 def test_a_shape_that_cannot_be_recorded_runs_eagerly_and_three_failures_end_the_graphs(

@@ -5,12 +5,13 @@ four graphs, bench/results/profile-prefill-layers.json), and two to three times 
 intake threads take the GIL between its launches; a graph launches them all at once.
 
 A graph has fixed shapes, so a prefill is padded to buckets: its tokens to a power of two up to `POWERS_UP_TO`, to a
-multiple of `TOKEN_STEP` beyond (the padding one more sequence, whose keys and values go to block 0, never handed out),
-the keys it reads back from the pool to one of `KEY_BUCKETS`, its sequences' starts to a power of two (zero-length
-ones at the end). The first prefill of a shape runs the same padded forward eagerly and asks for its graph, which the
-decoder records while the engine is idle (`PagedDecoder.capture_one_ahead`); a single prompt's shapes of up to 1,024
-keys are asked for at the first prefill. All graphs share one memory pool: it holds the largest one's work memory,
-which the KV pool's sizing sets aside (`memory.measured_work_memory`)."""
+multiple of `TOKEN_STEP` beyond (the padding one more sequence, whose keys and values go to block 0, never handed out;
+it attends to as many keys as it has tokens), the keys it reads back from the pool to one of `KEY_BUCKETS`, its
+sequences' starts to a power of two (zero-length ones at the end). The first prefill of a shape runs the same padded
+forward eagerly and asks for its graph, which the decoder records while the engine is idle
+(`PagedDecoder.capture_one_ahead`); a single prompt's shapes of up to 1,024 keys are asked for at the first prefill. All
+graphs share one memory pool: it holds the largest one's work memory, which the KV pool's sizing sets aside
+(`memory.measured_work_memory`)."""
 
 from __future__ import annotations
 
@@ -256,7 +257,13 @@ class PrefillGraphs(ShapeGraphs):
         for buffer, value, padded in ((held.slots, slots, padded_tokens), (held.key_slots, key_slots, padded_keys)):
             buffer[: len(value)].copy_(value)
             buffer[len(value) : padded].zero_()
-        starts = [_starts(lengths, padded_tokens, sequences + 1), _starts(key_lengths, padded_keys, sequences + 1)]
+        # Not the rest of the keys' bucket: FlashAttention walks a sequence's keys in one loop per block of its
+        # queries, and the padding's loop over thousands was the attention's slowest (bench/prefill_attention.py).
+        padding = min(padded_tokens - len(slots), padded_keys - len(key_slots))
+        starts = [
+            _starts(lengths, padded_tokens, sequences + 1),
+            _starts(key_lengths, len(key_slots) + padding, sequences + 1),
+        ]
         held.starts[:, : sequences + 1].copy_(torch.tensor(starts, dtype=torch.int32), non_blocking=True)
 
     def _buffers(self, embeds, positions) -> types.SimpleNamespace:
