@@ -5,7 +5,8 @@ DEFAULT settings (the image-embedding cache and prefix caching on), random weigh
     python bench/images.py --out OUT --tiny     # a tiny fp32 model on the CPU: checks the script runs
 
 - prefill_64: 64 jobs of one new 448x448 image and max_new_tokens 1 sent at once, after a first such
-  burst (first_burst_64): new images a second (target >= 200), with the engine's phases (intake, prefill);
+  burst (first_burst_64): new images a second (target >= 200), with the engine's phases (intake, prefill); and
+  LATER_BURSTS more such bursts (later_bursts_64), until the shapes the bursts meet are recorded;
 - repeated_image: one job, then the same job again (its image's embedding cached): time to first token
   of the hit against the miss, median of 5 pairs of fresh images (target <= 30%);
 - chat_4_turns: a 4-turn chat whose first turn holds 2 images, every later request resending them in
@@ -41,6 +42,8 @@ from serving import (  # noqa: E402
     run_job,
     wait_for_recordings,
 )
+
+LATER_BURSTS = 6
 
 
 def job(name: str, images: list[str], tokens: int, history: list | None = None, question: str = QUESTIONS[0]) -> dict:
@@ -80,12 +83,18 @@ def main() -> None:
         asyncio.run(concurrent_records(handler, jobs))
         seconds = time.perf_counter() - started
         phases = counted_since(engine, before)
-        return {"jobs": count, "seconds": seconds, "images_per_s": count / seconds, "phases": phases}
+        decoder = engine._current_decoder()
+        kinds = {"prefill_graphs": decoder.prefill_graphs, "vision_graphs": decoder.vision_graphs}
+        recorded = {kind: len(graphs.graphs) for kind, graphs in kinds.items() if graphs is not None}  # so far
+        return {"jobs": count, "seconds": seconds, "images_per_s": count / seconds, "phases": phases, **recorded}
 
     # A process's first burst of this size also meets its first prefill shapes (kernels loaded, the KV
     # pool's first use: bench/results/profile-intake-timeline.json); the target is the steady state.
     results["first_burst_64"] = burst(10000)
     results["prefill_64"] = burst(0)
+    # A burst's groups vary with the jobs' arrival, and each new shape is recorded at the burst's idle moments (0.3-0.6
+    # s of the second burst, bench/README.md, nineteenth session): how many bursts until a worker has recorded them.
+    results["later_bursts_64"] = [burst(1000 * n) for n in range(20, 20 + LATER_BURSTS)]
     save()
 
     def repeated_image(first_image: int) -> dict:
