@@ -150,8 +150,9 @@ def spans_of(engine, spans: list):
 
 def ttft_breakdown(handler, engine, out: Path) -> dict:
     """One job at a time, one 448x448 image, streamed: reading (fetch, decode), submit to prepared (intake),
-    prepared to first token (admission, prefill); medians of 5, for new images and for each job sent again
-    (image cache and prefix cache hits), once the decode graphs are recorded; and one of each profiled."""
+    prepared to first token (admission, prefill), and each run's calls on its way (`spans_of`); medians of 5, for new
+    images and for each job sent again (image cache and prefix cache hits), once the decode graphs are recorded; and
+    one of each profiled."""
     import statistics
     import threading
 
