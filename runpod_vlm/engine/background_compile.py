@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -28,6 +29,11 @@ from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, Turn
 log = logging.getLogger("runpod-vlm")
 
 COMPILE_AFTER_FIRST_ANSWER_S = 10.0  # a new worker's first job is answered before the background compile slows it
+# The most the compile waits, before it takes the GPU for its next shape, for a decode step's graph the engine thread
+# could not record while the compile held it: those steps run eagerly meanwhile, beside the compile on the GIL. 16 jobs
+# at once ran at 125-190 tokens/s through a fresh worker's compile, 2,354 where nothing compiled (bench/README.md,
+# twentieth session).
+RECORDING_FIRST_S = 2.0
 
 
 class BackgroundCompile:
@@ -134,7 +140,7 @@ class BackgroundCompile:
         run_blocks_compiled(blocks, forwards, recompile=True)
         params = GenerationParams(max_new_tokens=1, temperature=0.0, top_p=1.0, do_sample=False)
         try:
-            with self._capture_lock, torch.inference_mode():
+            with self._holding_the_gpu(), torch.inference_mode():
                 for sizes in ([(224, 224)], [(336, 224), (224, 448)]):
                     turns = [[Turn("user", [Image.new("RGB", size), "Describe."])] for size in sizes]
                     items = [GenerationRequest("caption", t, params) for t in turns]
@@ -168,7 +174,7 @@ class BackgroundCompile:
         items = [GenerationRequest("chat", [Turn("user", [text])], params) for text in texts]
         try:
             # Each decode bucket left a trace of these layers: room for a prefill's beside them.
-            with self._capture_lock, torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=16):
+            with self._holding_the_gpu(), torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=16):
                 inputs, _ = self.adapter.batch_inputs(self.processor, items, self.model.device, self.dtype)
                 blocks = 3 * -(-inputs["input_ids"].shape[1] // BLOCK_SIZE) + 1
                 shadow = self._make_decoder(view, blocks=blocks, use_graph=False)
@@ -198,7 +204,7 @@ class BackgroundCompile:
 
         started = time.perf_counter()
         try:
-            with self._capture_lock, torch.inference_mode():
+            with self._holding_the_gpu(), torch.inference_mode():
                 params = GenerationParams(max_new_tokens=4, temperature=0.0, top_p=1.0, do_sample=False)
                 items = [GenerationRequest("chat", [Turn("user", ["warm up"])], params)] * bucket
                 inputs, _ = self.adapter.batch_inputs(self.processor, items, self.model.device, self.dtype)
@@ -216,6 +222,18 @@ class BackgroundCompile:
             return False
         log.info("compiled the %d-row decode step in the background in %.1fs", bucket, time.perf_counter() - started)
         return True
+
+    def _holding_the_gpu(self) -> threading.Lock:
+        """The capture lock, for a compile's GPU work, once a decode step's graph the engine thread waits for is
+        recorded (at most RECORDING_FIRST_S: it records at the next interval it launches); none is waited for when
+        the engine has no rows decoding."""
+        deadline = time.monotonic() + RECORDING_FIRST_S
+        while time.monotonic() < deadline and not self._closed:
+            decoder = self._decoder
+            if decoder is None or not decoder.recording_wanted or not self._rows:
+                break
+            time.sleep(0.005)
+        return self._capture_lock
 
     def wait_until_compiled(self, timeout: float) -> bool:
         """Whether every shape of the current decoder decodes compiled (benchmarks, tests); False at once where

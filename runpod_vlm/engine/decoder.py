@@ -52,6 +52,7 @@ class PagedDecoder(Prefill, DecoderGraphs):
 
     pending_logprobs: Optional[dict] = None  # row -> (logprob, top ids, top logprobs) per new token
     capture_lock: Optional[threading.Lock] = None  # held by the background compile while it runs GPU work
+    recording_wanted = False  # a step found its graph unrecorded and the compile holding the GPU (it runs eagerly)
 
     def __init__(
         self,
@@ -328,6 +329,7 @@ class PagedDecoder(Prefill, DecoderGraphs):
         self._write_table()
         bucket, span = self.bucket(), self.span(steps)
         key = self._graph_key(bucket, span)
+        self.recording_wanted = False
         if self.use_graph and key not in self.graphs and key not in self.unrecorded and self.lengths:
             self._capture_or_log(bucket, span)  # before the steps: an eager step takes several replays' time
         self.ring_index.zero_()
