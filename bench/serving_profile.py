@@ -15,6 +15,19 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
 from vision_profile import vision_packed  # noqa: E402
 
 
+def timed(function, record):
+    """`function`, each call of it followed by `record(args, start, end)` (perf_counter seconds), raised or not."""
+
+    def run(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return function(*args, **kwargs)
+        finally:
+            record(args, start, time.perf_counter())
+
+    return run
+
+
 def intake_timeline(handler, engine) -> dict:
     """64 jobs of one new 448x448 image and max_new_tokens 1 sent at once, as bench/images.py, with each
     phase's spans on a timeline: reading (handler threads), intake (its threads), placement (engine
@@ -32,14 +45,10 @@ def intake_timeline(handler, engine) -> dict:
     spans: dict = {"read": [], "intake": [], "place": []}
 
     def recorded(name, function):
-        def wrapper(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return function(*args, **kwargs)
-            finally:
-                spans[name].append((start, time.perf_counter(), len(args[1]) if name == "place" else 1))
+        def record(args, start, end):
+            spans[name].append((start, end, len(args[1]) if name == "place" else 1))
 
-        return wrapper
+        return timed(function, record)
 
     read, prepare, place = handler.read_job_item, Intake._prepare, type(engine)._place
     handler.read_job_item = recorded("read", read)
@@ -125,19 +134,12 @@ def spans_of(engine, spans: list):
     decoder, intake = engine._current_decoder(), engine._intake_of()
     wrapped = [(engine, n) for n in ENGINE_SPANS] + [(decoder, n) for n in DECODER_SPANS] + [(intake, "_prepare")]
 
-    def timed(name, method):
-        def run(*args, **kwargs):
-            start = time.perf_counter()
-            try:
-                return method(*args, **kwargs)
-            finally:
-                spans.append((name, threading.current_thread().name, start, time.perf_counter()))
-
-        return run
+    def span(name):
+        return lambda args, start, end: spans.append((name, threading.current_thread().name, start, end))
 
     shadowed = [(owner, name, owner.__dict__.get(name)) for owner, name in wrapped]  # another wrapper (a profile's)
     for owner, name in wrapped:
-        setattr(owner, name, timed(name, getattr(owner, name)))
+        setattr(owner, name, timed(getattr(owner, name), span(name)))
     try:
         yield spans
     finally:
