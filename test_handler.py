@@ -2040,41 +2040,52 @@ def test_compiled_path_answers_like_the_eager_one(monkeypatch, hub):
     assert batch(*items)["results"] == eager
     # Internal, on purpose: which forward ran shows in no output; the fake decoder records it.
     assert hub.steps and all(compiled for _, _, compiled in hub.steps)
-    # Each bucket's CUDA graphs are recorded ahead of its first step: once the first prefill has made the KV
-    # pool, while the engine is idle, never while rows decode.
+    # Each bucket's CUDA graphs are recorded ahead of its first step, while the engine is idle.
     buckets = handler.get_engine()._decoder.buckets
     assert wait_for(lambda: len(hub.captured_ahead) == len(buckets))
     assert sorted(hub.captured_ahead) == [(bucket, True, False) for bucket in buckets]
 
 
-def test_graphs_are_recorded_ahead_only_with_a_pool_and_an_idle_engine(monkeypatch, hub):
-    compiled_and_ready(monkeypatch, hub)
-    time.sleep(0.2)
-    assert hub.captured_ahead == []  # no KV pool before the first prefill: nothing to record into
-    timings = handler.get_engine().timings
-    assert timings["recording_ahead_s"] == 0
+def test_a_ready_worker_records_its_graphs_ahead_before_any_request_and_never_while_rows_decode(monkeypatch, hub):
+    engine = compiled_and_ready(monkeypatch, hub)
+    buckets = engine._decoder.buckets
+    # The KV pool is made with the decoder: a worker idle after its compile has its steps' graphs before any request.
+    assert wait_for(lambda: len(hub.captured_ahead) == len(buckets))
+    assert engine.timings["recording_ahead_s"] > 0  # the benchmarks' count of the time a job arriving may wait for
+    asked = []
+    real_launch = FakePagedDecoder.launch
+
+    def launch(self, steps):
+        if not asked:  # a graph asked for while rows decode
+            asked.append(self.buckets[0])
+            self.ahead.append(self.buckets[0])
+        return real_launch(self, steps)
+
+    monkeypatch.setattr(FakePagedDecoder, "launch", launch)
     hub.reply = "w" * 40
     out = batch(*(chat(f"row {n}", max_new_tokens=40) for n in range(6)))
     assert all(r["response"] for r in out["results"]), out
-    buckets = handler.get_engine()._decoder.buckets
-    assert wait_for(lambda: len(hub.captured_ahead) == len(buckets))
-    assert [busy for _, _, busy in hub.captured_ahead] == [False] * len(buckets)
-    assert timings["recording_ahead_s"] > 0  # the benchmarks' count of the time a job arriving may wait for
+    assert asked
+    assert wait_for(lambda: len(hub.captured_ahead) == len(buckets) + 1)
+    assert [busy for _, _, busy in hub.captured_ahead] == [False] * (len(buckets) + 1)
 
 
 def test_graphs_are_recorded_ahead_only_after_a_quiet_moment(monkeypatch, hub):
     monkeypatch.setattr(engine_module, "RECORD_AHEAD_AFTER_IDLE_S", 1.0)
-    compiled_and_ready(monkeypatch, hub)
-    assert call(chat("first"))["response"] == "echo:first"  # the KV pool now exists: graphs are due
+    engine = compiled_and_ready(monkeypatch, hub)
+    decoder = engine._decoder
+    assert wait_for(lambda: not decoder.ahead)
+    recorded = len(hub.captured_ahead)
+    decoder.ahead.append(decoder.buckets[0])
+    assert call(chat("first"))["response"] == "echo:first"
     time.sleep(0.3)
-    assert hub.captured_ahead == []  # a request sent on the answer would not meet a recording
-    assert wait_for(lambda: hub.captured_ahead)
+    assert len(hub.captured_ahead) == recorded  # a request sent on the answer would not meet a recording
+    assert wait_for(lambda: len(hub.captured_ahead) == recorded + 1)
 
 
 def test_no_graph_is_recorded_ahead_while_an_item_is_in_the_intake(monkeypatch, hub):
     monkeypatch.setattr(engine_module, "RECORD_AHEAD_AFTER_IDLE_S", 0.0)
     engine = compiled_and_ready(monkeypatch, hub)
-    assert call(chat("first"))["response"] == "echo:first"  # the KV pool now exists
     decoder = engine._decoder
     assert wait_for(lambda: not decoder.ahead)
     recorded = len(hub.captured_ahead)

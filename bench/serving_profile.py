@@ -198,7 +198,7 @@ def ttft_breakdown(handler, engine, out: Path) -> dict:
             ],
         }
 
-    once(100)  # the first prefill makes the KV pool; the decode graphs are then recorded ahead while idle (waited for)
+    once(100)  # its shapes' graphs are then recorded while idle (waited for)
     result = {}
     for name in ("new_image", "same_again"):
         runs = [once(n) for n in range(5)]

@@ -279,7 +279,7 @@ def main() -> None:
     engine = handler.get_engine()
     engine.warm_up()
     engine.wait_until_compiled(600)
-    parity = gpu_parity(handler, engine)  # its first prefill makes the KV pool; the decode graphs are then recorded
+    parity = gpu_parity(handler, engine)  # its shapes' graphs are then recorded
     wait_for_recordings(engine)
 
     def one_token(n):

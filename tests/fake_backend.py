@@ -1925,7 +1925,6 @@ class FakePagedDecoder(PagedDecoder):
         self.graphs, self.lengths, self.any_sample = {}, {}, False
         self.any_logprobs = self.any_constrained = False  # logprobs and grammars: tested on real tiny models
         self.answers: dict = {}  # row -> its script, tokens so far, params and seen tokens
-        self.keys: list = []  # as the real one's: allocated by the first prefill that runs
         self.decode_kernel = False  # as on the CPU
         self.eager_steps, self.capture_s = 0, 0.0
         self.ahead = []  # buckets whose graphs are to be recorded while the engine is idle
@@ -1935,7 +1934,7 @@ class FakePagedDecoder(PagedDecoder):
         self.ahead.append(bucket)
 
     def captures_ahead_due(self, ahead=True):  # only decode steps' graphs, each asked for ahead of need
-        return bool(self.ahead and self.keys and ahead)
+        return bool(self.ahead and ahead)
 
     def capture_one_ahead(self, ahead=True):
         if self.captures_ahead_due(ahead):
@@ -1971,7 +1970,6 @@ class FakePagedDecoder(PagedDecoder):
             self.answers[row] = dict(script=HUB.script(prompt), tokens=list(done), params=p, seen=set(ids) | set(done))
             first.append(self._next(row))
         self.any_sample = any(a["params"].do_sample for a in self.answers.values())
-        self.keys = self.keys or [None]
         return first
 
     def begin_chunks(self, inputs, row, params, prior=0):

@@ -618,6 +618,32 @@ def test_a_step_whose_graph_the_compile_kept_from_recording_is_recorded_before_t
         assert time.monotonic() - started < 0.5
 
 
+@pytest.mark.parametrize("family", ["qwen2-vl", "llava"])
+def test_an_idle_worker_records_its_decode_graphs_before_any_request(family, tiny_model, serve, monkeypatch):
+    """The KV pool and the rows' positions (M-RoPE's three axes for Qwen2-VL) are made with the decoder, not at the
+    first prefill: a worker idle after its compile records its decode steps' graphs ahead, and its first burst meets
+    none (0.49 s of 1.82 s for 32 jobs at 24 GB, bench/README.md). The first prefill writes into that same pool."""
+    engine = serve(tiny_model(family))
+    from runpod_vlm.engine.decoder import PagedDecoder
+
+    recorded: list = []
+    monkeypatch.setattr(PagedDecoder, "_capture", lambda self, bucket, span: recorded.append(bucket))
+    decoder = engine._current_decoder()
+    decoder.use_graph = decoder.decode_kernel = True  # as on a GPU
+    decoder.capture_ahead(decoder.buckets[0])
+    with engine._wake:
+        engine._start_thread()
+        engine._wake.notify()
+    assert wait_for(lambda: recorded == [decoder.buckets[0]] * 2)  # its greedy and sampled steps
+    decoder.use_graph = decoder.decode_kernel = False
+    keys, position = decoder.keys[0], decoder.position
+    assert position.shape[-2:] == (decoder.rows, 1) and position.dim() == (3 if family == "qwen2-vl" else 2)
+    job = {"messages": [{"role": "user", "content": "Hi."}], "max_new_tokens": 6, "min_new_tokens": 6}
+    items = items_of(engine, [job])
+    assert generate_all(engine, items) == solo_generate(engine, items)
+    assert decoder.keys[0] is keys and decoder.position is position and keys.abs().sum() > 0
+
+
 def test_the_engine_thread_ends_before_the_interpreter_tears_down(tiny_model, serve, monkeypatch):
     """A daemon engine thread still recording a CUDA graph while the interpreter tore down aborted the process: the
     engine is closed at exit, its thread joined, once its step (or recording) is done."""

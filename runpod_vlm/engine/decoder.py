@@ -12,6 +12,7 @@ from runpod_vlm.engine import decode_kernel
 from runpod_vlm.engine.blocks import BlockPool
 from runpod_vlm.engine.decoder_graphs import DecoderGraphs
 from runpod_vlm.engine.host_copies import to_device
+from runpod_vlm.engine.memory import kv_layout
 from runpod_vlm.engine.paged_attention import PagedStep, paged
 from runpod_vlm.engine.prefill import Prefill, beside_fx_traces, placeholder_counts_on_the_host
 from runpod_vlm.engine.prefill_graphs import GRAPH_TOKENS, PrefillGraphs
@@ -87,8 +88,7 @@ class PagedDecoder(Prefill, DecoderGraphs):
         self.unrecorded: set = set()  # keys of graphs whose recording ran out of memory: their steps run eagerly
         self.ahead: list = []  # (bucket, sampled) graphs to record while the engine is idle
         self.decode_kernel = decode_kernel.usable(model)  # else a step gathers each row's slots (span)
-        self.keys: list = []  # per layer [slots, kv heads, head dim]: made at the first prefill, from its shapes
-        self.values: list = []
+        self.keys, self.values = self._allocate(model)  # per layer [slots, kv heads, head dim]
         self.sampler = Sampler(model, eos_ids)
         vocab, top_k = self.sampler.vocab, self.sampler.top_k
         longest = min(self.pool.capacity_tokens, max_row_tokens or self.pool.capacity_tokens)
@@ -116,7 +116,7 @@ class PagedDecoder(Prefill, DecoderGraphs):
             ring_top_logprob=zeros(rows, interval, top_k, dtype=torch.float),
             seen=zeros(rows, vocab, dtype=torch.bool) if self.sampler.penalty else None,
         )
-        self.position = None  # shaped like the family's position ids at the first prefill
+        self.position = self._position_buffer(model, rows)  # each row's next position, as the family's position ids
         self.lengths: dict[int, int] = {}  # busy row -> tokens in its blocks (host copy of state.length)
         self.flags: dict[int, tuple] = {}  # busy row -> whether it samples, wants logprobs, is constrained
         self.table_writes: list[tuple] = []  # (row, column, block) not yet in `table` (`_write_table`)
@@ -181,19 +181,34 @@ class PagedDecoder(Prefill, DecoderGraphs):
             tensor[row].zero_()
         self._update_any_sample()
 
-    def _allocate(self, keys) -> None:
-        """The pool: keys and values per layer, shaped as a prefill's keys [batch, heads, length, dim]."""
+    def _allocate(self, model) -> tuple[list, list]:
+        """The pool, made with the decoder (not at the first prefill, so that an idle worker records its decode steps'
+        graphs before any request): keys and values per layer [slots, kv heads, head dim], as its config lays them
+        out."""
         import torch
 
+        layers, heads, dim = kv_layout(model)
         slots = (self.pool.capacity + 1) * self.block_size
-        made_keys, made_values = [], []  # kept only whole: an allocation that runs out of memory leaves none
-        for k in keys:
-            made_keys.append(torch.zeros(slots, k.shape[1], k.shape[3], dtype=k.dtype, device=k.device))
-            made_values.append(torch.zeros_like(made_keys[-1]))
-        self.keys, self.values = made_keys, made_values
-        self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=keys[0].device)
-        for tensor in (*self.keys, *self.values):
+        dtype, device = model.get_input_embeddings().weight.dtype, model.device
+        keys = [torch.zeros(slots, heads, dim, dtype=dtype, device=device) for _ in range(layers)]
+        values = [torch.zeros_like(k) for k in keys]
+        self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
+        for tensor in (*keys, *values):
             torch._dynamo.mark_static_address(tensor)
+        return keys, values
+
+    @staticmethod
+    def _position_buffer(model, rows: int):
+        """Zeros shaped as the family's position ids of one token per row (M-RoPE's have a leading axis)."""
+        import torch
+
+        ids = torch.zeros((1, 1), dtype=torch.long)
+        one = model._prepare_position_ids_for_generation(
+            ids, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+        )
+        shape = list(one[..., -1:].shape)
+        shape[-2] = rows
+        return torch.zeros(shape, dtype=one.dtype, device=model.device)
 
     def _start(self, rows, lengths, logits, last_position, input_ids, params, allowed, prior) -> Launched:
         """Rows whose prompts are in their blocks: their settings and first tokens, chosen from `logits` and on
@@ -202,10 +217,6 @@ class PagedDecoder(Prefill, DecoderGraphs):
 
         state = self.state
         index = torch.tensor(rows).to(logits.device, non_blocking=True)
-        if self.position is None:
-            shape = list(last_position.shape)
-            shape[-2] = self.rows
-            self.position = torch.zeros(shape, dtype=last_position.dtype, device=last_position.device)
         self.position.index_copy_(-2, index, last_position + 1)
 
         # One copy to the GPU for all the rows' settings, each a column of float64 (exact for these ints: seeds

@@ -48,14 +48,14 @@ class DecoderGraphs:
 
     def captures_ahead_due(self, ahead: bool = True) -> bool:
         """Whether `capture_one_ahead` has one to record: of a shape a pass met, or (`ahead`) of one asked for ahead
-        of need; the KV pool exists (made by the first prefill), and the background compile does not hold the GPU
-        (the engine thread would spin; it is woken when a shape compiled)."""
+        of need, and the background compile does not hold the GPU (the engine thread would spin; it is woken when a
+        shape compiled)."""
         passes = self._pass_graphs()
         wanted = any(graphs.demanded() for graphs in passes) or (
             ahead and (self.ahead or any(graphs.wanted for graphs in passes))
         )
         compiling = self.capture_lock is not None and self.capture_lock.locked()
-        return bool(wanted and self.use_graph and self.keys and self.position is not None and not compiling)
+        return bool(wanted and self.use_graph and not compiling)
 
     def capture_one_ahead(self, ahead: bool = True) -> None:
         """Record one graph (one at a time: a request that comes meanwhile waits on one capture at most): of a vision

@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING, Optional
 
 from runpod_vlm.engine.host_copies import to_device
 from runpod_vlm.engine.intake import on_device
-from runpod_vlm.engine.memory import kv_layout
 from runpod_vlm.engine.paged_attention import PagedStep, paged
 from runpod_vlm.vocabulary import GenerationParams
 
@@ -161,8 +160,6 @@ class Prefill:
 
         with self._vision_graphs_engaged():
             output, scratch = beside_fx_traces(forward)
-        if not self.keys:
-            self._allocate([layer.keys for layer in scratch.layers])
         kept = inputs["attention_mask"].bool()  # left padding is not copied
         lengths = kept.sum(dim=1).tolist()
         slots = self._grow_rows(rows, lengths)
@@ -182,8 +179,6 @@ class Prefill:
         lengths = kept.sum(dim=1).tolist()
         tokens = to_device(kept.flatten().nonzero()[:, 0], embeds.device)
         embeds, positions = embeds.flatten(0, 1)[tokens][None], positions.flatten(-2)[..., tokens].unsqueeze(-2)
-        if not self.keys:
-            self._allocate_from_config(embeds)
         slots = self._grow_rows(rows, lengths)
         ends = torch.tensor(lengths).cumsum(0).to(embeds.device, non_blocking=True)
         if self._graphs_take(embeds, len(slots), len(slots), len(lengths)):
@@ -300,8 +295,6 @@ class Prefill:
 
         start, end = chunked.done, min(chunked.done + size, chunked.length)
         self.grow(chunked.row, end)
-        if not self.keys:
-            self._allocate_from_config(chunked.embeds)
         index = self._slots(chunked.row, 0, end)
         if self._graphs_take(chunked.embeds, end - start, end, 1):
             embeds, positions = chunked.embeds[:, start:end], chunked.positions[..., start:end]
@@ -325,9 +318,3 @@ class Prefill:
         return self._start(
             [chunked.row], [end], logits, chunked.last_position, chunked.input_ids, [chunked.params], allowed, prior
         )
-
-    def _allocate_from_config(self, embeds) -> None:
-        import torch
-
-        layers, heads, dim = kv_layout(self.model)
-        self._allocate([torch.empty((1, heads, 1, dim), dtype=embeds.dtype, device=embeds.device)] * layers)
