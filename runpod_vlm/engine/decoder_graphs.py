@@ -52,7 +52,7 @@ class DecoderGraphs:
         shape compiled)."""
         passes = self._pass_graphs()
         wanted = any(graphs.demanded() for graphs in passes) or (
-            ahead and (self.ahead or any(graphs.wanted for graphs in passes))
+            ahead and (self.ahead or any(graphs.recordable() for graphs in passes))
         )
         compiling = self.capture_lock is not None and self.capture_lock.locked()
         return bool(wanted and self.use_graph and not compiling)
@@ -84,7 +84,7 @@ class DecoderGraphs:
         """Record a vision pass's or a prefill's graph of a shape met or asked for ahead, unless the background
         compile holds the GPU (then later: a worker's first request meets the compile, and a burst's shapes asked for
         ahead are recorded once it is done)."""
-        passes = [graphs for graphs in self._pass_graphs() if graphs.wanted]
+        passes = [graphs for graphs in self._pass_graphs() if graphs.recordable()]
         graphs = next((graphs for graphs in passes if graphs.demanded()), passes[0])
         try:
             self._unless_compiling(lambda: graphs.capture_one(self._graph_memory()))

@@ -134,13 +134,18 @@ class ShapeGraphs:
         those asked for ahead of need."""
         return list(self.wanted)
 
+    def recordable(self) -> list:
+        """The wanted shapes that can be recorded now: a prefill's asked for ahead wait for its buffers, which the
+        first prefill makes (an idle worker before its first request dropped them, a burst's shapes with them)."""
+        return [shape for shape in self.wanted if self._ready(shape)]
+
     def capture_one(self, pool) -> None:
-        """Record a wanted shape's graph into the memory `pool`: the first one met, else the first one."""
+        """Record a wanted shape's graph into the memory `pool`: the first one met, else the first recordable one."""
         import time
 
-        shape = (self.demanded() or self.wanted)[0]
+        shape = (self.demanded() or self.recordable())[0]
         self.wanted.remove(shape)
-        if shape in self.graphs or not self._ready(shape):
+        if shape in self.graphs:
             return
         started = time.perf_counter()
         try:
