@@ -136,7 +136,7 @@ class ShapeGraphs:
 
     def recordable(self) -> list:
         """The wanted shapes that can be recorded now: a prefill's asked for ahead wait for its buffers, which the
-        first prefill makes (an idle worker before its first request dropped them, a burst's shapes with them)."""
+        first prefill makes."""
         return [shape for shape in self.wanted if self._ready(shape)]
 
     def capture_one(self, pool) -> None:
