@@ -1798,6 +1798,26 @@ def test_the_kv_pool_takes_what_the_weights_and_a_measured_step_leave_of_the_gpu
     assert handler.get_engine().describe()["kv_cache_tokens"] == 992
 
 
+def test_a_kv_cache_setting_the_gpu_cannot_hold_fails_the_boot_or_else_each_request_as_misconfigured(monkeypatch, hub):
+    hub.cuda_available, hub.device = True, "cuda:0"
+    hub.gpu_memory, hub.gpu_used, hub.work_memory = 24 * 2**30, 16 * 2**30, 4 * 2**30
+    hub.reply = echo
+    serve(monkeypatch, QWEN, VLM_KV_CACHE_TOKENS=str(10**8))
+    for compile in ("true", "false"):
+        monkeypatch.setenv("VLM_COMPILE", compile)
+        handler.reset_engine()
+        with pytest.raises(SettingsError, match=r"VLM_KV_CACHE_TOKENS=100000000: .* room for \d+ tokens"):
+            handler.get_engine().warm_up()  # at boot, before taking jobs
+    handler.reset_engine()  # a worker that loads at its first request (VLM_LOAD_AT_BOOT=false)
+    for n in range(2):
+        out = call(chat(f"hi {n}"))
+        assert out["code"] == "worker_misconfigured" and "VLM_KV_CACHE_TOKENS" in out["error"], out
+    monkeypatch.setenv("VLM_KV_CACHE_TOKENS", "4096")  # one that fits
+    handler.reset_engine()
+    handler.get_engine().warm_up()
+    assert call(chat("hi"))["response"] == "echo:hi"
+
+
 def test_on_a_gpu_the_engine_leaves_cudnn_attention_out_and_on_the_cpu_leaves_it_be(monkeypatch, hub):
     serve(monkeypatch, QWEN, VLM_COMPILE="false")
     handler.get_engine()

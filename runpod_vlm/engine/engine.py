@@ -31,7 +31,7 @@ from runpod_vlm.engine.projections import share_weights
 from runpod_vlm.engine.ticket import Ticket, logprob_entries
 from runpod_vlm.engine.vision_attention import use_packed_vision_attention
 from runpod_vlm.families.base import end_tokens
-from runpod_vlm.settings import Settings
+from runpod_vlm.settings import Settings, SettingsError
 from runpod_vlm.vocabulary import (
     GENERATION_FAILED,
     GPU_FAILURE,
@@ -41,6 +41,7 @@ from runpod_vlm.vocabulary import (
     GenerationRequest,
     RequestError,
     answered_length,
+    as_request_error,
     join_param,
 )
 
@@ -308,6 +309,8 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
                 if self._rows:
                     self._decode_interval()
                 self._hand_out_launched(earlier)
+            except SettingsError as error:  # a KV pool the GPU cannot hold, made at the first request (no warm-up)
+                self._fail_all(as_request_error(error), queued=True)
             except Exception as error:
                 if is_fatal_gpu_error(error):
                     self._gpu_failed()
@@ -469,11 +472,14 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         return max(2, kv_pool_tokens(self.model, self.settings, self.dtype, graph_tokens, pixels) // BLOCK_SIZE + 1)
 
     def warm_up(self) -> None:
-        """Start compiling the decode step in the background; the engine switches shape by shape."""
-        if self.continuous and self.compile:
+        """Make the decoder and its KV pool (a VLM_KV_CACHE_TOKENS the GPU cannot hold fails the boot, not a request),
+        and start compiling the decode step in the background; the engine switches shape by shape."""
+        if not self.continuous:
+            return
+        if self.compile:
             with self._wake:
                 self._start_thread()
-            self._current_decoder()
+        self._current_decoder()
 
     def close(self) -> None:
         """End the engine thread, failing what is queued or running with `worker_stopping`, and let go of the

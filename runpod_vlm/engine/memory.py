@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from runpod_vlm.settings import Settings
+from runpod_vlm.settings import Settings, SettingsError
 
 log = logging.getLogger("runpod-vlm")
 
@@ -15,13 +15,11 @@ def kv_pool_tokens(model, settings: Settings, dtype, graph_tokens: int = 0, prep
     """VLM_KV_CACHE_TOKENS, else what the GPU holds beside the weights and a step's measured work memory (and the
     prefill graphs' own, for prefills of up to `graph_tokens`), the image cache and the `prepared_pixels` bytes that
     may wait on it for admission, within VLM_GPU_MEMORY_UTILIZATION of the memory this process may use (its cap,
-    when it has one)."""
+    when it has one). A VLM_KV_CACHE_TOKENS beyond that is a SettingsError at boot, not an out-of-memory later."""
     import torch
 
-    if settings.kv_cache_tokens:
-        return settings.kv_cache_tokens
     if not str(model.device).startswith("cuda"):
-        return CPU_KV_CACHE_TOKENS
+        return settings.kv_cache_tokens or CPU_KV_CACHE_TOKENS
     device = model.device
     total = torch.cuda.get_device_properties(device).total_memory
     # The utilization applies to the cap too: at min(utilization, cap) a process capped to a 24 GB card's share
@@ -31,7 +29,8 @@ def kv_pool_tokens(model, settings: Settings, dtype, graph_tokens: int = 0, prep
     work = measured_work_memory(model, settings, dtype, graph_tokens)
     weights = torch.cuda.memory_allocated(device)
     images = settings.image_cache_mb * 2**20 + prepared_pixels
-    tokens = max(0, int((limit - weights - work - images) // kv_bytes_per_token(model)))
+    per_token = kv_bytes_per_token(model)
+    tokens = max(0, int((limit - weights - work - images) // per_token))
     log.info(
         "KV pool from GPU memory: limit %.1f GB, weights %.1f GB, measured work memory %.1f GB, images "
         "%.1f GB -> %d tokens",
@@ -41,7 +40,14 @@ def kv_pool_tokens(model, settings: Settings, dtype, graph_tokens: int = 0, prep
         images / 1e9,
         tokens,
     )
-    return tokens
+    if settings.kv_cache_tokens > tokens:
+        raise SettingsError(
+            f"VLM_KV_CACHE_TOKENS={settings.kv_cache_tokens}: that KV pool needs "
+            f"{settings.kv_cache_tokens * per_token / 1e9:.1f} GB, and this GPU has room for {tokens} tokens "
+            f"({tokens * per_token / 1e9:.1f} GB) within VLM_GPU_MEMORY_UTILIZATION beside the weights, a step's work "
+            "memory and the images; set it lower, or leave it unset to size the pool from the GPU"
+        )
+    return settings.kv_cache_tokens or tokens
 
 
 def kv_layout(model) -> tuple[int, int, int]:
