@@ -32,8 +32,8 @@ def kv_pool_tokens(model, settings: Settings, dtype, graph_tokens: int = 0, prep
     per_token = kv_bytes_per_token(model)
     tokens = max(0, int((limit - weights - work - images) // per_token))
     log.info(
-        "KV pool from GPU memory: limit %.1f GB, weights %.1f GB, measured work memory %.1f GB, images "
-        "%.1f GB -> %d tokens",
+        "GPU memory for the KV pool: limit %.1f GB, weights %.1f GB, measured work memory %.1f GB, images "
+        "%.1f GB -> room for %d tokens",
         limit / 1e9,
         weights / 1e9,
         work / 1e9,
