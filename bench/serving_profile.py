@@ -126,28 +126,20 @@ DECODER_SPANS = (
 
 
 @contextlib.contextmanager
-def spans_of(engine, spans: list):
+def spans_of(engine):
     """Within the block, each call of the engine's and its decoder's methods named above (and the intake's
-    `_prepare`) appended to `spans` as (name, thread, start, end) in perf_counter seconds."""
-    import threading
+    `_prepare`) appended to the list it gives as (name, thread, start, end) in perf_counter seconds."""
+    from timeline import Spans
 
-    decoder, intake = engine._current_decoder(), engine._intake_of()
-    wrapped = [(engine, n) for n in ENGINE_SPANS] + [(decoder, n) for n in DECODER_SPANS] + [(intake, "_prepare")]
-
-    def span(name):
-        return lambda args, start, end: spans.append((name, threading.current_thread().name, start, end))
-
-    shadowed = [(owner, name, owner.__dict__.get(name)) for owner, name in wrapped]  # another wrapper (a profile's)
-    for owner, name in wrapped:
-        setattr(owner, name, timed(getattr(owner, name), span(name)))
+    spans = Spans()
+    for owner, names in ((engine, ENGINE_SPANS), (engine._current_decoder(), DECODER_SPANS)):
+        for name in names:
+            spans.wrap(owner, name)
+    spans.wrap(engine._intake_of(), "_prepare")
     try:
-        yield spans
+        yield spans.marks
     finally:
-        for owner, name, before in shadowed:
-            if before is None:
-                delattr(owner, name)  # the class's method again
-            else:
-                setattr(owner, name, before)
+        spans.unwrap()
 
 
 def ttft_breakdown(handler, engine, out: Path) -> dict:
@@ -174,8 +166,7 @@ def ttft_breakdown(handler, engine, out: Path) -> dict:
                 marks["first"] = time.perf_counter()
                 first.set()
 
-        spans: list = []
-        with spans_of(engine, spans):
+        with spans_of(engine) as spans:
             ticket = engine.submit(item, listener, stream=True)
             marks["submitted"] = time.perf_counter()
             ticket.prepared.add_done_callback(lambda _: marks.setdefault("prepared", time.perf_counter()))
