@@ -89,6 +89,7 @@ class PagedDecoder(Prefill, DecoderGraphs):
         self.ahead: list = []  # (bucket, sampled) graphs to record while the engine is idle
         self.decode_kernel = decode_kernel.usable(model)  # else a step gathers each row's slots (span)
         self.keys, self.values = self._allocate(model)  # per layer [slots, kv heads, head dim]
+        self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
         self.sampler = Sampler(model, eos_ids)
         vocab, top_k = self.sampler.vocab, self.sampler.top_k
         longest = min(self.pool.capacity_tokens, max_row_tokens or self.pool.capacity_tokens)
@@ -192,7 +193,6 @@ class PagedDecoder(Prefill, DecoderGraphs):
         dtype, device = model.get_input_embeddings().weight.dtype, model.device
         keys = [torch.zeros(slots, heads, dim, dtype=dtype, device=device) for _ in range(layers)]
         values = [torch.zeros_like(k) for k in keys]
-        self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
         for tensor in (*keys, *values):
             torch._dynamo.mark_static_address(tensor)
         return keys, values
