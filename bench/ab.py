@@ -11,8 +11,11 @@ of a new 448x448 image (their tokens/s: images a second), all at once (`--runs` 
 mixed jobs arriving at RATE a second, Poisson, and 16 mixed jobs one by one first, once: the p95 latency's divisor,
 as bench/paged.py's open loop, and the fit of their latency in their tokens that `p95_latency_vs_alone` divides
 by). A variant `TREE:gc_freeze` freezes the garbage collector's objects after the warm-up; `TREE:after_mixed_256`
-warms up with 256 mixed jobs at once (as bench/paged.py runs them before its short jobs); `TREE:NAME=VALUE,...` sets
-the worker's environment (e.g. VLM_SYNC_INTERVAL=16). Results: OUT/ab.json.
+warms up with 256 mixed jobs at once (as bench/paged.py runs them before its short jobs);
+`TREE:served_while_compiling` answers one job before its compile (as a worker started by load), then waits for the
+compile and the recordings it asked for; `TREE:NAME=VALUE,...` sets the worker's environment (e.g.
+VLM_SYNC_INTERVAL=16). Each worker ends by replaying its prefill and vision graphs of the sizes that run compiled
+(`graph_replay_ms`). Results: OUT/ab.json.
 """
 
 from __future__ import annotations
@@ -52,13 +55,17 @@ def child(tree: str, variant: str, models: str, runs: list[str]) -> dict:
 
     handler = importlib.import_module("handler")  # first: bench's modules put their own checkout ahead on sys.path
     runpod_vlm = importlib.import_module("runpod_vlm")
-    from serving import concurrent, counted_since, counters, mixed_jobs, open_loop, sequential
+    from serving import concurrent, counted_since, counters, mixed_jobs, open_loop, sequential, wait_for_recordings
 
     for module in (handler, runpod_vlm):  # the tree's own code, not this one's
         assert Path(module.__file__).resolve().is_relative_to(Path(tree).resolve()), module.__file__
     engine = handler.get_engine()
     engine.warm_up()
+    if variant == "served_while_compiling":  # a worker started by load: its first job comes before the compile
+        asyncio.run(concurrent(handler, mixed_jobs(1, seed=3, first_image=890_000)))
     compiled = engine.wait_until_compiled(600)
+    if variant == "served_while_compiling":
+        wait_for_recordings(engine)  # those the compile's end asked for
     warm_up = 256 if variant == "after_mixed_256" else 64  # the former: bench/paged.py's run before short_32_alone
     asyncio.run(concurrent(handler, mixed_jobs(warm_up, seed=1, first_image=900_000)))
     if variant == "gc_freeze":
@@ -81,7 +88,43 @@ def child(tree: str, variant: str, models: str, runs: list[str]) -> dict:
             results[name].append(result)
     pool = engine._current_decoder().pool
     kv = {"blocks": pool.capacity, "free": pool.free, "cached": pool.cached}
-    return {"compiled": compiled, "unloaded_sequential_16": unloaded, "runs": results, "pool": kv}
+    wait_for_recordings(engine)  # the bursts' new shapes: a synchronize here would void a recording
+    try:
+        with torch.inference_mode():  # the graphs' buffers are inference tensors
+            replays = graph_replay_ms(engine)
+    except Exception as error:  # the bursts' figures still count
+        replays = {"graph_replay_error": repr(error)[:500]}
+    return {"compiled": compiled, "unloaded_sequential_16": unloaded, "runs": results, "pool": kv, **replays}
+
+
+def graph_replay_ms(engine) -> dict:
+    """Each recorded prefill graph of 3,072 tokens or more and vision graph of 4,096 patches or more (the sizes that
+    run compiled) replayed alone, ms (median of 5): a graph recorded during the compile replays the eager kernels. A
+    prefill's over its padding alone (block 0's slot), a vision pass's over its last pixels."""
+    import torch
+
+    decoder = engine._current_decoder()
+    found: dict = {}
+    for name, graphs, smallest in (
+        ("prefill_graph_replay_ms", decoder.prefill_graphs, 3072),
+        ("vision_graph_replay_ms", decoder.vision_graphs, 4096),
+    ):
+        found[name] = {}
+        for shape, graph in sorted((graphs.graphs if graphs is not None else {}).items()):
+            if shape[0] < smallest:
+                continue
+            if name.startswith("prefill"):
+                held = graphs.buffers
+                graphs._fill(shape, held.slots[:0], held.key_slots[:0], [], [])
+            times = []
+            for _ in range(5):
+                torch.cuda.synchronize()
+                started = time.perf_counter()
+                graph.replay()
+                torch.cuda.synchronize()
+                times.append(1000 * (time.perf_counter() - started))
+            found[name][str(shape)] = round(statistics.median(times), 3)
+    return found
 
 
 def burst(name: str, base: int) -> list[dict]:
@@ -108,14 +151,14 @@ def main() -> None:
     parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
     parser.add_argument("--tree", action="append", default=[], help="NAME=PATH of a worker checkout")
     parser.add_argument(
-        "--variant", action="append", default=[], help="TREE:gc_freeze|after_mixed_256|NAME=VALUE,...: a worker more"
+        "--variant", action="append", default=[], help="TREE:VARIANT: a worker more (the docstring lists the variants)"
     )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--runs", default=",".join(BURSTS), help=f"of {', '.join(BURSTS)}, open_RATE (e.g. open_16)")
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return print("RESULT " + json.dumps(child(*args.child, args.models, args.runs.split(","))))
+        return print("RESULT " + json.dumps(child(*args.child, args.models, [r for r in args.runs.split(",") if r])))
     trees = dict(pair.split("=", 1) for pair in args.tree) or {"here": str(ROOT)}
     workers = [(name, "plain") for name in trees] + [tuple(v.split(":", 1)) for v in args.variant]
     out = Path(args.out)
