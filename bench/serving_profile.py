@@ -15,19 +15,6 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
 from vision_profile import vision_packed  # noqa: E402
 
 
-def timed(function, record):
-    """`function`, each call of it followed by `record(args, start, end)` (perf_counter seconds), raised or not."""
-
-    def run(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return function(*args, **kwargs)
-        finally:
-            record(args, start, time.perf_counter())
-
-    return run
-
-
 def intake_timeline(handler, engine) -> dict:
     """64 jobs of one new 448x448 image and max_new_tokens 1 sent at once, as bench/images.py, with each
     phase's spans on a timeline: reading (handler threads), intake (its threads), placement (engine
@@ -45,10 +32,14 @@ def intake_timeline(handler, engine) -> dict:
     spans: dict = {"read": [], "intake": [], "place": []}
 
     def recorded(name, function):
-        def record(args, start, end):
-            spans[name].append((start, end, len(args[1]) if name == "place" else 1))
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                spans[name].append((start, time.perf_counter(), len(args[1]) if name == "place" else 1))
 
-        return timed(function, record)
+        return wrapper
 
     read, prepare, place = handler.read_job_item, Intake._prepare, type(engine)._place
     handler.read_job_item = recorded("read", read)

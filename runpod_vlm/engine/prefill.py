@@ -83,9 +83,8 @@ class Prefill:
     prefill_graphs = None  # short prefills' CUDA graphs (`prefill_graphs.PrefillGraphs`)
     vision_graphs = None  # the vision tower's small passes' CUDA graphs (`vision_graphs.VisionGraphs`)
     vision_graphs_unit = 0  # patches a feature merges, where placeholders are counted on the host (else 0)
-    no_mask = (
-        None  # a 4-D mask the language model hands on untouched (`_through_language_model`); made with the decoder
-    )
+    # A 4-D mask the language model hands on untouched (`_through_language_model`); made with the decoder.
+    no_mask = None
 
     def _vision_graphs_engaged(self):
         return self.vision_graphs.engaged() if self.vision_graphs is not None else contextlib.nullcontext()
