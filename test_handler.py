@@ -2467,6 +2467,7 @@ def test_stubbed_api_is_exactly_what_the_handler_uses(monkeypatch, hub):
     hub.reply = lambda prompt: last_user_text(prompt) * 30
     for name, value in {"VLM_KV_CACHE_TOKENS": "160", "VLM_SYNC_INTERVAL": "4", "VLM_COMPILE": "false"}.items():
         monkeypatch.setenv(name, value)
+    handler.get_engine().warm_up()  # its KV pool and grammar builder, made at boot
     out = batch(*(chat(c + c, max_new_tokens=70) for c in "abc"))
     assert [r["response"] for r in out["results"]] == [c * 60 for c in "abc"] and hub.resumed
     for name in ("VLM_KV_CACHE_TOKENS", "VLM_SYNC_INTERVAL", "VLM_COMPILE"):

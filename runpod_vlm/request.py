@@ -95,7 +95,7 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
         refuse("temperature", "must be above 0 when do_sample is true")
     if request.top_logprobs and not request.logprobs:
         refuse("top_logprobs", "needs logprobs true")
-    json_schema = schema_of(request.response_format, join_param(param, "response_format"))
+    json_schema = schema_of(request.response_format, join_param(param, "response_format"), settings.max_schema_bytes)
     if json_schema is not None and request.min_new_tokens:
         refuse("min_new_tokens", "not used with a response_format: the schema decides where the answer ends")
     if request.annotate and task != "grounding":
@@ -264,8 +264,9 @@ def read_request(
     return request, item
 
 
-def schema_of(response_format: Any, param: str) -> Optional[str]:
-    """OpenAI's `response_format` -> the JSON schema it asks for (canonical JSON text), or None for text."""
+def schema_of(response_format: Any, param: str, max_bytes: int) -> Optional[str]:
+    """OpenAI's `response_format` -> the JSON schema it asks for (JSON text in the caller's key order: the answer
+    writes its properties in that order), or None for text. Refused past OpenAI's size limits for a strict schema."""
     if response_format is None:
         return None
     if not isinstance(response_format, dict):
@@ -279,6 +280,39 @@ def schema_of(response_format: Any, param: str) -> Optional[str]:
         raise RequestError("invalid_request", "type must be text, json_object or json_schema", f"{param}.type")
     spec = response_format.get("json_schema")
     schema = spec.get("schema") if isinstance(spec, dict) else None
+    where = f"{param}.json_schema.schema"
     if not isinstance(schema, dict):
-        raise RequestError("invalid_request", "needs a schema object", f"{param}.json_schema.schema")
-    return json.dumps(schema, sort_keys=True)
+        raise RequestError("invalid_request", "needs a schema object", where)
+    text = json.dumps(schema, separators=(",", ":"))
+    if len(text.encode()) > max_bytes:
+        raise RequestError("schema_too_complex", f"the schema is over {max_bytes} bytes as JSON", where)
+    properties, enum_values = schema_size(schema)
+    if properties > MAX_SCHEMA_PROPERTIES:
+        message = f"the schema has {properties} properties; at most {MAX_SCHEMA_PROPERTIES}"
+        raise RequestError("schema_too_complex", message, where)
+    if enum_values > MAX_SCHEMA_ENUM_VALUES:
+        message = f"the schema has {enum_values} enum values; at most {MAX_SCHEMA_ENUM_VALUES}"
+        raise RequestError("schema_too_complex", message, where)
+    return text
+
+
+MAX_SCHEMA_PROPERTIES = 5000  # OpenAI's bounds on a strict schema, in all its objects together
+MAX_SCHEMA_ENUM_VALUES = 1000
+
+
+def schema_size(schema: Any) -> tuple[int, int]:
+    """The object properties and enum values of a schema, counted over all its subschemas (nesting is bounded by
+    check_strings already)."""
+    properties = enum_values = 0
+    stack = [schema]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            if isinstance(value.get("properties"), dict):
+                properties += len(value["properties"])
+            if isinstance(value.get("enum"), list):
+                enum_values += len(value["enum"])
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return properties, enum_values

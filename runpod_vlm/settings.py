@@ -128,6 +128,8 @@ class Settings:
     max_video_seconds: Annotated[float, Field(gt=0)] = 120.0  # frames up to the last sampled one are all decoded
     max_video_frames: Annotated[int, Field(ge=2)] = 32  # frames sampled from one video (the card's rule, capped)
     max_text_chars: pydantic.PositiveInt = 32_000  # all text of a request together
+    max_schema_bytes: pydantic.PositiveInt = 65_536  # a response_format schema's JSON text
+    schema_timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0  # a new schema's grammar is built within this
     max_messages: pydantic.PositiveInt = 64
     min_pixels: pydantic.NonNegativeInt = 0  # Qwen processors' visual-token bounds; 0 keeps the model's own
     max_pixels: pydantic.NonNegativeInt = 0

@@ -25,6 +25,11 @@ def cut_text(text: str, limit: int = MAX_ECHO_CHARS) -> str:
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
+def one_line(text: str, limit: int) -> str:
+    """A library's multi-line message as one line of at most `limit` characters (then '…')."""
+    return cut_text(" ".join(text.split()), limit)
+
+
 class RequestError(Exception):
     """A request the worker refuses. `param` names the field at fault, `code` is stable for clients."""
 

@@ -105,6 +105,9 @@ STUBBED_API = frozenset(
         "transformers.BitsAndBytesConfig",
         # transformers: models
         "transformers.PreTrainedModel.eval",
+        # the vocabulary's size for the grammar builder, made at boot
+        "transformers.PreTrainedModel.get_output_embeddings",
+        "torch.nn.Linear.weight",
         "transformers.PreTrainedModel.generate",
         "transformers.PreTrainedModel.device",
         "transformers.PreTrainedModel.dtype",
@@ -1779,6 +1782,19 @@ def stub_modules():
         patch.undo()
 
 
+class UnusedGrammars:
+    """The engine's grammar builder, made at boot; no stubbed test asks for structured output."""
+
+    def __init__(self, tokenizer, vocab_size, end_token, deadline_s):
+        pass
+
+    def start(self, schema, param):
+        raise AssertionError("structured output is tested on real tiny models")
+
+    def close(self):
+        pass
+
+
 @pytest.fixture(autouse=True)
 def hub(monkeypatch):
     """A fresh scripted hub and no VLM_ setting per test; afterwards the handler must have used only
@@ -1791,6 +1807,8 @@ def hub(monkeypatch):
     handler.reset_engine()
     monkeypatch.setattr(engine_module, "PagedDecoder", FakePagedDecoder)
     monkeypatch.setattr(engine_module, "use_paged_attention", lambda model: HUB.paged_attention)
+    # Grammars (llguidance over a real tokenizer) run for real in tests/test_structured_output.py.
+    monkeypatch.setattr(engine_module, "Grammars", UnusedGrammars)
     # The vision tower's attention runs for real in tests/test_vision_attention.py.
     monkeypatch.setattr(engine_module, "use_packed_vision_attention", lambda model: True)
     # GPU memory is asked of the fake torch.cuda; the work memory is measured on the GPU (bench/serving.py).

@@ -86,3 +86,26 @@ def test_a_streamed_answer_arrives_in_pieces_throughout_and_joins_to_the_whole_a
     assert "".join(chunk["text"] for chunk in chunks) == whole["response"]
     assert chunks[-1]["usage"]["completion_tokens"] == 200
     assert len(chunks) >= 20, [len(chunk["text"]) for chunk in chunks]  # 25 steps of 8 tokens
+
+
+def test_closing_the_engine_while_a_row_decodes_fails_it_as_stopping(tiny_model, serve):
+    """handler.reset_engine() on a busy engine: the row's job is told, and close() raises nothing (its rows'
+    state is inference-mode tensors, made on the engine thread)."""
+    import threading
+
+    from runpod_vlm.vocabulary import RequestError, StreamDelta
+
+    engine = serve(tiny_model("qwen2-vl"), VLM_MAX_NEW_TOKENS="2000")
+    item_job = {"messages": [{"role": "user", "content": "Talk."}], "max_new_tokens": 2000, "min_new_tokens": 2000}
+    _, item = handler.read_job_item(item_job, engine.settings, engine.model_id)
+    events, decoding = [], threading.Event()
+
+    def listen(event):
+        events.append(event)
+        if isinstance(event, StreamDelta):
+            decoding.set()
+
+    engine.submit(item, listen, stream=True)
+    assert decoding.wait(60)
+    handler.reset_engine()
+    assert isinstance(events[-1], RequestError) and events[-1].code == "worker_stopping", events[-1]

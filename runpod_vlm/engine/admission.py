@@ -61,9 +61,9 @@ class Admission:
                 free = [row for row in free if row < cap]
         group, prepared = [], []
         for ticket in waiting[: len(free)]:
-            if not ticket.prepared.done() and waiting[0].call is ticket.call:
+            if not ticket.ready() and waiting[0].call is ticket.call:
                 return  # its call's items are admitted together
-            if not ticket.prepared.done() or len(group) == (ticket.group_limit or len(free)):
+            if not ticket.ready() or len(group) == (ticket.group_limit or len(free)):
                 break
             try:
                 inputs, size, held = ticket.prepared.result()

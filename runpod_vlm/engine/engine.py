@@ -18,7 +18,7 @@ from runpod_vlm.engine.blocks import BLOCK_SIZE
 from runpod_vlm.engine.compile import set_torch_cache_dirs
 from runpod_vlm.engine.decoder import PagedDecoder
 from runpod_vlm.engine.gpu_errors import is_fatal_gpu_error
-from runpod_vlm.engine.grammar import Grammars
+from runpod_vlm.engine.grammar import Grammars, answer_error
 from runpod_vlm.engine.image_cache import ImageEmbeddingCache
 from runpod_vlm.engine.intake import PREPARED_ON_GPU_BYTES, Intake
 from runpod_vlm.engine.loading import load_model
@@ -95,7 +95,7 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         self._intake: Optional[Intake] = None
         self.timings: collections.Counter = collections.Counter()  # seconds and counts by phase (benchmarks)
         self._decoder: Optional[PagedDecoder] = None
-        self.grammars: Optional[Grammars] = None  # made at the first request for structured output
+        self.grammars: Optional[Grammars] = None  # made at boot (warm_up) or the first request for structured output
 
     # ---- loading ----------------------------------------------------------------------------
 
@@ -203,6 +203,10 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
             for ticket in queued:
                 ticket.call = call
                 ticket.prepared = self._intake_of().submit(ticket.item, self._notify)
+                if ticket.item.params.json_schema is not None:
+                    param = join_param(ticket.item.param, "response_format")
+                    ticket.grammar = self._grammars().start(ticket.item.params.json_schema, param)
+                    ticket.grammar.add_done_callback(lambda _: self._notify())
         with self._wake:
             self._queue.extend(queued)
             self._wake.notify()
@@ -232,7 +236,7 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         yet prepared, none decoding."""
         head = self._queue[0] if self._queue else None
         mates = [t for t in self._queue[: self.settings.max_batch_size] if head is not None and t.call is head.call]
-        ready = head is not None and all(t.prepared is None or t.prepared.done() for t in mates)
+        ready = head is not None and all(t.ready() for t in mates)
         busy = self._rows or self._launched or self._chunking
         return not ready and not busy and not self._switch_due()
 
@@ -330,15 +334,25 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
     # ---- structured output --------------------------------------------------------------------
 
     def _with_grammars(self, group: list[Ticket]) -> list[Ticket]:
-        """The group's tickets; each with a schema gets its matcher, one whose schema fails gets the error."""
-        if not any(t.item.params.json_schema is not None for t in group):
-            return group
-        return self._grammars().attach(group)
+        """The group's tickets; each with a schema gets its matcher (built by now), one whose schema failed gets
+        the error."""
+        kept = []
+        for ticket in group:
+            if ticket.grammar is not None and ticket.matcher is None:
+                try:
+                    ticket.matcher = ticket.grammar.result(timeout=0)
+                except RequestError as error:
+                    ticket.finish(error)
+                    continue
+            kept.append(ticket)
+        return kept
 
     def _grammars(self) -> Grammars:
+        """The grammar builder (llguidance's view of the tokenizer is made on its thread as it starts)."""
         if self.grammars is None:
             vocab = self.model.get_output_embeddings().weight.shape[0]
-            self.grammars = Grammars(self.tokenizer, vocab, min(i for i in self.eos_ids if i < vocab))
+            end = min(i for i in self.eos_ids if i < vocab)
+            self.grammars = Grammars(self.tokenizer, vocab, end, self.settings.schema_timeout_s)
         return self.grammars
 
     def _grammar_masks(self, tickets: list[Ticket]):
@@ -365,6 +379,14 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
             if item.params.logprobs and logprobs is not None:
                 ticket.logprobs.append(logprobs[n])
             done = token in self.eos_ids or len(ticket.ids) >= item.params.max_new_tokens
+            broken = ticket.matcher is not None and answer_error(ticket.matcher, token in self.eos_ids)
+            if broken:  # `stop` on a constrained answer means its JSON is whole: this one's never will be
+                done = True
+                ticket.result = RequestError(
+                    "structured_output_failed",
+                    f"the answer could not follow this JSON schema: {broken}",
+                    join_param(item.param, "response_format"),
+                )
         if ticket.stream and not ticket.cancelled:
             ticket.emit_delta(self.eos_ids)
         if done:
@@ -373,7 +395,8 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
             del self._rows[ticket.row]
             if not ticket.cancelled:
                 ticket.finish(
-                    self._generation(item, ticket.ids, ticket.prompt_tokens, ticket.input_size, ticket.logprobs)
+                    ticket.result
+                    or self._generation(item, ticket.ids, ticket.prompt_tokens, ticket.input_size, ticket.logprobs)
                 )
 
     def _fail_all(self, error: RequestError, queued: bool = False) -> None:
@@ -476,6 +499,7 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         and start compiling the decode step in the background; the engine switches shape by shape."""
         if not self.continuous:
             return
+        self._grammars()  # llguidance reads the tokenizer on its own thread meanwhile, not in the first request
         if self.compile:
             with self._wake:
                 self._start_thread()
@@ -489,10 +513,17 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
             self._wake.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
+        if self._rows or self._chunking:  # their rows' state was made in inference mode, on the engine thread
+            import torch
+
+            with torch.inference_mode():
+                self._fail_all(WORKER_STOPPING, queued=True)
         self._fail_all(WORKER_STOPPING, queued=True)
         for pool in (self._intake and self._intake.pool, self._compiler):
             if pool is not None:
                 pool.shutdown(wait=False, cancel_futures=True)
+        if self.grammars is not None:
+            self.grammars.close()
         self._decoder = None
 
     def stop_after(self, grace: float) -> None:

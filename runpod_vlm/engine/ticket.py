@@ -21,14 +21,20 @@ class Ticket:
         self.row: Optional[int] = None
         self.ids: list[int] = []
         self.logprobs: list = []  # (logprob, top ids, top logprobs) per id, when the item asked for them
-        self.matcher = None  # its grammar's state, when the item asked for structured output
+        self.grammar = None  # a Future of its matcher, when the item asked for structured output (built off-thread)
+        self.matcher = None  # its grammar's state, once placed
         self.prepared = None  # a Future of its inputs on the CPU and input size (continuous batching)
+        self.result: Optional[RequestError] = None  # an error to finish with instead of its answer, once it ends
         # What the tickets of its submit call share; not one of them: a ticket naming itself would wait for the
         # cycle collector, its inputs' page-locked pixels too (new ones allocated for every burst meanwhile).
         self.call: Optional[object] = None
         self.prompt_tokens, self.input_size = 0, None
         self.admitted = 0  # its admission's number (the newest row is preempted first)
         self.prefix: list[bytes] = []  # the digests of its prompt's full blocks (prefix caching), once placed
+
+    def ready(self) -> bool:
+        """Prepared for admission: its inputs, and its grammar when it has one."""
+        return all(future is None or future.done() for future in (self.prepared, self.grammar))
 
     def cancel(self) -> None:
         """Give up on the item: the engine drops it from the queue or frees its row at the next step."""
