@@ -125,8 +125,9 @@ class Settings:
     max_images: pydantic.PositiveInt = 16  # per request
     max_total_pixels: pydantic.PositiveInt = 64_000_000  # decoded pixels per request, all images together
     max_videos: pydantic.PositiveInt = 2  # per request (the families that take video: README)
-    max_video_seconds: Annotated[float, Field(gt=0)] = 120.0  # frames up to the last sampled one are all decoded
+    max_video_seconds: Annotated[float, Field(gt=0)] = 120.0
     max_video_frames: Annotated[int, Field(ge=2)] = 32  # frames sampled from one video (the card's rule, capped)
+    max_video_decoded_frames: Annotated[int, Field(ge=2)] = 8_000  # decoded for one request's videos together
     max_text_chars: pydantic.PositiveInt = 32_000  # all text of a request together
     max_schema_bytes: pydantic.PositiveInt = 65_536  # a response_format schema's JSON text
     schema_timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0  # a new schema's grammar is built within this

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 from typing import Optional
 
-from runpod_vlm.frames import VideoLimits, opened
+from runpod_vlm.frames import DecodeBudget, VideoLimits, opened
 from runpod_vlm.media import check_dimensions, fetched, image_source
 from runpod_vlm.settings import Settings
 from runpod_vlm.vocabulary import GenerationRequest, RequestError, Video, VideoSpec
@@ -23,17 +23,22 @@ def read_videos(item: GenerationRequest, settings: Settings) -> None:
         turn, k = pending[settings.max_videos]
         raise RequestError("too_many_videos", f"at most {settings.max_videos} videos per request", turn.parts[k].param)
     sources = [image_source(turn.parts[k].spec, turn.parts[k].param) for turn, k in pending]
+    budget = DecodeBudget(settings.max_video_decoded_frames)  # the request's videos together
     with contextlib.closing(fetched(sources, settings.media, "video")) as arriving:
         for (turn, k), data, (_, where) in zip(pending, arriving, sources):
-            turn.parts[k] = probe_video(data, settings, turn.parts[k].param, where)
+            turn.parts[k] = probe_video(data, settings, turn.parts[k].param, where, budget)
 
 
-def probe_video(data: bytes, settings: Settings, param: str, where: Optional[str] = None) -> Video:
-    """Bytes -> a Video whose header was checked, no frame decoded. `where`: the field holding the bytes (….url)."""
+def probe_video(
+    data: bytes, settings: Settings, param: str, where: Optional[str] = None, budget: Optional[DecodeBudget] = None
+) -> Video:
+    """Bytes -> a Video whose header was checked, no frame decoded. `where`: the field holding the bytes (….url);
+    `budget`: the frames it may decode, shared with the other videos of its request (its own by default)."""
     import av
 
     where = where or param
-    limits = VideoLimits(settings.max_video_seconds, settings.max_video_frames)
+    budget = budget or DecodeBudget(settings.max_video_decoded_frames)
+    limits = VideoLimits(settings.max_video_seconds, settings.max_video_frames, budget)
     with opened(data, where) as container:
         if not container.streams.video:
             raise RequestError("invalid_video", "the file holds no video stream", where)

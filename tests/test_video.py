@@ -36,12 +36,14 @@ def clip(seconds: float = 2.0, fps: int = 8, size=(64, 48), faststart: bool = Fa
     return out.getvalue()
 
 
-def clip_into(out, seconds: float, fps: int, size, options: dict) -> None:
+def clip_into(out, seconds: float, fps: int, size, options: dict, keyframe_every: int = 12) -> None:
     import numpy as np
 
     with av.open(out, mode="w", format="mp4", options=options) as container:
         stream = container.add_stream("mpeg4", rate=fps)
         stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
+        stream.codec_context.gop_size = keyframe_every
+        stream.codec_context.options = {"sc_threshold": "1000000000"}  # no keyframe at a scene cut: only every gop
         for n in range(int(seconds * fps)):
             pixels = np.zeros((size[1], size[0], 3), dtype=np.uint8)
             pixels[:, :, 1] = (np.arange(size[0]) * 4 % 256)[None, :]
@@ -295,3 +297,81 @@ def test_videos_of_other_lengths_beside_image_jobs_through_a_small_pool_get_thei
     spy(monkeypatch, engine, "_preempt", events, "preempt")
     assert generate_all(engine, items) == solo
     assert "preempt" in events
+
+
+# ---- dense videos: decoding bounded by frames decoded, not by the header's rate --------------------------------
+
+
+def dense_clip(keyframe_every: int, frames: int = 6000, fps: int = 1000) -> bytes:
+    """Many tiny frames at a high rate (the header's rate is the sender's to write): 6 s of 16x16 at 1,000 fps."""
+    out = io.BytesIO()
+    clip_into(out, frames / fps, fps, (16, 16), {}, keyframe_every=keyframe_every)
+    return out.getvalue()
+
+
+def probed(data: bytes, engine):
+    from runpod_vlm.video import probe_video
+
+    return probe_video(data, engine.settings, "messages[0].content[0]")
+
+
+def test_a_dense_clip_whose_sampled_frames_need_too_many_decoded_is_refused_naming_it(tiny_model, serve):
+    serve(tiny_model("qwen2-vl"), VLM_MAX_VIDEO_DECODED_FRAMES="1000")
+    refused = answer(video_job(dense_clip(keyframe_every=600)))  # the sampled frames 545 apart: no seek pays
+    assert refused["code"] == "video_too_large" and refused["param"] == "messages[0].content[0].video_url", refused
+    assert "VLM_MAX_VIDEO_DECODED_FRAMES" in refused["error"]
+
+
+def test_a_dense_clip_with_keyframes_decodes_near_its_sampled_frames_only(tiny_model, serve, tmp_path):
+    import numpy as np
+
+    from runpod_vlm.frames import decode_frames, sampled_frames
+
+    engine = serve(tiny_model("qwen2-vl"), VLM_MAX_VIDEO_DECODED_FRAMES="1000")
+    data = dense_clip(keyframe_every=25)
+    video = probed(data, engine)
+    indices = sampled_frames(video.total, video.fps, video.limits.max_frames)
+    assert indices[-1] == 5999  # read through, every frame up to it would be decoded
+    frames = decode_frames(video, indices)
+    decoded = 1000 - video.limits.budget.left
+    assert decoded <= len(indices) * 25, decoded  # a keyframe's distance before each sampled frame at most
+    path = tmp_path / "dense.mp4"
+    path.write_bytes(data)
+    whole, _ = decoded_whole(str(path))
+    for frame, index in zip(frames, indices):
+        assert torch.equal(torch.from_numpy(np.asarray(frame)).permute(2, 0, 1), whole[index])  # as read whole
+    assert answer(video_job(data))["finish_reason"] in ("stop", "length")
+
+
+def test_an_image_job_is_answered_while_a_video_beside_it_still_decodes(tiny_model, serve, monkeypatch):
+    """Videos decode on a thread of their own and a queued item still being prepared holds up no other job: two
+    videos whose decoding is held back do not delay a caption sent after them."""
+    import threading
+
+    from runpod_vlm.families import native
+
+    serve(tiny_model("qwen2-vl"))
+    release, decoding, decoded = threading.Event(), threading.Semaphore(0), threading.Event()
+    real = native.decode_frames
+
+    def held_back(video, indices):
+        decoding.release()
+        release.wait(30)
+        decoded.set()
+        return real(video, indices)
+
+    monkeypatch.setattr(native, "decode_frames", held_back)
+    caption = {"task": "caption", "image_url": data_uri(striped((48, 40))), "max_new_tokens": 4}
+
+    async def run():
+        jobs = [handler.local_test_answer({"id": f"v{n}", "input": video_job(clip())}) for n in range(2)]
+        videos = [asyncio.create_task(job) for job in jobs]
+        await asyncio.to_thread(decoding.acquire, timeout=60)  # the first video is decoding
+        answered = await handler.local_test_answer({"id": "c", "input": caption})
+        still_held = not decoded.is_set()
+        release.set()
+        return answered, still_held, await asyncio.gather(*videos)
+
+    answered, still_held, videos = asyncio.run(run())
+    assert "response" in answered and still_held, answered
+    assert all("response" in video for video in videos), videos

@@ -56,17 +56,26 @@ class Intake:
         self.pool = ThreadPoolExecutor(
             max_workers=max(1, min(THREADS, (os.cpu_count() or 2) - 1)), thread_name_prefix="vlm-intake"
         )
+        # Items with videos on a thread of their own: a video's frames take seconds to decode, and images never
+        # queue behind them.
+        self.video_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="vlm-video")
         self._first, self._warm = threading.Lock(), False
 
     def submit(self, item: GenerationRequest, when_done: Callable[[], None]) -> Future:
-        future = self.pool.submit(self._prepare, item)
+        future = (self.video_pool if item.videos else self.pool).submit(self._prepare, item)
         future.add_done_callback(lambda _: when_done())
         return future
+
+    def close(self) -> None:
+        for pool in (self.pool, self.video_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
 
     def _prepare(self, item: GenerationRequest):
         """The first call runs alone: a fast tokenizer sets its padding state then, which concurrent calls race for."""
         started = time.perf_counter()
         processor, held = self._recalled(item)
+        if item.videos:  # their frames first, outside the first call's lock
+            self.adapter.decode_videos(processor, item)
         with self._first if not self._warm else contextlib.nullcontext():
             inputs, sizes = self._on_device(processor, item) if self._room_on_device() else (None, None)
             if inputs is None:

@@ -104,24 +104,36 @@ class FamilyAdapter:
         metadata, only those are decoded, and they go in with that metadata (SmolVLM2 writes each frame's
         timestamp in the prompt)."""
         import numpy as np
-        from transformers.video_utils import VideoMetadata
 
-        sampler, videos, metadata = processor.video_processor, [], []
+        videos, metadata = [], []
         for item in items:
             videos.append([])
             for video in item.videos:
-                cap = video.limits.max_frames
-                kwargs = dict(self.video_sampling)
-                kwargs["num_frames"] = min(kwargs.get("num_frames") or getattr(sampler, "num_frames", None) or cap, cap)
-                about = VideoMetadata(
-                    total_num_frames=video.total, fps=video.fps, duration=video.seconds,
-                    width=video.width, height=video.height, video_backend="pyav",
-                )  # fmt: skip
-                about.frames_indices = [int(i) for i in sampler.sample_frames(about, **kwargs)]
+                about = self._sampled(processor, video)
                 frames = decode_frames(video, about.frames_indices)
                 videos[-1].append(np.stack([np.asarray(frame) for frame in frames]))
                 metadata.append(about)
         return {"videos": videos, "video_metadata": metadata, "do_sample_frames": False}
+
+    def decode_videos(self, processor, item: GenerationRequest) -> None:
+        """Decode the frames the card samples from each of the item's videos (kept on each Video for
+        `video_inputs`): the slow part of a video's preparation, done before the processor call."""
+        for video in item.videos if self.video_sampling is not None else ():
+            decode_frames(video, self._sampled(processor, video).frames_indices)
+
+    def _sampled(self, processor, video):
+        """The video's metadata as the video processor reads it, with the frames it samples (`frames_indices`)."""
+        from transformers.video_utils import VideoMetadata
+
+        sampler, cap = processor.video_processor, video.limits.max_frames
+        kwargs = dict(self.video_sampling)
+        kwargs["num_frames"] = min(kwargs.get("num_frames") or getattr(sampler, "num_frames", None) or cap, cap)
+        about = VideoMetadata(
+            total_num_frames=video.total, fps=video.fps, duration=video.seconds,
+            width=video.width, height=video.height, video_backend="pyav",
+        )  # fmt: skip
+        about.frames_indices = [int(i) for i in sampler.sample_frames(about, **kwargs)]
+        return about
 
     def batch_inputs(self, processor, items: list[GenerationRequest], device, dtype, image_device=None):
         """Left-padded prompts and pixels on `device`, and per item its first image's input size (or None).

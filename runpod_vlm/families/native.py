@@ -84,13 +84,17 @@ class QwenVLAdapter(FamilyAdapter):
     def takes_video(self, model_type) -> bool:
         return model_type in ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
 
+    def decode_videos(self, processor, item: GenerationRequest) -> None:
+        for video in item.videos:
+            decode_frames(video, sampled_frames(video.total, video.fps, video.limits.max_frames))
+
     def video_inputs(self, processor, items: list[GenerationRequest]) -> dict:
         """As the cards' qwen-vl-utils prepares videos: each one's sampled frames resized as it resizes a
         decoded video and, for Qwen2.5-VL and Qwen3-VL, where they were sampled (their temporal positions,
         and Qwen3-VL's timestamps, follow it: the cards' video_kwargs and video_metadata)."""
         videos = [video for item in items for video in item.videos]
-        for video in videos:
-            decode_frames(video, sampled_frames(video.total, video.fps, video.limits.max_frames))
+        for item in items:
+            self.decode_videos(processor, item)
         patch = processor.video_processor.patch_size
         kwargs: dict = {"videos": [_card_resized(video, patch) for video in videos], "do_sample_frames": False}
         if self.model_type in ("qwen2_5_vl", "qwen3_vl"):
