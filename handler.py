@@ -112,7 +112,11 @@ async def handler(job: dict):
                 yield answer
             return
         if "requests" in payload:
-            yield await asyncio.to_thread(answer_batch, job, payload)
+            cancelled = threading.Event()
+            try:
+                yield await asyncio.to_thread(answer_batch, job, payload, cancelled)
+            finally:  # the job's task cancelled (RunPod's /cancel, a client gone): its rows stop at the next step
+                cancelled.set()
             return
         settings, model_id = served_model()
         request, item = await asyncio.to_thread(read_job_item, payload, settings, model_id, None)
@@ -127,8 +131,8 @@ async def handler(job: dict):
         yield as_request_error(failure).to_dict()
 
 
-def answer_batch(job: dict, payload: dict) -> dict:
-    """A `{"requests": [...]}` call: every item answered (or refused) on its own."""
+def answer_batch(job: dict, payload: dict, cancelled: Optional[threading.Event] = None) -> dict:
+    """A `{"requests": [...]}` call: every item answered (or refused) on its own; given up once `cancelled` is set."""
     extra = set(payload) - {"requests"}
     if extra:
         raise RequestError("invalid_request", "unknown field beside 'requests'", sorted(extra)[0])
@@ -164,7 +168,10 @@ def answer_batch(job: dict, payload: dict) -> dict:
     parsed = [(index, outcome) for index, outcome in enumerate(outcomes) if not isinstance(outcome, RequestError)]
     if parsed:  # the first request asking for a quantization decides it if this call loads the model
         engine = get_engine(next((request.quantize for _, (request, _) in parsed if request.quantize), None))
-        for (index, (request, item)), result in zip(parsed, generate_all(engine, [item for _, (_, item) in parsed])):
+        answers = generate_all(engine, [item for _, (_, item) in parsed], cancelled)
+        for (index, (request, item)), result in zip(parsed, answers):
+            if result is None:  # cancelled: nobody reads this call's answer
+                continue
             refused = isinstance(result, RequestError)
             results[index] = result.to_dict() if refused else format_output(engine, item, result, request)
     return {"model": model_id, "count": len(results), "id": job.get("id"), "results": results}

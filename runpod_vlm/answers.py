@@ -19,8 +19,12 @@ if TYPE_CHECKING:
     from runpod_vlm.request import RequestModel
 
 
-def generate_all(engine: Engine, items: list[GenerationRequest]) -> list[Outcome]:
-    """Answer items through the engine, beside other jobs' items, in input order; blocks the calling thread."""
+def generate_all(
+    engine: Engine, items: list[GenerationRequest], cancelled: Optional[threading.Event] = None
+) -> list[Outcome]:
+    """Answer items through the engine, beside other jobs' items, in input order; blocks the calling thread. Once
+    `cancelled` is set (its job was cancelled), every item still queued or decoding is given up at the engine's next
+    step, and this returns what has been answered (None for the rest)."""
     results: list[Optional[Outcome]] = [None] * len(items)
     finished = threading.Semaphore(0)
 
@@ -29,9 +33,13 @@ def generate_all(engine: Engine, items: list[GenerationRequest]) -> list[Outcome
             results[index] = event
             finished.release()
 
-    engine.submit_all(items, [functools.partial(on_event, index) for index in range(len(items))])
+    tickets = engine.submit_all(items, [functools.partial(on_event, index) for index in range(len(items))])
     for _ in items:
-        finished.acquire()
+        while not finished.acquire(timeout=0.05 if cancelled is not None else None):
+            if cancelled.is_set():
+                for ticket in tickets:
+                    ticket.cancel()
+                return results  # type: ignore[return-value]
     return results  # type: ignore[return-value]
 
 

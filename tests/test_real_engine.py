@@ -6,8 +6,10 @@ worker's tokens with the plain transformers recipe (apply_chat_template + proces
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import threading
+import time
 
 import pytest
 import torch
@@ -439,6 +441,33 @@ def test_a_cancelled_job_frees_its_row_for_the_next(tiny_model, serve, monkeypat
     assert isinstance(first, StreamDelta)
     assert short.completion_tokens == 3 and short.finish_reason == "length"
     assert sum(steps) < 20  # the short job did not wait for the long one's 200 tokens
+
+
+def test_a_cancelled_batch_job_gives_up_its_rows_at_the_next_step(tiny_model, serve):
+    """RunPod cancels a job's asyncio task; a `{"requests": [...]}` job's items decode on a thread the task waits for,
+    and its rows stop as a single job's do (read through the engine's public view)."""
+    engine = serve(tiny_model("qwen2-vl"), VLM_MAX_NEW_TOKENS="4000", VLM_SYNC_INTERVAL="2")
+    talk = {"messages": [{"role": "user", "content": "Talk."}], "max_new_tokens": 4000, "min_new_tokens": 4000}
+
+    async def cancel_while_decoding():
+        job = asyncio.create_task(handler.local_test_answer({"id": "batch", "input": {"requests": [talk] * 4}}))
+        deadline = time.monotonic() + 60
+        while engine.view().running < 4:
+            assert time.monotonic() < deadline and not job.done()
+            await asyncio.sleep(0.01)
+        job.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await job
+        cancelled_at = engine.view().timings.get("decode_steps", 0)
+        while engine.view().running:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        return engine.view().timings.get("decode_steps", 0) - cancelled_at
+
+    steps_after = asyncio.run(cancel_while_decoding())
+    assert steps_after < 40, steps_after  # not the 4,000 tokens the rows had left
+    view = engine.view()
+    assert view.queued == 0 and view.kv_blocks_free == view.kv_blocks, view
 
 
 def test_an_item_whose_caller_is_gone_is_dropped_and_its_neighbours_answered(tiny_model, serve):

@@ -42,6 +42,13 @@ class InFlight(NamedTuple):
                 yield row, ticket
 
 
+def admissible(waiting: list[Ticket]) -> list[Ticket]:
+    """The queued items that may be admitted now, in arrival order: those whose call's items are all prepared (a
+    call's items go in together). One still being prepared (a video decoding) holds up no other call's."""
+    unready = {id(t.call) for t in waiting if not t.ready()}
+    return [t for t in waiting if id(t.call) not in unready]
+
+
 class Admission:
     """Part of Engine (its base): what the engine thread does to start items and to keep their rows in blocks."""
 
@@ -60,10 +67,8 @@ class Admission:
             else:
                 free = [row for row in free if row < cap]
         group, prepared = [], []
-        for ticket in waiting[: len(free)]:
-            if not ticket.ready() and waiting[0].call is ticket.call:
-                return  # its call's items are admitted together
-            if not ticket.ready() or len(group) == (ticket.group_limit or len(free)):
+        for ticket in admissible(waiting)[: len(free)]:
+            if len(group) == (ticket.group_limit or len(free)):
                 break
             try:
                 inputs, size, held = ticket.prepared.result()

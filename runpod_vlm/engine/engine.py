@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Optional
 
-from runpod_vlm.engine.admission import Admission, InFlight
+from runpod_vlm.engine.admission import Admission, InFlight, admissible
 from runpod_vlm.engine.background_compile import BackgroundCompile
 from runpod_vlm.engine.blocks import BLOCK_SIZE
 from runpod_vlm.engine.compile import set_torch_cache_dirs
@@ -29,6 +29,7 @@ from runpod_vlm.engine.prefill import ChunkedPrefill
 from runpod_vlm.engine.prefill_graphs import GRAPH_TOKENS
 from runpod_vlm.engine.projections import share_weights
 from runpod_vlm.engine.ticket import Ticket, logprob_entries
+from runpod_vlm.engine.view import EngineView
 from runpod_vlm.engine.vision_attention import use_packed_vision_attention
 from runpod_vlm.families.base import end_tokens
 from runpod_vlm.settings import Settings, SettingsError
@@ -163,6 +164,24 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
             "cuda_graphs": self.use_graphs,
         }
 
+    def view(self) -> EngineView:
+        """What the engine holds now (callable from any thread)."""
+        decoder, chunking, cap = self._decoder, self._chunking, self._row_cap
+        pool = decoder.pool if decoder is not None else None
+        return EngineView(
+            queued=len(self._queue),
+            running=len(self._rows),
+            prefilling=int(chunking is not None),
+            kv_blocks=pool.capacity if pool else 0,
+            kv_blocks_free=pool.free if pool else 0,
+            kv_blocks_cached=pool.cached if pool else 0,
+            block_size=BLOCK_SIZE,
+            row_cap=cap[0] if cap else None,
+            decode_graphs=len(decoder.graphs) if decoder is not None else 0,
+            compiled_row_buckets=tuple(sorted(self._compiled_shapes)),
+            timings=dict(self.timings),
+        )
+
     def _cuda_graphs_possible(self) -> bool:
         import torch
 
@@ -232,13 +251,10 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
             self._wake.notify()
 
     def _idle(self) -> bool:
-        """Nothing to do until woken (call with `_wake` held): the queue's head and the items of its call not
-        yet prepared, none decoding."""
-        head = self._queue[0] if self._queue else None
-        mates = [t for t in self._queue[: self.settings.max_batch_size] if head is not None and t.call is head.call]
-        ready = head is not None and all(t.ready() for t in mates)
+        """Nothing to do until woken (call with `_wake` held): no queued call whose items are all prepared, none
+        decoding."""
         busy = self._rows or self._launched or self._chunking
-        return not ready and not busy and not self._switch_due()
+        return not busy and not admissible(self._queue) and not self._switch_due()
 
     def _captures_ahead_due(self, ahead: Optional[bool] = None) -> bool:
         """A graph to record while idle (`ahead` of need too: by default once `_quiet`), and no item queued (call with
@@ -519,9 +535,10 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
             with torch.inference_mode():
                 self._fail_all(WORKER_STOPPING, queued=True)
         self._fail_all(WORKER_STOPPING, queued=True)
-        for pool in (self._intake and self._intake.pool, self._compiler):
-            if pool is not None:
-                pool.shutdown(wait=False, cancel_futures=True)
+        if self._intake is not None:
+            self._intake.close()
+        if self._compiler is not None:
+            self._compiler.shutdown(wait=False, cancel_futures=True)
         if self.grammars is not None:
             self.grammars.close()
         self._decoder = None
