@@ -23,6 +23,7 @@ import functools
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -37,25 +38,48 @@ from runpod_vlm.request import read_request
 from runpod_vlm.responses_route import responses_answers
 from runpod_vlm.settings import Settings, SettingsError
 from runpod_vlm.video import read_videos
-from runpod_vlm.vocabulary import RequestError, as_request_error, join_param
+from runpod_vlm.vocabulary import RequestError, as_request_error, cut_text, join_param
 
 log = logging.getLogger("runpod-vlm")
 
 _RUNPOD_CONFIG: dict = {}  # the runpod SDK's config (main() fills it); a fatal GPU error sets refresh_worker
 _engine: Optional[Engine] = None
 _engine_lock = threading.Lock()
+_load_failure: Optional[RequestError] = None  # the model could not be loaded: every job is told so, none retries
 
 
 def get_engine(quantize: Optional[str] = None) -> Engine:
-    """The process's engine, loaded on first use with `quantize` if the caller asked for one."""
-    global _engine
+    """The process's engine, loaded on first use with `quantize` if the caller asked for one. A model that fails
+    to load raises `model_load_failed` with the reason, then and for every later call."""
+    global _engine, _load_failure
     if _engine is None:
         with _engine_lock:
+            if _load_failure is not None:
+                raise _load_failure
             if _engine is None:
-                engine = Engine(Settings.from_env(), quantize=quantize, on_fatal=_ask_for_a_new_worker)
+                try:
+                    engine = Engine(Settings.from_env(), quantize=quantize, on_fatal=_ask_for_a_new_worker)
+                except SettingsError:
+                    raise  # the operator's setting: each job says which, until it is fixed
+                except Exception as failure:
+                    log.exception("the model could not be loaded: every request is answered model_load_failed")
+                    _load_failure = load_failed(failure)
+                    raise _load_failure from None
                 log.info("ready: %s", json.dumps({**engine.describe(), **_limits(engine.settings)}))
                 _engine = engine
     return _engine
+
+
+SECRET_SHAPES = re.compile(r"\b(hf|sk|rpa)_[A-Za-z0-9_-]{16,}|(?<=://)[^/@\s]+@")  # tokens, URL credentials
+
+
+def load_failed(failure: Exception) -> RequestError:
+    """What a caller is told of a model that failed to load: the exception's first line, with anything shaped like
+    a token or a URL's credentials blanked; no traceback."""
+    lines = str(failure).strip().splitlines()
+    first = SECRET_SHAPES.sub("[redacted]", cut_text(lines[0], 300)) if lines else ""
+    reason = f"{type(failure).__name__}: {first}" if first else type(failure).__name__
+    return RequestError("model_load_failed", f"the model could not be loaded ({reason})")
 
 
 def _limits(settings: Settings) -> dict:
@@ -70,9 +94,10 @@ def _limits(settings: Settings) -> dict:
 
 
 def reset_engine() -> None:
-    """Close and forget the loaded engine (tests, and benchmarks that load another in the same process)."""
-    global _engine
-    engine, _engine = _engine, None
+    """Close and forget the loaded engine, or its load failure (tests, and benchmarks that load another in the
+    same process)."""
+    global _engine, _load_failure
+    engine, _engine, _load_failure = _engine, None, None
     if engine is not None:
         engine.close()
 
@@ -83,9 +108,12 @@ def _ask_for_a_new_worker() -> None:
 
 
 def served_model() -> tuple[Settings, str]:
-    """The settings and model id in force: the loaded engine's, else the environment's."""
+    """The settings and model id in force: the loaded engine's, else the environment's; raises `model_load_failed`
+    once the model failed to load (before any image of the request is fetched)."""
     if _engine is not None:
         return _engine.settings, _engine.model_id
+    if _load_failure is not None:
+        raise _load_failure
     settings = Settings.from_env()
     return settings, settings.model
 
@@ -206,12 +234,16 @@ def main() -> None:
     logging.basicConfig(level=os.environ.get("VLM_LOG_LEVEL", "INFO"))
     settings = Settings.from_env()
     if settings.endpoint_type == "lb":
-        serve_http("0.0.0.0", int(os.environ.get("PORT") or 80), int(os.environ.get("PORT_HEALTH") or 0) or None)
+        port, health_port = int(os.environ.get("PORT") or 80), int(os.environ.get("PORT_HEALTH") or 0) or None
+        serve_http(settings, "0.0.0.0", port, health_port)
         return
     import runpod
 
     if settings.load_at_boot:
-        get_engine().warm_up()  # load before taking jobs; the compiled step follows in the background
+        try:
+            get_engine().warm_up()  # load before taking jobs; the compiled step follows in the background
+        except RequestError:
+            pass  # model_load_failed, logged: every job is told so instead of the worker restarting in a loop
     local_test = any(arg.startswith("--test_input") for arg in sys.argv)
     _RUNPOD_CONFIG.update(
         {
@@ -223,7 +255,7 @@ def main() -> None:
     runpod.serverless.start(_RUNPOD_CONFIG)
 
 
-def serve_http(host: str, port: int, health_port: Optional[int] = None) -> None:
+def serve_http(settings: Settings, host: str, port: int, health_port: Optional[int] = None) -> None:
     """The worker as an HTTP server (RunPod's load-balancing endpoints, local use): it answers /ping
     at once (204 until the model is loaded, which happens meanwhile) and serves requests through `handler`."""
     from runpod_vlm.http_server import make_app, serve
@@ -233,8 +265,9 @@ def serve_http(host: str, port: int, health_port: Optional[int] = None) -> None:
     def load() -> None:
         try:
             get_engine().warm_up()
-        except Exception:
-            log.exception("the model could not be loaded: /ping answers 503")
+        except Exception as failure:
+            if not isinstance(failure, RequestError):  # model_load_failed is logged where it is raised
+                log.exception("the worker could not start: /ping answers 503")
             failed.set()
 
     def readiness() -> str:
@@ -243,7 +276,8 @@ def serve_http(host: str, port: int, health_port: Optional[int] = None) -> None:
         return "ready" if _engine is not None else "initializing"
 
     threading.Thread(target=load, name="vlm-load", daemon=True).start()
-    serve(make_app(handler, readiness), host, port, health_port or port, readiness)
+    app = make_app(handler, readiness, settings.api_key, settings.max_body_bytes, settings.http_timeout_s, metrics=None)
+    serve(app, host, port, health_port or port, readiness, settings.http_timeout_s)
 
 
 if __name__ == "__main__":

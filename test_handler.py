@@ -291,13 +291,18 @@ def test_native_family_loads_without_remote_code(monkeypatch, hub):
     assert all(kwargs.get("trust_remote_code") is False for _, _, kwargs in hub.loads)
 
 
-def test_a_load_failure_is_a_clean_error_and_leaks_nothing(monkeypatch, hub):
+def test_a_load_failure_says_why_on_every_job_and_leaks_no_secret(monkeypatch, hub):
     serve(monkeypatch, "someone/missing-model")
-    out = call(caption())
-    assert "error" in out and "response" not in out
-    assert "secret-hub-detail" not in json.dumps(out) and "Traceback" not in json.dumps(out)
+    for _ in range(2):
+        out = call(caption())
+        assert out["code"] == "model_load_failed" and "response" not in out
+        message = json.loads(out["error"])["error_message"]
+        assert "OSError: someone/missing-model is not a local folder" in message  # its first line
+        assert "secret-hub-detail" not in message and "hf_xxxx" not in message and "Traceback" not in message
+    assert [load[0] for load in hub.loads].count("AutoConfig") == 1  # tried once
+    handler.reset_engine()
     hub.reset()
-    serve(monkeypatch, QWEN)  # the worker is not wedged: a good configuration then loads
+    serve(monkeypatch, QWEN)  # a new worker with a good configuration loads
     assert call(caption())["response"] == "ok"
 
 

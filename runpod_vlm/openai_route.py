@@ -238,6 +238,17 @@ async def chat_completion(engine: Engine, item: GenerationRequest, body: ChatCom
     yield opening + last + usage_chunk + sse("[DONE]")
 
 
+def served_models(served_model) -> list[dict]:
+    """/v1/models' list: the served model, none once it failed to load."""
+    try:
+        _, model_id = served_model()
+    except RequestError as error:
+        if error.code != "model_load_failed":
+            raise
+        return []
+    return [{"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "runpod-vlm"}]
+
+
 async def openai_answers(engine_getter, served_model, job_input: dict):
     """An `openai_route` job's answer: a model list, a `chat.completion`, streamed events (strings) or
     an OpenAI error. Never raises: a failure after a stream's first event ends it with an error event.
@@ -245,11 +256,10 @@ async def openai_answers(engine_getter, served_model, job_input: dict):
     body, started = None, False
     try:
         route = job_input.get("openai_route")
-        settings, model_id = served_model()
         if route == "/v1/models":
-            model = {"id": model_id, "object": "model", "created": int(time.time()), "owned_by": "runpod-vlm"}
-            yield {"object": "list", "data": [model]}
+            yield {"object": "list", "data": served_models(served_model)}
             return
+        settings, model_id = served_model()
         if route != "/v1/chat/completions":
             raise RequestError(
                 "invalid_request",

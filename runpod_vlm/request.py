@@ -47,7 +47,7 @@ class RequestModel(BaseModel):
     temperature: float = Field(default=0.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     do_sample: bool = False
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(default=None, ge=-(2**63), le=2**63 - 1)  # OpenAI's: an int64
     logprobs: bool = False
     top_logprobs: int = Field(default=0, ge=0, le=20)
     response_format: Optional[Any] = None  # OpenAI's: text, json_object or json_schema

@@ -109,7 +109,8 @@ def chat_part(part: Any, where: str) -> dict:
     if kind == "input_image":
         if part.get("image_url") is None:
             raise RequestError("invalid_request", "an input_image needs image_url (file_id is not supported)", where)
-        return {"type": "image_url", "image_url": {"url": part["image_url"]}}
+        detail = {"detail": part["detail"]} if part.get("detail") is not None else {}
+        return {"type": "image_url", "image_url": {"url": part["image_url"], **detail}}
     raise RequestError("invalid_request", "type must be input_text, input_image or output_text", f"{where}.type")
 
 

@@ -144,6 +144,9 @@ class Settings:
     kv_cache_tokens: pydantic.NonNegativeInt = 0  # the KV pool in tokens; 0: sized from free GPU memory (CPU: 32768)
     compile_cache_dir: str = ""  # compiled kernels kept here are reused by a restarted worker
     endpoint_type: Annotated[Literal["queue", "lb"], _Lower] = "queue"  # lb: an HTTP server (RunPod load balancing)
+    api_key: str = Field(default="", repr=False)  # lb: requests must carry it (Bearer or X-Api-Key); "": none asked
+    max_body_bytes: pydantic.PositiveInt = 30_000_000  # lb: a request body (RunPod's load balancer takes 30 MB)
+    http_timeout_s: Annotated[float, Field(gt=0, le=600)] = 30.0  # lb: a request's head, then its body, arrive within
     media: MediaPolicy = MediaPolicy()  # its own variables: see MediaPolicy.from_env
 
     @classmethod

@@ -1118,7 +1118,10 @@ class FakeAutoConfig:
         _use("transformers.AutoConfig.from_pretrained")
         HUB.loads.append(("AutoConfig", path, kwargs))
         if path not in MODEL_TYPES:
-            raise OSError(f"{path} is not a local folder and is not a valid model identifier (secret-hub-detail)")
+            raise OSError(
+                f"{path} is not a local folder and is not a valid model identifier (token hf_{'x' * 30}, "
+                "https://user:secret-hub-detail@hub.example/)\nTraceback line two"
+            )
         return FakeConfig(MODEL_TYPES[path])
 
 
@@ -1788,7 +1791,7 @@ class UnusedGrammars:
     def __init__(self, tokenizer, vocab_size, end_token, deadline_s):
         pass
 
-    def start(self, schema, param):
+    def start(self, schema, param, limit=None):
         raise AssertionError("structured output is tested on real tiny models")
 
     def close(self):

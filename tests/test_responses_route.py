@@ -79,6 +79,31 @@ def test_a_response_parses_as_openai_response_and_matches_the_native_route(engin
     assert response.usage.input_tokens == native["usage"]["prompt_tokens"]
 
 
+def test_an_input_images_detail_bounds_its_tokens_as_on_the_chat_route(tiny_model, serve):
+    """OpenAI's `detail: "low"` (an image of 512x512 at most) on an input_image, as on an image_url block."""
+    serve(tiny_model("qwen2-vl"), VLM_MAX_PIXELS="600000")  # above 512x512: the tiny processor's own bound is not
+    big = data_uri(striped((800, 600)))
+
+    def prompt_tokens(detail=None) -> int:
+        part = {"type": "input_image", "image_url": big, **({"detail": detail} if detail else {})}
+        body = {"input": [{"role": "user", "content": [part, {"type": "input_text", "text": "Hi"}]}]}
+        [out] = answers({**body, "max_output_tokens": 1})
+        return Response.model_validate(out).usage.input_tokens
+
+    low, high = prompt_tokens("low"), prompt_tokens("high")
+    assert low < high == prompt_tokens()
+    chat_low = {"type": "image_url", "image_url": {"url": big, "detail": "low"}}
+    native = {
+        "messages": [{"role": "user", "content": [chat_low, {"type": "text", "text": "Hi"}]}],
+        "max_new_tokens": 1,
+    }
+    assert low == asyncio.run(handler.local_test_answer({"input": native}))["usage"]["prompt_tokens"]
+    [refused] = answers(
+        {"input": [{"role": "user", "content": [{"type": "input_image", "image_url": big, "detail": "x"}]}]}
+    )
+    assert refused["error"]["param"] == "input[0].content[0].image_url.detail", refused
+
+
 def test_a_string_input_and_an_earlier_assistant_turn(engine):
     [out] = answers({"input": "Hi", "max_output_tokens": 3, "temperature": 0})
     assert Response.model_validate(out).usage.output_tokens <= 3

@@ -60,6 +60,11 @@ def test_the_same_seed_gives_the_same_tokens_beside_concurrent_jobs(engine):
 def test_different_seeds_draw_different_tokens(engine):
     answers = {ask(chat("Tell me a story.", seed=seed))["response"] for seed in (1, 2, 3)}
     assert len(answers) == 3
+    # Seeds equal in their low 31 or 32 bits, or in their high half, draw differently: all 64 bits count.
+    wide = [5, 5 + 2**31, 5 + 2**32, 5 - 2**63, 2**63 - 1, -1]
+    answers = [ask(chat("Tell me a story.", seed=seed))["response"] for seed in wide]
+    assert len(set(answers)) == len(wide), answers
+    assert ask(chat("Tell me a story.", seed=5 - 2**63))["response"] == answers[3]  # and each holds
     unseeded = {ask(chat("Tell me a story."))["response"] for _ in range(2)}
     assert len(unseeded) == 2  # no seed: a fresh one each time
 
@@ -119,3 +124,9 @@ def test_sampling_draws_within_each_rows_nucleus_as_argmax_of_p_over_exponential
     assert nucleus.gather(1, drawn[:, None]).all()
     assert torch.equal(drawn[state.top_p == 0], probs.argmax(dim=-1)[state.top_p == 0])  # top_p 0: greedy
     assert (drawn != probs.argmax(dim=-1)).sum() > rows // 8  # the others do sample
+
+
+@pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, int("9" * 4000)], ids=["2^63", "-2^63-1", "4000 digits"])
+def test_a_seed_outside_int64_is_refused_naming_it(engine, seed):
+    refused = ask(chat("Hi.", seed=seed))
+    assert refused["code"] == "invalid_request" and refused["param"] == "seed", refused

@@ -231,3 +231,15 @@ def test_the_answer_keeps_the_schemas_key_order(engine):
     }
     out = ask(constrained(schema))
     assert list(json.loads(out["response"])) == ["reasoning", "answer"], out
+
+
+def test_a_schema_whose_answer_cannot_fit_max_new_tokens_is_refused_naming_it(engine):
+    schema = {
+        "type": "object",
+        "properties": {"a_rather_long_property_name_every_answer_must_write": {"type": "integer"}},
+        "required": ["a_rather_long_property_name_every_answer_must_write"],
+        "additionalProperties": False,
+    }
+    refused = ask(constrained(schema, max_new_tokens=5))
+    assert refused["code"] == "invalid_request" and refused["param"] == "max_new_tokens", refused
+    assert ask(constrained(schema, max_new_tokens=200)).get("finish_reason") in ("stop", "length")

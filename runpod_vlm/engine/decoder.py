@@ -219,15 +219,17 @@ class PagedDecoder(Prefill, DecoderGraphs):
         index = torch.tensor(rows).to(logits.device, non_blocking=True)
         self.position.index_copy_(-2, index, last_position + 1)
 
-        # One copy to the GPU for all the rows' settings, each a column of float64 (exact for these ints: seeds
-        # have 31 bits), instead of one synchronizing copy per setting.
+        # One copy to the GPU for all the rows' settings, each a column of float64 (exact for these ints: a seed goes
+        # as its two 32-bit halves), instead of one synchronizing copy per setting.
+        seeds = [row_seed(p.seed) for p in params]
         kinds = {
             "count": (prior or [0] * len(rows), torch.long),
             "min_new": ([p.min_new_tokens for p in params], torch.long),
             "sample": ([p.do_sample for p in params], torch.bool),
             "temperature": ([p.temperature for p in params], torch.float),
             "top_p": ([p.top_p for p in params], torch.float),
-            "seed": ([row_seed(p.seed) for p in params], torch.long),
+            "seed": ([low for low, _ in seeds], torch.long),
+            "seed_high": ([high for _, high in seeds], torch.long),
             "logprobs": ([p.logprobs for p in params], torch.bool),
             "constrained": ([p.json_schema is not None for p in params], torch.bool),
             "length": (lengths, torch.long),
@@ -240,6 +242,7 @@ class PagedDecoder(Prefill, DecoderGraphs):
             seen=None,
             allowed=None if allowed is None else to_device(allowed, index.device),
         )
+        new.seed.bitwise_or_(new.seed_high << 32)  # the whole 64 bits, two's complement
         if self.sampler.penalty:
             new.seen = torch.zeros((len(rows), state.seen.shape[1]), dtype=torch.bool, device=index.device)
             new.seen.scatter_(1, input_ids, True)

@@ -222,9 +222,11 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
             for ticket in queued:
                 ticket.call = call
                 ticket.prepared = self._intake_of().submit(ticket.item, self._notify)
-                if ticket.item.params.json_schema is not None:
+                params = ticket.item.params
+                if params.json_schema is not None:
                     param = join_param(ticket.item.param, "response_format")
-                    ticket.grammar = self._grammars().start(ticket.item.params.json_schema, param)
+                    limit = params.max_new_tokens, join_param(ticket.item.param, "max_new_tokens")
+                    ticket.grammar = self._grammars().start(params.json_schema, param, limit)
                     ticket.grammar.add_done_callback(lambda _: self._notify())
         with self._wake:
             self._queue.extend(queued)

@@ -37,6 +37,7 @@ class Compiled:
     template: Any
     error: Optional[str]
     size: int
+    forced: int = 0  # tokens every answer starts with (its opening brace, a required first key): a lower bound
 
 
 class Grammars:
@@ -57,13 +58,15 @@ class Grammars:
 
         return llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=end_token)
 
-    def start(self, schema: str, param: Optional[str]) -> Future:
+    def start(self, schema: str, param: Optional[str], limit: Optional[tuple[int, str]] = None) -> Future:
         """A Future of a fresh matcher for one answer, or of the RequestError naming `param`: at once for a schema
-        seen before, else when the grammar thread has built it or its deadline has passed, whichever comes first."""
+        seen before, else when the grammar thread has built it or its deadline has passed, whichever comes first.
+        `limit`: the answer's most tokens and the field that sets them; a schema whose answer cannot fit is refused
+        naming that field."""
         answer: Future = Future()
         compiled = self.outcomes.get(schema)
         if compiled is not None:
-            self._settle(answer, compiled, param)
+            self._settle(answer, compiled, param, limit)
             return answer
         timer = threading.Timer(self.deadline_s, self._expire, (answer, param))
         timer.daemon = True
@@ -71,7 +74,7 @@ class Grammars:
         def built(done: Future) -> None:
             timer.cancel()
             try:
-                self._settle(answer, done.result(), param)
+                self._settle(answer, done.result(), param, limit)
             except Exception as error:  # the tokenizer could not be read
                 log.warning("structured output is unavailable: %s", one_line(str(error), ERROR_CHARS))
                 _set(
@@ -89,7 +92,7 @@ class Grammars:
         known = self.outcomes.peek(schema)
         if known is not None:
             return known
-        matcher, template, error = llguidance.LLMatcher, None, None
+        matcher, template, error, forced = llguidance.LLMatcher, None, None, 0
         tokenizer = self._tokenizer.result()
         try:
             grammar = matcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
@@ -99,14 +102,18 @@ class Grammars:
             else:
                 template = matcher(tokenizer, grammar, log_level=0)
                 error = forced_start_error(template)
+                forced = len(template.deep_copy().compute_ff_tokens())
         except Exception as refused:  # llguidance's word on a schema it cannot take
             error = str(refused) or type(refused).__name__
-        compiled = Compiled(None if error else template, error and one_line(error, ERROR_CHARS), len(schema))
+        compiled = Compiled(None if error else template, error and one_line(error, ERROR_CHARS), len(schema), forced)
         self.outcomes.put(schema, compiled)
         return compiled
 
-    def _settle(self, answer: Future, compiled: Compiled, param: Optional[str]) -> None:
-        if compiled.error is None:
+    def _settle(self, answer: Future, compiled: Compiled, param: Optional[str], limit=None) -> None:
+        if compiled.error is None and limit is not None and compiled.forced >= limit[0]:
+            message = f"this schema's answer takes more than {limit[0]} tokens (its first {compiled.forced} are fixed)"
+            _set(answer, exception=RequestError("invalid_request", message, limit[1]))
+        elif compiled.error is None:
             _set(answer, result=compiled.template.deep_copy())
         else:
             message = f"this JSON schema is not supported: {compiled.error}"

@@ -82,20 +82,26 @@ class Sampler:
         return probs.div_(noise).argmax(dim=-1)
 
 
-def row_seed(seed: Optional[int]) -> int:
-    """A row's sampling seed: the request's (any int, folded into 31 bits), else a fresh random one."""
-    return (seed if seed is not None else random.getrandbits(31)) & 0x7FFFFFFF
+def row_seed(seed: Optional[int]) -> tuple[int, int]:
+    """A row's sampling seed as its low and high 32 bits: the request's (an int64, checked when read), else a fresh
+    random one. All 64 bits key the row's draws: seeds that differ anywhere draw differently."""
+    seed = (seed if seed is not None else random.getrandbits(64)) & 0xFFFFFFFFFFFFFFFF
+    return seed & 0xFFFFFFFF, seed >> 32
 
 
 def counter_uniform(seed, step, index):
-    """Uniform draws in (0, 1) for every (row, index): a hash of (the row's seed, its step, index), made of
+    """Uniform draws in (0, 1) for every (row, index): a hash of (the row's 64-bit seed, its step, index), made of
     integer tensor ops a CUDA graph can hold; products stay under 2**63 (31-bit odd constants, 32-bit values).
     Hand-written: torch's generators hold one state for a whole tensor, not a counter per row."""
     import torch
 
     mask = 0xFFFFFFFF
-    x = ((seed * 0x27D4EB2F + step * 0x165667B1)[:, None] + index[None, :] * 0x61C88647).bitwise_and_(mask)
-    for multiplier in (0x7FEB352D, 0x6A09E667, 0x5BD1E995):  # in place: x is [rows, vocab] of int64
+    low, high = seed.bitwise_and(mask), (seed >> 32).bitwise_and(mask)
+    x = ((low * 0x27D4EB2F + step * 0x165667B1)[:, None] + index[None, :] * 0x61C88647).bitwise_and_(mask)
+    for multiplier in (0x7FEB352D, 0x6A09E667):  # in place: x is [rows, vocab] of int64
+        x.bitwise_xor_(x >> 15).mul_(multiplier).bitwise_and_(mask)
+    x.bitwise_xor_((high * 0x3C6EF373 + 0x9E3779B9).bitwise_and_(mask)[:, None])  # the high half (odd: a bijection)
+    for multiplier in (0x5BD1E995, 0x2545F491):
         x.bitwise_xor_(x >> 15).mul_(multiplier).bitwise_and_(mask)
     x.bitwise_xor_(x >> 16).bitwise_right_shift_(9)
     return x.to(torch.float32).add_(0.5).div_(float(1 << 23))  # 23 bits: exact in float32, never 0 or 1
