@@ -33,6 +33,7 @@ from typing import Any, Optional
 from runpod_vlm.answers import format_output, generate_all, generate_one, stream_chunks
 from runpod_vlm.engine.engine import Engine
 from runpod_vlm.media import read_images
+from runpod_vlm.metrics import METRICS, log_every, outcome_of
 from runpod_vlm.openai_route import openai_answers
 from runpod_vlm.request import read_request
 from runpod_vlm.responses_route import responses_answers
@@ -42,6 +43,7 @@ from runpod_vlm.vocabulary import RequestError, as_request_error, cut_text, join
 
 log = logging.getLogger("runpod-vlm")
 
+METRICS_LOG_EVERY_S = 60.0
 _RUNPOD_CONFIG: dict = {}  # the runpod SDK's config (main() fills it); a fatal GPU error sets refresh_worker
 _engine: Optional[Engine] = None
 _engine_lock = threading.Lock()
@@ -66,6 +68,8 @@ def get_engine(quantize: Optional[str] = None) -> Engine:
                     _load_failure = load_failed(failure)
                     raise _load_failure from None
                 log.info("ready: %s", json.dumps({**engine.describe(), **_limits(engine.settings)}))
+                engine.on_finished = METRICS.item_finished
+                METRICS.watch(engine.view)
                 _engine = engine
     return _engine
 
@@ -128,7 +132,27 @@ def read_job_item(raw: Any, settings: Settings, model_id: str, param: Optional[s
 
 async def handler(job: dict):
     """RunPod entry, an async generator: a streamed request yields its answer in pieces, any other
-    job yields one output (an answer, a batch's answers, or an error)."""
+    job yields one output (an answer, a batch's answers, or an error). Each job is counted by route and outcome."""
+    route, outcome = route_of(job), "cancelled"
+    try:
+        async for output in answers_to(job):
+            outcome = outcome_of(output) or outcome
+            yield output
+    finally:
+        METRICS.request_done(route, outcome)
+
+
+def route_of(job: Any) -> str:
+    payload = job.get("input") if isinstance(job, dict) else None
+    if not isinstance(payload, dict):
+        return "invalid"
+    if "openai_route" in payload:
+        return str(payload["openai_route"]).removeprefix("/v1/").replace("/", "_")[:32] or "openai"
+    return "batch" if "requests" in payload else "generate"
+
+
+async def answers_to(job: dict):
+    """The job's outputs (`handler`)."""
     _bound_the_shutdown()
     try:
         payload = job.get("input") if isinstance(job, dict) else None
@@ -245,6 +269,8 @@ def main() -> None:
         except RequestError:
             pass  # model_load_failed, logged: every job is told so instead of the worker restarting in a loop
     local_test = any(arg.startswith("--test_input") for arg in sys.argv)
+    if not local_test:
+        log_every(METRICS_LOG_EVERY_S, METRICS, threading.Event())  # no port to scrape in the queue mode
     _RUNPOD_CONFIG.update(
         {
             "handler": local_test_answer if local_test else handler,
@@ -276,7 +302,9 @@ def serve_http(settings: Settings, host: str, port: int, health_port: Optional[i
         return "ready" if _engine is not None else "initializing"
 
     threading.Thread(target=load, name="vlm-load", daemon=True).start()
-    app = make_app(handler, readiness, settings.api_key, settings.max_body_bytes, settings.http_timeout_s, metrics=None)
+    app = make_app(
+        handler, readiness, settings.api_key, settings.max_body_bytes, settings.http_timeout_s, METRICS.exposition
+    )
     serve(app, host, port, health_port or port, readiness, settings.http_timeout_s)
 
 

@@ -2639,3 +2639,28 @@ def test_the_hub_listing_offers_every_setting_and_curated_presets():
         e["key"]: e["value"] for e in json.loads((ROOT / ".runpod" / "tests.json").read_text())["config"]["env"]
     }
     assert tests_env["VLM_MODEL"] in presets
+
+
+def test_requests_are_counted_by_route_and_outcome_and_summed_up_in_one_log_line(monkeypatch, hub):
+    from runpod_vlm.metrics import METRICS
+
+    def count(route: str, outcome: str) -> float:
+        return METRICS.registry.get_sample_value("vlm_requests_total", {"route": route, "outcome": outcome}) or 0
+
+    serve(monkeypatch, QWEN)
+    before = {
+        key: count(*key) for key in [("generate", "ok"), ("generate", "missing_image"), ("chat_completions", "ok")]
+    }
+    generated = METRICS.registry.get_sample_value("vlm_completion_tokens_total") or 0
+    assert call(caption())["response"] == "ok"
+    assert call({"task": "vqa", "question": "Where?"})["code"] == "missing_image"
+    chat = {"openai_route": "/v1/chat/completions", "openai_input": {"messages": [{"role": "user", "content": "Hi"}]}}
+    assert call(chat)["object"] == "chat.completion"
+    assert {key: count(*key) - value for key, value in before.items()} == {
+        ("generate", "ok"): 1,
+        ("generate", "missing_image"): 1,
+        ("chat_completions", "ok"): 1,
+    }
+    assert METRICS.registry.get_sample_value("vlm_completion_tokens_total") > generated
+    line = METRICS.summary()
+    assert line.startswith("metrics: requests ") and "missing_image" in line and "KV blocks" in line, line

@@ -359,3 +359,38 @@ def test_a_model_that_cannot_load_keeps_the_lb_worker_up_and_unhealthy(broken_mo
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def scrape(base: str) -> dict:
+    """/metrics parsed by prometheus_client's own parser: {(name, labels): value}."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, body = get(base + "/metrics")
+    assert status == 200
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(body.decode())
+        for sample in family.samples
+    }
+
+
+def test_metrics_parse_and_move_with_a_request(lb_worker):
+    base = lb_worker[0]
+    before = scrape(base)
+    ok = ("vlm_requests_total", (("outcome", "ok"), ("route", "generate")))
+    refused = ("vlm_requests_total", (("outcome", "missing_image"), ("route", "generate")))
+    job = {"input": {"task": "caption", "image_url": data_uri(striped()), "max_new_tokens": 3, "min_new_tokens": 3}}
+    assert post(base + "/generate", job)[0] == 200
+    assert post(base + "/generate", {"input": {"task": "vqa", "question": "No image?"}})[0] == 400
+    after = scrape(base)
+    assert after[ok] == before.get(ok, 0) + 1 and after[refused] == before.get(refused, 0) + 1
+    generated = ("vlm_completion_tokens_total", ())
+    assert after[generated] == before.get(generated, 0) + 3
+    first = ("vlm_time_to_first_token_seconds_count", ())
+    assert after[first] == before.get(first, 0) + 1
+    assert after[("vlm_kv_blocks", ())] > 0 and after[("vlm_running_rows", ())] == 0
+    assert after[("vlm_kv_blocks_used", ())] == 0 and after[("vlm_queue_depth", ())] == 0
+    assert urllib.request.urlopen(base + "/ping", timeout=5).status == 200
+    with pytest.raises(urllib.error.HTTPError) as unauthorized:
+        urllib.request.urlopen(base + "/metrics", timeout=5)
+    assert unauthorized.value.code == 401

@@ -67,6 +67,7 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         """`on_fatal()` is called once the GPU has failed for good (the worker should be replaced)."""
         self.settings = settings
         self.on_fatal = on_fatal
+        self.on_finished: Optional[Callable[[Ticket, Any], None]] = None  # told of each item's end (metrics)
         self.model_id = settings.model
         self.quantize = quantize or settings.quantize
         self._compiled_forward = None
@@ -179,6 +180,8 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
             row_cap=cap[0] if cap else None,
             decode_graphs=len(decoder.graphs) if decoder is not None else 0,
             compiled_row_buckets=tuple(sorted(self._compiled_shapes)),
+            image_cache_hits=self.image_cache.hits if self.image_cache else 0,
+            image_cache_misses=self.image_cache.misses if self.image_cache else 0,
             timings=dict(self.timings),
         )
 
@@ -207,7 +210,7 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
 
     def submit_all(self, items: list[GenerationRequest], listeners: list, stream: bool = False) -> list[Ticket]:
         """Queue items together (a batch call's): they are admitted together when rows allow."""
-        tickets = [Ticket(item, listener, stream) for item, listener in zip(items, listeners)]
+        tickets = [Ticket(item, listener, stream, self.on_finished) for item, listener in zip(items, listeners)]
         if self.broken or self._closed:
             return [ticket.fail(GPU_FAILURE if self.broken else WORKER_STOPPING) for ticket in tickets]
         for ticket in tickets:
@@ -388,6 +391,8 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         """New tokens for a row (and their log-probabilities when it asked): stream them, and finish the row
         at its end token or length."""
         item, done = ticket.item, ticket.cancelled
+        if ticket.first_token_at is None and tokens:
+            ticket.first_token_at = time.monotonic()
         for n, token in enumerate(tokens):
             if done:
                 break

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from typing import Any, Optional
 
@@ -14,8 +15,17 @@ log = logging.getLogger("runpod-vlm")
 class Ticket:
     """One item's way through the engine: queued, then a row of the decoder, then finished."""
 
-    def __init__(self, item: GenerationRequest, listener: Callable[[Any], None], stream: bool):
-        self.item, self.listener, self.stream = item, listener, stream
+    def __init__(
+        self,
+        item: GenerationRequest,
+        listener: Callable[[Any], None],
+        stream: bool,
+        on_finished: Optional[Callable[[Ticket, Any], None]] = None,
+    ):
+        """`on_finished(ticket, result)`: told of every item's end, after its listener (the worker's metrics)."""
+        self.item, self.listener, self.stream, self.on_finished = item, listener, stream, on_finished
+        self.submitted_at = time.monotonic()
+        self.first_token_at: Optional[float] = None  # when its first token was handed out
         self.cancelled = self.done = False
         self.group_limit: Optional[int] = None  # set after a failed group: admitted in smaller ones
         self.row: Optional[int] = None
@@ -54,6 +64,11 @@ class Ticket:
         if not self.done:
             self.done = True
             self._tell(result)
+            if self.on_finished is not None:
+                try:
+                    self.on_finished(self, result)
+                except Exception:
+                    log.warning("an item's end could not be recorded", exc_info=True)
 
     def _tell(self, event) -> None:
         try:

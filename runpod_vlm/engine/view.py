@@ -21,7 +21,9 @@ class EngineView:
     row_cap: Optional[int]  # rows given at most for a while after a decode step ran out of memory
     decode_graphs: int  # decode steps recorded as CUDA graphs
     compiled_row_buckets: tuple[int, ...]  # row buckets whose decode step runs compiled
-    timings: dict  # seconds and counts by phase, and the prefix and image caches' counts
+    image_cache_hits: int  # images whose vision-encoder output was found cached
+    image_cache_misses: int
+    timings: dict  # seconds and counts by phase; prompt_tokens and prefix_cached_tokens (read from cached blocks)
 
     @property
     def kv_blocks_used(self) -> int:
