@@ -5,9 +5,9 @@ load-balancing worker serves them (runpod_vlm/http_server.py), on a port of your
 
 then `OpenAI(base_url="http://127.0.0.1:8000/v1", api_key="x")`. POST /v1/chat/completions and GET
 /v1/models (also under /openai/v1/..., the path RunPod's gateway serves), POST /generate with a queue
-job's body, GET /ping and /health. Streamed answers come as text/event-stream; errors with their HTTP
-status (400 the caller's, 500 the worker's). The model loads once the port is open (/ping says when it
-is ready); the worker's VLM_* settings apply.
+job's body, GET /ping, /health and /metrics. Streamed answers come as text/event-stream; errors with
+their HTTP status (400 the caller's, 500 the worker's). VLM_API_KEY, if set, is asked of every caller.
+The model loads once the port is open (/ping says when it is ready); the worker's VLM_* settings apply.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--port", type=int, default=8000)
     args = parser.parse_args()
     logging.basicConfig(level=os.environ.get("VLM_LOG_LEVEL", "INFO"))
-    handler.serve_http(args.host, args.port)
+    handler.serve_http(handler.Settings.from_env(), args.host, args.port)
 
 
 if __name__ == "__main__":

@@ -1015,7 +1015,7 @@ def worker(monkeypatch):
         def settings(self):
             return self.pinned or Settings.from_env()
 
-    def generate_all(engine, items):
+    def generate_all(engine, items, cancelled=None):
         return [
             Generation(text=" ".join(f"{i.width}x{i.height}" for i in item.images), finish_reason="stop")
             for item in items
