@@ -30,7 +30,14 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
-from runpod_vlm.answers import format_output, generate_all, generate_one, stream_chunks
+from runpod_vlm.answers import (
+    format_choices,
+    format_output,
+    generate_all,
+    generate_choices,
+    generate_one,
+    stream_chunks,
+)
 from runpod_vlm.engine.engine import Engine
 from runpod_vlm.media import read_images
 from runpod_vlm.metrics import METRICS, log_every, outcome_of
@@ -177,8 +184,12 @@ async def answers_to(job: dict):
             async for chunk in stream_chunks(engine, item, request):
                 yield chunk
             return
-        result = await generate_one(engine, item)
-        yield result.to_dict() if isinstance(result, RequestError) else format_output(engine, item, result, request)
+        if item.choices > 1:
+            result = format_choices(engine, item, await generate_choices(engine, item), request)
+        else:
+            result = await generate_one(engine, item)
+            result = result if isinstance(result, RequestError) else format_output(engine, item, result, request)
+        yield result.to_dict() if isinstance(result, RequestError) else result
     except Exception as failure:
         yield as_request_error(failure).to_dict()
 
@@ -199,10 +210,9 @@ def answer_batch(job: dict, payload: dict, cancelled: Optional[threading.Event] 
         param = f"requests[{index}]"
         try:
             request, item = read_job_item(raw, settings, model_id, param)
-            if request.stream:
-                raise RequestError(
-                    "invalid_request", "items of a batch call cannot stream", join_param(param, "stream")
-                )
+            if request.stream or request.n > 1:
+                field, what = ("stream", "cannot stream") if request.stream else ("n", "have one choice each")
+                raise RequestError("invalid_request", f"items of a batch call {what}", join_param(param, field))
             return request, item
         except (RequestError, SettingsError) as error:
             return error

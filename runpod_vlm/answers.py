@@ -43,12 +43,40 @@ def generate_all(
     return results  # type: ignore[return-value]
 
 
-async def stream_generation(engine: Engine, item: GenerationRequest, stream: bool = True):
-    """Yields StreamDelta events (when `stream`), then the Generation or RequestError; leaving early cancels it.
-    The engine streams token ids; their text is decoded here, on the job's side, not on the engine thread."""
+def choice_items(item: GenerationRequest) -> list[GenerationRequest]:
+    """The items of a request for `item.choices` choices: the same prompt, each its own seed stream (choice k of a
+    request seeded s draws as a one-choice request seeded s + k, within int64; unseeded, each draws anew)."""
+    if item.choices == 1:
+        return [item]
+
+    def seeded(k: int) -> Optional[int]:
+        seed = item.params.seed
+        return None if seed is None else (seed + k + 2**63) % 2**64 - 2**63
+
+    return [
+        dataclasses.replace(item, params=dataclasses.replace(item.params, seed=seeded(k)), choices=1)
+        for k in range(item.choices)
+    ]
+
+
+def stream_generations(engine: Engine, items: list[GenerationRequest], stream: bool = True) -> list:
+    """Submit items together and give each its events: StreamDelta events (when `stream`), then the Generation or
+    RequestError; closing an item's events early cancels it. Items that are choices of one request (more than one,
+    from `choice_items`) share their prompt's preparation and KV blocks. The engine streams token ids; their text is
+    decoded here, on the job's side, not on the engine thread. Call from the event loop."""
     loop = asyncio.get_running_loop()
-    events: asyncio.Queue = asyncio.Queue()
-    ticket = engine.submit(item, lambda event: loop.call_soon_threadsafe(events.put_nowait, event), stream)
+    queues = [asyncio.Queue() for _ in items]
+    listeners = [functools.partial(loop.call_soon_threadsafe, queue.put_nowait) for queue in queues]
+    tickets = engine.submit_all(items, listeners, stream, same_prompt=len(items) > 1)
+    return [_events(engine, queue, ticket) for queue, ticket in zip(queues, tickets)]
+
+
+def stream_generation(engine: Engine, item: GenerationRequest, stream: bool = True):
+    """One item's events (`stream_generations`)."""
+    return stream_generations(engine, [item], stream)[0]
+
+
+async def _events(engine: Engine, events: asyncio.Queue, ticket):
     text: Optional[TextDeltas] = None
     try:
         while True:
@@ -66,6 +94,16 @@ async def stream_generation(engine: Engine, item: GenerationRequest, stream: boo
 async def generate_one(engine: Engine, item: GenerationRequest) -> Outcome:
     """The final Generation or RequestError of one item."""
     return [event async for event in stream_generation(engine, item, stream=False)][-1]
+
+
+async def generate_choices(engine: Engine, item: GenerationRequest) -> list[Outcome]:
+    """The final Generation or RequestError of each of an item's choices, in order."""
+
+    async def last(events) -> Outcome:
+        async with contextlib.aclosing(events):
+            return [event async for event in events][-1]
+
+    return list(await asyncio.gather(*(last(e) for e in stream_generations(engine, choice_items(item), False))))
 
 
 def format_output(engine: Engine, item: GenerationRequest, generation: Generation, request: RequestModel) -> dict:
@@ -93,10 +131,30 @@ def format_output(engine: Engine, item: GenerationRequest, generation: Generatio
     return output
 
 
-async def answer_pieces(engine: Engine, item: GenerationRequest, stops: list[str], stream: bool):
+def format_choices(engine: Engine, item: GenerationRequest, outcomes: list[Outcome], request: RequestModel):
+    """A request's `n` answers as one output: the first choice's fields, then every choice, and usage as OpenAI sums
+    it (the prompt once, every choice's tokens); or the first choice's error."""
+    refused = next((outcome for outcome in outcomes if isinstance(outcome, RequestError)), None)
+    if refused is not None:
+        return refused
+    output = format_output(engine, item, outcomes[0], request)
+    skipped = ("model", "task", "image_count", "usage", "batch_images", "quantize", "quantize_warning")
+    output["choices"] = [
+        {
+            "index": k,
+            **{name: value for name, value in format_output(engine, item, g, request).items() if name not in skipped},
+        }
+        for k, g in enumerate(outcomes)
+    ]
+    output["usage"]["completion_tokens"] = sum(g.completion_tokens for g in outcomes)
+    return output
+
+
+async def answer_pieces(engine: Engine, item: GenerationRequest, stops: list[str], stream: bool, events=None):
     """Yields the answer's text as it becomes safe to show (when `stream`), then its Generation, cut
-    before the first stop sequence; raises the item's RequestError. A stop or leaving early cancels the item."""
-    events = stream_generation(engine, item, stream or bool(stops))
+    before the first stop sequence; raises the item's RequestError. A stop or leaving early cancels the item.
+    `events`: the item's events, when submitted already (`stream_generations(..., stream or bool(stops))`)."""
+    events = events or stream_generation(engine, item, stream or bool(stops))
     generated, shown = "", 0  # `shown` only grows when streaming
     try:
         async for event in events:

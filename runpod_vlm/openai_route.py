@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from pydantic import BaseModel, Field, ValidationError
 
-from runpod_vlm.answers import answer_pieces, paced
+from runpod_vlm.answers import answer_pieces, choice_items, paced, stream_generations
 from runpod_vlm.grounding import grounding_fields
 from runpod_vlm.media import read_images
 from runpod_vlm.request import check_text_length, pydantic_error, read_request, required_text
@@ -115,7 +115,6 @@ def read_openai_body(raw: Any) -> ChatCompletionBody:
     body = read_body(raw, ChatCompletionBody, OPENAI_UNSUPPORTED, OPENAI_IGNORED)
     stops, grounding = body.stop_sequences, body.vlm is not None and body.vlm.task == "grounding"
     for refused, message, param in (
-        (body.n not in (None, 1), "must be 1: this worker returns one choice per request", "n"),
         (body.stream_options is not None and not body.stream, "only allowed when stream is true", "stream_options"),
         (len(stops) > 4, "at most 4 stop sequences", "stop"),  # as OpenAI's API
         ("" in stops, "a stop sequence must not be empty", "stop"),
@@ -148,6 +147,7 @@ def openai_item(body: ChatCompletionBody, settings: Settings, model_id: str) -> 
         "logprobs": body.logprobs,
         "top_logprobs": body.top_logprobs,
         "response_format": body.response_format,
+        "n": body.n,
     }
     _, item = read_request({k: v for k, v in native.items() if v is not None}, settings, model_id, None)
     if body.vlm is not None and body.vlm.task == "grounding":
@@ -184,8 +184,9 @@ def sse(data: Any) -> str:
 
 
 async def chat_completion(engine: Engine, item: GenerationRequest, body: ChatCompletionBody):
-    """One `chat.completion`, or when `body.stream` chunks at most once per VLM_STREAM_INTERVAL_MS, the role held
-    until the first piece (an early error is refused whole), then usage when asked and `data: [DONE]`."""
+    """One `chat.completion` of `n` choices, or when `body.stream` chunks at most once per VLM_STREAM_INTERVAL_MS per
+    choice, each choice's role held until its first piece (an early error is refused whole), then usage when asked
+    (summed as OpenAI sums it: the prompt once) and `data: [DONE]`."""
     include_usage = body.stream_options is not None and body.stream_options.include_usage
     head = {
         "id": f"chatcmpl-{uuid.uuid4().hex}",
@@ -195,47 +196,86 @@ async def chat_completion(engine: Engine, item: GenerationRequest, body: ChatCom
         **({"usage": None} if include_usage else {}),
     }
 
-    def chunk(delta: dict, finish_reason: Optional[str] = None, logprobs: Optional[dict] = None, **extra) -> str:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+    def chunk(index: int, delta: dict, finish_reason=None, logprobs: Optional[dict] = None, **extra) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return sse({**head, "choices": [choice], **extra})
 
     interval_s = engine.settings.stream_interval_ms / 1000
-    opening = chunk({"role": "assistant", "content": ""})
     stream = body.stream and item.task != "grounding"  # a grounding answer is written whole at the end, with its box
-    async with contextlib.aclosing(paced(answer_pieces(engine, item, body.stop_sequences, stream), interval_s)) as sent:
-        async for text, piece in sent:  # the last pair holds the Generation
-            if piece is None:
-                yield opening + chunk({"content": text})
-                opening = ""
-    content, extra = text if stream else piece.text, {}
-    if item.task == "grounding":
-        fields = grounding_fields(item, piece, engine.adapter)
-        content, extra["vlm"] = json.dumps({**fields, "response": piece.text}), {"task": "grounding", **fields}
-    # A stream's logprobs all come in its last chunk: its text pieces are cut at characters, not tokens.
-    logprobs = {"content": piece.logprobs, "refusal": None} if piece.logprobs is not None else None
-    usage = {
-        "prompt_tokens": piece.prompt_tokens,
-        "completion_tokens": piece.completion_tokens,
-        "total_tokens": piece.prompt_tokens + piece.completion_tokens,
-    }
-    if not body.stream:
-        yield {
-            **head,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": content},
-                    "logprobs": logprobs,
-                    "finish_reason": piece.finish_reason,
-                }
-            ],
-            "usage": usage,
-            **extra,
-        }
+    items, stops = choice_items(item), body.stop_sequences
+    events = stream_generations(engine, items, stream or bool(stops))
+    answers = [paced(answer_pieces(engine, it, stops, stream, ev), interval_s) for it, ev in zip(items, events)]
+    opened: set[int] = set()  # choices whose role was sent
+
+    def opening(index: int) -> str:
+        first = index not in opened
+        opened.add(index)
+        return chunk(index, {"role": "assistant", "content": ""}) if first else ""
+
+    finals, extra = [None] * len(items), {}
+    async for index, text, piece in merged(answers):  # each choice's last pair holds its Generation
+        if piece is None:
+            yield opening(index) + chunk(index, {"content": text})
+            continue
+        content, fields = text if stream else piece.text, {}
+        if item.task == "grounding":
+            boxes = grounding_fields(item, piece, engine.adapter)
+            content, fields["vlm"] = json.dumps({**boxes, "response": piece.text}), {"task": "grounding", **boxes}
+        extra = extra or fields  # the first choice's
+        # A stream's logprobs all come in its last chunk: its text pieces are cut at characters, not tokens.
+        logprobs = {"content": piece.logprobs, "refusal": None} if piece.logprobs is not None else None
+        finals[index] = piece, content, logprobs
+        if body.stream:
+            yield opening(index) + chunk(index, {"content": content}, piece.finish_reason, logprobs, **fields)
+    prompt = finals[0][0].prompt_tokens
+    completion = sum(piece.completion_tokens for piece, _, _ in finals)
+    usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    if body.stream:
+        yield (sse({**head, "choices": [], "usage": usage}) if include_usage else "") + sse("[DONE]")
         return
-    usage_chunk = sse({**head, "choices": [], "usage": usage}) if include_usage else ""
-    last = chunk({"content": content}, piece.finish_reason, logprobs, **extra)
-    yield opening + last + usage_chunk + sse("[DONE]")
+    choices = [
+        {
+            "index": index,
+            "message": {"role": "assistant", "content": content},
+            "logprobs": logprobs,
+            "finish_reason": piece.finish_reason,
+        }
+        for index, (piece, content, logprobs) in enumerate(finals)
+    ]
+    yield {**head, "choices": choices, "usage": usage, **extra}
+
+
+async def merged(generators: list):
+    """(index, *pair) from several async generators at once, as each yields; the first failure is raised, and
+    leaving early (or a failure) cancels and closes them all."""
+    queue: asyncio.Queue = asyncio.Queue()
+    ended = object()
+
+    async def drain(index: int, generator) -> None:
+        async with contextlib.aclosing(generator):
+            try:
+                async for pair in generator:
+                    await queue.put((index, pair, None))
+            except Exception as error:
+                await queue.put((index, None, error))
+            else:
+                await queue.put((index, None, ended))
+
+    tasks = [asyncio.create_task(drain(index, generator)) for index, generator in enumerate(generators)]
+    try:
+        running = len(tasks)
+        while running:
+            index, pair, outcome = await queue.get()
+            if outcome is ended:
+                running -= 1
+            elif outcome is not None:
+                raise outcome
+            else:
+                yield (index, *pair)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def served_models(served_model) -> list[dict]:

@@ -53,6 +53,7 @@ class RequestModel(BaseModel):
     response_format: Optional[Any] = None  # OpenAI's: text, json_object or json_schema
     max_pixels: Optional[int] = Field(default=None, ge=1)  # each image resized to at most this many pixels
     stream: bool = False
+    n: int = Field(default=1, ge=1)  # choices: answers to the same prompt, each its own seed stream
     batch_images: Optional[bool] = None
     annotate: bool = False  # grounding: also return the image with the boxes drawn
 
@@ -100,6 +101,10 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
         refuse("min_new_tokens", "not used with a response_format: the schema decides where the answer ends")
     if request.annotate and task != "grounding":
         refuse("annotate", "only used by the grounding task")
+    if request.n > settings.max_choices:
+        refuse("n", f"must be at most {settings.max_choices} on this worker (VLM_MAX_CHOICES)")
+    if request.n > 1 and request.stream:
+        refuse("n", "a streamed answer on this route has one choice; the OpenAI route streams several")
     params = GenerationParams(
         max_new_tokens=max_new_tokens,
         temperature=request.temperature,
@@ -140,7 +145,9 @@ def parse_request(raw: Any, settings: Settings, param: Optional[str] = None) -> 
                 else p
                 for p in turn.parts
             ]
-    prepared = GenerationRequest(task, turns, params, grounding_target=target, annotate=request.annotate, param=param)
+    prepared = GenerationRequest(
+        task, turns, params, grounding_target=target, annotate=request.annotate, param=param, choices=request.n
+    )
     check_text_length(prepared, settings, param)
     return request, prepared
 

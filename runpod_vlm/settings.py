@@ -132,6 +132,7 @@ class Settings:
     max_schema_bytes: pydantic.PositiveInt = 65_536  # a response_format schema's JSON text
     schema_timeout_s: Annotated[float, Field(gt=0, le=600)] = 5.0  # a new schema's grammar is built within this
     max_messages: pydantic.PositiveInt = 64
+    max_choices: pydantic.PositiveInt = 8  # a request's `n`
     min_pixels: pydantic.NonNegativeInt = 0  # Qwen processors' visual-token bounds; 0 keeps the model's own
     max_pixels: pydantic.NonNegativeInt = 0
     compile: bool = True  # torch.compile + CUDA graphs for decoding (CUDA only, never bitsandbytes)

@@ -94,6 +94,7 @@ class GenerationRequest:
     param: Optional[str] = None  # where the request sits in the job, e.g. "requests[3]"
     image_max_pixels: list = dataclasses.field(default_factory=list)  # per image, in order: a bound, or None
     image_keys: list = dataclasses.field(default_factory=list)  # per image, in order: its embedding cache key
+    choices: int = 1  # answers asked for (OpenAI's n), each its own item once submitted (answers.choice_items)
 
     @property
     def images(self) -> list:

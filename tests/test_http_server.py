@@ -232,7 +232,7 @@ def test_the_official_openai_client_calls_the_lb_worker(lb_worker):
         answer.choices[0].message.content
     )
     with pytest.raises(Exception) as refused:
-        client.chat.completions.create(model=model.id, messages=messages, n=2)
+        client.chat.completions.create(model=model.id, messages=messages, n=99)
     assert getattr(refused.value, "status_code", None) == 400
 
 

@@ -215,6 +215,9 @@ class ScriptedEngine:
             "".join(pieces).strip(), "length", prompt_tokens=11, completion_tokens=len(pieces)
         )
 
+    def submit_all(self, items, listeners, stream=False, same_prompt=False):
+        return [self.submit(item, listener, stream) for item, listener in zip(items, listeners)]
+
     def submit(self, item, listener, stream=False):
         ticket = FakeTicket()
         self.submitted.append((item, stream, ticket))
@@ -300,7 +303,7 @@ TEXT = [{"role": "user", "content": "Hi"}]
 @pytest.mark.parametrize(
     "body, code, param",
     [
-        ({"messages": TEXT, "n": 2}, "invalid_request", "n"),
+        ({"messages": TEXT, "n": 99}, "invalid_request", "n"),
         (
             {"messages": TEXT, "tools": [{"type": "function", "function": {"name": "f"}}]},
             "unsupported_parameter",

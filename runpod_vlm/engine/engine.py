@@ -208,8 +208,12 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         `stream`) and then exactly once with the final Generation or RequestError."""
         return self.submit_all([item], [listener], stream)[0]
 
-    def submit_all(self, items: list[GenerationRequest], listeners: list, stream: bool = False) -> list[Ticket]:
-        """Queue items together (a batch call's): they are admitted together when rows allow."""
+    def submit_all(
+        self, items: list[GenerationRequest], listeners: list, stream: bool = False, same_prompt: bool = False
+    ) -> list[Ticket]:
+        """Queue items together (a batch call's): they are admitted together when rows allow. `same_prompt`: the items
+        are choices of one request (the same prompt and images): prepared once, and admitted one after the other so
+        that each later one reads the first's prompt from the prefix cache instead of computing it again."""
         tickets = [Ticket(item, listener, stream, self.on_finished) for item, listener in zip(items, listeners)]
         if self.broken or self._closed:
             return [ticket.fail(GPU_FAILURE if self.broken else WORKER_STOPPING) for ticket in tickets]
@@ -224,7 +228,10 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
             call = object()  # the items of one call are admitted together
             for ticket in queued:
                 ticket.call = call
-                ticket.prepared = self._intake_of().submit(ticket.item, self._notify)
+                if same_prompt and ticket is not queued[0]:
+                    ticket.prepared, ticket.group_limit = queued[0].prepared, 1
+                else:
+                    ticket.prepared = self._intake_of().submit(ticket.item, self._notify)
                 params = ticket.item.params
                 if params.json_schema is not None:
                     param = join_param(ticket.item.param, "response_format")
