@@ -15,8 +15,9 @@ from pydantic import BaseModel, Field, ValidationError
 from runpod_vlm.answers import answer_pieces, choice_items, paced, stream_generations
 from runpod_vlm.grounding import grounding_fields
 from runpod_vlm.media import read_images
-from runpod_vlm.request import check_text_length, pydantic_error, read_request, required_text
+from runpod_vlm.request import check_text_length, checked_schema, pydantic_error, read_request, required_text
 from runpod_vlm.settings import Settings
+from runpod_vlm.tools import TOOL_FORMATS, call_schema, read_calls, read_tools
 from runpod_vlm.video import read_videos
 from runpod_vlm.vocabulary import GenerationRequest, RequestError, as_request_error
 
@@ -33,8 +34,6 @@ OPENAI_UNSUPPORTED = {
     "frequency_penalty": (0,),
     "presence_penalty": (0,),
     "logit_bias": ({},),
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
     "modalities": (["text"],),
@@ -55,7 +54,6 @@ OPENAI_IGNORED = (
     "prompt_cache_key",
     "prompt_cache_options",
     "prompt_cache_retention",
-    "parallel_tool_calls",
 )
 
 
@@ -86,6 +84,9 @@ class ChatCompletionBody(BaseModel, extra="forbid", strict=True):
     top_logprobs: Optional[int] = None
     response_format: Optional[Any] = None
     n: Optional[int] = None
+    tools: Optional[Any] = None  # read by tools.read_tools, naming its fields
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
     stream: Optional[bool] = None
     stream_options: Optional[OpenAIStreamOptions] = None
     vlm: Optional[VlmOptions] = None
@@ -150,6 +151,17 @@ def openai_item(body: ChatCompletionBody, settings: Settings, model_id: str) -> 
         "n": body.n,
     }
     _, item = read_request({k: v for k, v in native.items() if v is not None}, settings, model_id, None)
+    tool_use = read_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    if tool_use is not None:
+        schema = call_schema(tool_use)
+        if schema is not None and body.response_format is not None:
+            message = "not with tool_choice required or a named function: the answer is the call"
+            raise RequestError("invalid_request", message, "response_format")
+        params = item.params
+        if schema is not None:
+            text = checked_schema(schema, "tools", settings.max_schema_bytes)
+            params = dataclasses.replace(params, json_schema=text, schema_param="tools")
+        item = dataclasses.replace(item, tool_use=tool_use, params=params)
     if body.vlm is not None and body.vlm.task == "grounding":
         target = required_text(body.vlm.target, "vlm.target", "the grounding task")
         item = dataclasses.replace(item, task="grounding", grounding_target=target)
@@ -203,6 +215,8 @@ async def chat_completion(engine: Engine, item: GenerationRequest, body: ChatCom
     interval_s = engine.settings.stream_interval_ms / 1000
     stream = body.stream and item.task != "grounding"  # a grounding answer is written whole at the end, with its box
     items, stops = choice_items(item), body.stop_sequences
+    use, opener = item.tool_use, tool_format(engine, item)
+    shown = ToolText(use, opener, engine.tokenizer if opener else None, len(items))
     events = stream_generations(engine, items, stream or bool(stops))
     answers = [paced(answer_pieces(engine, it, stops, stream, ev), interval_s) for it, ev in zip(items, events)]
     opened: set[int] = set()  # choices whose role was sent
@@ -215,20 +229,28 @@ async def chat_completion(engine: Engine, item: GenerationRequest, body: ChatCom
     finals, extra = [None] * len(items), {}
     async for index, text, piece in merged(answers):  # each choice's last pair holds its Generation
         if piece is None:
-            yield opening(index) + chunk(index, {"content": text})
+            if text := shown.new(index, text):
+                yield opening(index) + chunk(index, {"content": text})
             continue
-        content, fields = text if stream else piece.text, {}
+        content, fields, calls = text if stream else piece.text, {}, []
         if item.task == "grounding":
             boxes = grounding_fields(item, piece, engine.adapter)
             content, fields["vlm"] = json.dumps({**boxes, "response": piece.text}), {"task": "grounding", **boxes}
+        if use is not None:
+            answer, calls = read_calls(use, piece.text, piece.raw_text, opener)
+            content = shown.last(index, text, bool(calls)) if stream else answer
         extra = extra or fields  # the first choice's
         # A stream's logprobs all come in its last chunk: its text pieces are cut at characters, not tokens.
         logprobs = {"content": piece.logprobs, "refusal": None} if piece.logprobs is not None else None
-        finals[index] = piece, content, logprobs
+        finish = "tool_calls" if calls and piece.finish_reason == "stop" else piece.finish_reason
+        finals[index] = piece, content, logprobs, calls, finish
         if body.stream:
-            yield opening(index) + chunk(index, {"content": content}, piece.finish_reason, logprobs, **fields)
+            delta = {"content": content or (None if calls else "")}
+            if calls:
+                delta["tool_calls"] = [call.openai(k) for k, call in enumerate(calls)]
+            yield opening(index) + chunk(index, delta, finish, logprobs, **fields)
     prompt = finals[0][0].prompt_tokens
-    completion = sum(piece.completion_tokens for piece, _, _ in finals)
+    completion = sum(final[0].completion_tokens for final in finals)
     usage = {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
     if body.stream:
         yield (sse({**head, "choices": [], "usage": usage}) if include_usage else "") + sse("[DONE]")
@@ -236,13 +258,65 @@ async def chat_completion(engine: Engine, item: GenerationRequest, body: ChatCom
     choices = [
         {
             "index": index,
-            "message": {"role": "assistant", "content": content},
+            "message": {
+                "role": "assistant",
+                "content": content,
+                **({"tool_calls": [call.openai() for call in calls]} if calls else {}),
+            },
             "logprobs": logprobs,
-            "finish_reason": piece.finish_reason,
+            "finish_reason": finish,
         }
-        for index, (piece, content, logprobs) in enumerate(finals)
+        for index, (_, content, logprobs, calls, finish) in enumerate(finals)
     ]
     yield {**head, "choices": choices, "usage": usage, **extra}
+
+
+def tool_format(engine: Engine, item: GenerationRequest) -> Optional[str]:
+    """The text that opens a call in the model's format (a TOOL_FORMATS key), None without tools; refused naming
+    `tools` where the model's chat template takes none, or where its calls could not be read back (`auto`)."""
+    use = item.tool_use
+    if use is None:
+        return None
+    template = engine.adapter.tool_template(engine.processor) if engine.adapter.native else None
+    if template is None:
+        message = f"this model's chat template ({engine.adapter.name}) takes no tools"
+        raise RequestError("unsupported_parameter", message, "tools")
+    opener = next((opener for opener in TOOL_FORMATS if opener in template), None)
+    if opener is None and use.choice == "auto":
+        message = "this worker cannot read this model's tool calls: use tool_choice required or a named function"
+        raise RequestError("unsupported_parameter", message, "tool_choice")
+    return opener
+
+
+class ToolText:
+    """What of each choice's streamed text may be shown while it may call tools: none of a constrained answer (it
+    is the call), and in `auto` nothing from where a call opens, or might (its opener begun); everything when the
+    opener is a special token, which the streamed text never shows."""
+
+    def __init__(self, use, opener: Optional[str], tokenizer, choices: int):
+        self.use, self.held, self.calling = use, [""] * choices, [False] * choices
+        special = opener in getattr(tokenizer, "all_special_tokens", ())
+        self.opener = None if special else opener
+
+    def new(self, index: int, text: str) -> str:
+        if self.use is None or self.use.choice == "none":
+            return text
+        self.held[index] += text
+        if self.calling[index] or self.use.choice != "auto" or self.opener is None:
+            return ""
+        held, opener = self.held[index], self.opener
+        cut = held.find(opener)
+        if cut >= 0:
+            self.calling[index] = True
+        else:
+            cut = len(held) - max((k for k in range(1, len(opener)) if held.endswith(opener[:k])), default=0)
+        self.held[index] = held[cut:]
+        return held[:cut]
+
+    def last(self, index: int, text: str, called: bool) -> Optional[str]:
+        """A choice's last content delta: what is left to show of its text, none of a call."""
+        shown = self.new(index, text)
+        return (shown or None) if called else shown + self.held[index]
 
 
 async def merged(generators: list):

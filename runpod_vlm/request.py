@@ -213,21 +213,52 @@ def parse_messages(messages: Any, settings: Settings, param: str) -> list[Turn]:
         if not isinstance(message, dict):
             raise RequestError("invalid_request", "must be an object with role and content", where)
         role, content = message.get("role"), message.get("content")
-        if role not in ("system", "user", "assistant"):
-            raise RequestError("invalid_request", "must be system, user or assistant", f"{where}.role")
+        if role not in ("system", "user", "assistant", "tool"):
+            raise RequestError("invalid_request", "must be system, user, assistant or tool", f"{where}.role")
+        calls = _tool_calls(message.get("tool_calls"), f"{where}.tool_calls") if role == "assistant" else None
         if isinstance(content, str):
             parts = [content]
         elif isinstance(content, list) and content:
             parts = [_parse_block(block, f"{where}.content[{j}]") for j, block in enumerate(content)]
+        elif calls and content is None:  # an assistant's turn that only calls tools
+            parts = []
         else:
             raise RequestError("invalid_request", "must be a string or a non-empty list of blocks", f"{where}.content")
         if role != "user" and any(not isinstance(p, str) for p in parts):
             message = "images and videos are allowed in user messages only"
             raise RequestError("invalid_request", message, f"{where}.content")
-        turns.append(Turn(role, parts))
-    if turns[-1].role != "user":
-        raise RequestError("invalid_request", "the last message must come from the user", f"{where}.role")
+        call_id = message.get("tool_call_id") if role == "tool" else None
+        if role == "tool" and not isinstance(call_id, str):
+            raise RequestError(
+                "invalid_request", "a tool message needs the tool_call_id it answers", f"{where}.tool_call_id"
+            )
+        turns.append(Turn(role, parts, tool_calls=calls, tool_call_id=call_id))
+    if turns[-1].role not in ("user", "tool"):
+        raise RequestError("invalid_request", "the last message must come from the user or a tool", f"{where}.role")
     return turns
+
+
+def _tool_calls(calls: Any, where: str) -> Optional[list]:
+    """An assistant message's `tool_calls` (OpenAI's shape, arguments as JSON text) -> [{"id", "name", "arguments"}]
+    with each call's arguments an object, as chat templates take them."""
+    if calls is None:
+        return None
+    if not isinstance(calls, list) or not calls:
+        raise RequestError("invalid_request", "must be a non-empty list of calls", where)
+    read = []
+    for k, call in enumerate(calls):
+        at = f"{where}[{k}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise RequestError(
+                "invalid_request", 'must be {"id", "type": "function", "function": {"name", "arguments"}}', at
+            )
+        try:
+            arguments = json.loads(function.get("arguments") or "{}")
+        except (TypeError, ValueError):
+            raise RequestError("invalid_request", "must be JSON text", f"{at}.function.arguments") from None
+        read.append({"id": str(call.get("id") or f"call_{k}"), "name": function["name"], "arguments": arguments})
+    return read
 
 
 def _parse_block(block: Any, where: str):
@@ -290,6 +321,11 @@ def schema_of(response_format: Any, param: str, max_bytes: int) -> Optional[str]
     where = f"{param}.json_schema.schema"
     if not isinstance(schema, dict):
         raise RequestError("invalid_request", "needs a schema object", where)
+    return checked_schema(schema, where, max_bytes)
+
+
+def checked_schema(schema: dict, where: str, max_bytes: int) -> str:
+    """A JSON schema as JSON text in its own key order, refused naming `where` past the size limits."""
     text = json.dumps(schema, separators=(",", ":"))
     if len(text.encode()) > max_bytes:
         raise RequestError("schema_too_complex", f"the schema is over {max_bytes} bytes as JSON", where)

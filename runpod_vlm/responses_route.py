@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any, Optional
 from pydantic import BaseModel
 
 from runpod_vlm.answers import answer_pieces, paced
-from runpod_vlm.openai_route import openai_error, openai_item, read_body, read_openai_body
+from runpod_vlm.openai_route import ToolText, openai_error, openai_item, read_body, read_openai_body, tool_format
+from runpod_vlm.tools import read_calls
 from runpod_vlm.vocabulary import Generation, GenerationRequest, RequestError, as_request_error
 
 if TYPE_CHECKING:
@@ -26,8 +27,6 @@ if TYPE_CHECKING:
 
 # Fields accepted only at neutral values; a stateful or tool field gets an error that says why.
 RESPONSES_UNSUPPORTED = {
-    "tools": ([],),
-    "tool_choice": ("none", "auto"),
     "max_tool_calls": (),
     "reasoning": (),
     "include": ([],),
@@ -50,7 +49,6 @@ RESPONSES_IGNORED = (
     "prompt_cache_key",
     "prompt_cache_options",
     "prompt_cache_retention",
-    "parallel_tool_calls",
     "stream_options",
 )
 
@@ -65,6 +63,9 @@ class ResponsesBody(BaseModel, extra="forbid", strict=True):
     stream: Optional[bool] = None
     store: Optional[bool] = None
     text: Optional[dict] = None
+    tools: Optional[list] = None  # function tools, in the Responses shape (chat_tools)
+    tool_choice: Optional[Any] = None
+    parallel_tool_calls: Optional[bool] = None
 
 
 def read_responses_body(raw: Any) -> ResponsesBody:
@@ -93,13 +94,46 @@ def chat_messages(body: ResponsesBody) -> list:
         raise RequestError("invalid_request", "must be a string or a non-empty list of input items", "input")
     messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
     for i, item in enumerate(items):
-        if not isinstance(item, dict) or item.get("type", "message") != "message":
-            raise RequestError("invalid_request", "only message items are supported (no tool outputs)", f"input[{i}]")
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "function_call":  # a call the model made earlier: consecutive ones are one assistant turn
+            call = {
+                "id": item.get("call_id"),
+                "type": "function",
+                "function": {k: item.get(k) for k in ("name", "arguments")},
+            }
+            if messages and messages[-1].get("tool_calls") and messages[-1]["content"] is None:
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+            continue
+        if kind == "function_call_output":
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"), "content": item.get("output")})
+            continue
+        if kind != "message":
+            message = "must be a message, function_call or function_call_output item"
+            raise RequestError("invalid_request", message, f"input[{i}]")
         content = item.get("content")
         if isinstance(content, list):
             content = [chat_part(part, f"input[{i}].content[{j}]") for j, part in enumerate(content)]
         messages.append({"role": item.get("role"), "content": content})
     return messages
+
+
+def chat_tools(body: ResponsesBody) -> dict:
+    """The Responses API's function tools and tool_choice (flat: `name` beside `type`) as chat completions' fields."""
+    fields: dict = {"parallel_tool_calls": body.parallel_tool_calls}
+    if body.tools is not None:
+        fields["tools"] = [
+            {"type": "function", "function": {k: v for k, v in tool.items() if k not in ("type", "strict")}}
+            if isinstance(tool, dict) and tool.get("type") == "function"
+            else tool
+            for tool in body.tools
+        ]
+    choice = body.tool_choice
+    if isinstance(choice, dict) and choice.get("type") == "function" and "function" not in choice:
+        choice = {"type": "function", "function": {"name": choice.get("name")}}
+    fields["tool_choice"] = choice
+    return fields
 
 
 def chat_part(part: Any, where: str) -> dict:
@@ -123,6 +157,7 @@ def responses_param(param: Optional[str], offset: int) -> Optional[str]:
         return "text.format" + param.removeprefix("response_format").replace(".json_schema", "")
     if renamed:
         return renamed
+    param = re.sub(r"^(tools\[\d+\])\.function", r"\1", param).replace(".tool_call_id", ".call_id")
     return re.sub(r"^messages\[(\d+)\]", lambda m: f"input[{int(m.group(1)) - offset}]", param).replace(
         "messages", "input"
     )
@@ -136,6 +171,7 @@ def responses_item(body: ResponsesBody, settings, model_id: str) -> GenerationRe
         "temperature": body.temperature,
         "top_p": body.top_p,
         "response_format": response_format(body),
+        **chat_tools(body),
     }
     try:
         return openai_item(read_openai_body({k: v for k, v in chat.items() if v is not None}), settings, model_id)
@@ -156,7 +192,15 @@ class ResponseWriter:
         content = [{"type": "output_text", "text": text, "annotations": []}] if status != "in_progress" else []
         return {"type": "message", "id": self.message_id, "status": status, "role": "assistant", "content": content}
 
-    def response(self, generation: Optional[Generation] = None, text: str = "") -> dict:
+    @staticmethod
+    def function_call(call, status: str = "completed") -> dict:
+        arguments = call.arguments if status == "completed" else ""
+        fields = {"id": f"fc_{call.id.removeprefix('call_')}", "call_id": call.id, "name": call.name}
+        return {"type": "function_call", **fields, "arguments": arguments, "status": status}
+
+    def response(self, generation: Optional[Generation] = None, text: str = "", calls: tuple = ()) -> dict:
+        """The Response: in progress, or done with its message (`text`, left out when a call came with none, as
+        OpenAI's) and its function calls."""
         done = generation is not None
         cut = done and generation.finish_reason == "length"
         usage = (
@@ -177,16 +221,21 @@ class ResponseWriter:
             "model": self.model_id,
             "status": ("incomplete" if cut else "completed") if done else "in_progress",
             "incomplete_details": {"reason": "max_output_tokens"} if cut else None,
-            "output": [self.message(text, "incomplete" if cut else "completed")] if done else [],
+            "output": (
+                [self.message(text, "incomplete" if cut else "completed")] * (bool(text) or not calls)
+                + [self.function_call(call) for call in calls]
+                if done
+                else []
+            ),
             "usage": usage,
             "error": None,
             "instructions": self.body.instructions,
             "max_output_tokens": self.body.max_output_tokens,
             "temperature": self.body.temperature,
             "top_p": self.body.top_p,
-            "parallel_tool_calls": False,
-            "tool_choice": "none",
-            "tools": [],
+            "parallel_tool_calls": bool(self.body.tools) and self.body.parallel_tool_calls is not False,
+            "tool_choice": self.body.tool_choice or ("auto" if self.body.tools else "none"),
+            "tools": [{"strict": None, **tool} for tool in self.body.tools or ()],
             "text": {"format": self.body.text.get("format") if self.body.text else {"type": "text"}},
             "truncation": "disabled",
             "store": False,
@@ -210,15 +259,29 @@ class ResponseWriter:
     def delta(self, text: str) -> str:
         return self.event("response.output_text.delta", delta=text, logprobs=[], **self.place())
 
-    def closing(self, generation: Generation, text: str) -> str:
-        final = self.response(generation, text)
-        part = final["output"][0]["content"][0]
-        return (
+    def closing(self, generation: Generation, text: str, calls: tuple = ()) -> str:
+        """The stream's last events: the message (always opened, so always closed), each function call, the end."""
+        final = self.response(generation, text, calls)
+        message = self.message(text, "incomplete" if final["status"] == "incomplete" else "completed")
+        events = (
             self.event("response.output_text.done", text=text, logprobs=[], **self.place())
-            + self.event("response.content_part.done", part=part, **self.place())
-            + self.event("response.output_item.done", output_index=0, item=final["output"][0])
-            + self.event(f"response.{final['status']}", response=final)
+            + self.event("response.content_part.done", part=message["content"][0], **self.place())
+            + self.event("response.output_item.done", output_index=0, item=message)
         )
+        for index, call in enumerate(calls, 1):
+            item = self.function_call(call)
+            place = {"output_index": index, "item_id": item["id"]}
+            events += (
+                self.event(
+                    "response.output_item.added", output_index=index, item=self.function_call(call, "in_progress")
+                )
+                + self.event("response.function_call_arguments.delta", delta=call.arguments, **place)
+                + self.event("response.function_call_arguments.done", arguments=call.arguments, name=call.name, **place)
+                + self.event("response.output_item.done", output_index=index, item=item)
+            )
+        if calls and not text:  # the message item the stream opened (output 0) stays in its final Response
+            final["output"] = [message, *final["output"]]
+        return events + self.event(f"response.{final['status']}", response=final)
 
     def place(self) -> dict:
         return {"output_index": 0, "content_index": 0, "item_id": self.message_id}
@@ -228,15 +291,22 @@ async def responses(engine: Engine, item: GenerationRequest, body: ResponsesBody
     """One Response object, or when `body.stream` its events, text at most once per VLM_STREAM_INTERVAL_MS."""
     interval_s = engine.settings.stream_interval_ms / 1000
     opening = writer.opening() if body.stream else ""
+    use, opener = item.tool_use, tool_format(engine, item)
+    shown = ToolText(use, opener, engine.tokenizer if opener else None, 1)
     async with contextlib.aclosing(paced(answer_pieces(engine, item, [], bool(body.stream)), interval_s)) as sent:
         async for piece, generation in sent:  # the last pair holds the Generation
-            if generation is None:
+            if generation is None and (piece := shown.new(0, piece)):
                 yield opening + writer.delta(piece)
                 opening = ""
+    text, calls = generation.text, []
+    if use is not None:
+        text, calls = read_calls(use, generation.text, generation.raw_text, opener)
+        text = text or ""
     if not body.stream:
-        yield writer.response(generation, generation.text)
+        yield writer.response(generation, text, tuple(calls))
         return
-    yield opening + (writer.delta(piece) if piece else "") + writer.closing(generation, generation.text)
+    last = (shown.last(0, piece, bool(calls)) or "") if use is not None else piece
+    yield opening + (writer.delta(last) if last else "") + writer.closing(generation, text, tuple(calls))
 
 
 async def responses_answers(engine_getter, served_model, job_input: dict):

@@ -67,8 +67,19 @@ def join_param(param: Optional[str], child: str) -> str:
 
 @dataclasses.dataclass
 class Turn:
-    role: str
+    role: str  # system, user, assistant or tool
     parts: list  # str or PIL.Image.Image, in order
+    tool_calls: Optional[list] = None  # an assistant's calls: [{"id", "name", "arguments" (an object)}]
+    tool_call_id: Optional[str] = None  # a tool turn's answer to this call
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolUse:
+    """A request's function tools (OpenAI's shape, as chat templates take them) and how they may be called."""
+
+    tools: list
+    choice: str  # auto, none, required, or the name of the function the answer must call
+    parallel: bool = True
 
 
 @dataclasses.dataclass
@@ -81,7 +92,8 @@ class GenerationParams:
     seed: Optional[int] = None  # sampled tokens are a function of it (and the prompt) alone
     logprobs: bool = False  # each answer token's log-probability, and its `top_logprobs` alternatives
     top_logprobs: int = 0
-    json_schema: Optional[str] = None  # the answer is JSON of this schema (canonical JSON text), token by token
+    json_schema: Optional[str] = None  # the answer is JSON of this schema (JSON text), token by token
+    schema_param: str = "response_format"  # the field that asked for it (or `tools`), named when it fails
 
 
 @dataclasses.dataclass
@@ -95,6 +107,7 @@ class GenerationRequest:
     image_max_pixels: list = dataclasses.field(default_factory=list)  # per image, in order: a bound, or None
     image_keys: list = dataclasses.field(default_factory=list)  # per image, in order: its embedding cache key
     choices: int = 1  # answers asked for (OpenAI's n), each its own item once submitted (answers.choice_items)
+    tool_use: Optional[ToolUse] = None  # function tools the prompt offers (tools.py)
 
     @property
     def images(self) -> list:

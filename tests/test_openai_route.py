@@ -304,10 +304,33 @@ TEXT = [{"role": "user", "content": "Hi"}]
     "body, code, param",
     [
         ({"messages": TEXT, "n": 99}, "invalid_request", "n"),
+        ({"messages": TEXT, "tools": [{"type": "function"}]}, "invalid_request", "tools[0]"),
         (
-            {"messages": TEXT, "tools": [{"type": "function", "function": {"name": "f"}}]},
-            "unsupported_parameter",
-            "tools",
+            {"messages": TEXT, "tools": [{"type": "function", "function": {"name": ""}}]},
+            "invalid_request",
+            "tools[0].function.name",
+        ),
+        ({"messages": TEXT, "tool_choice": "required"}, "invalid_request", "tool_choice"),
+        (
+            {"messages": TEXT, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "g"},
+            "invalid_request",
+            "tool_choice",
+        ),
+        ({"messages": [{"role": "tool", "content": "42"}]}, "invalid_request", "messages[0].tool_call_id"),
+        (
+            {
+                "messages": [
+                    *TEXT,
+                    {
+                        "role": "assistant",
+                        "content": None,
+                        "tool_calls": [{"function": {"name": "f", "arguments": "{"}}],
+                    },
+                    *TEXT,
+                ]
+            },
+            "invalid_request",
+            "messages[1].tool_calls[0].function.arguments",
         ),
         ({"messages": TEXT, "response_format": {"type": "xml"}}, "invalid_request", "response_format.type"),
         ({"messages": TEXT, "logprobs": True, "top_logprobs": 21}, "invalid_request", "top_logprobs"),
@@ -321,7 +344,7 @@ TEXT = [{"role": "user", "content": "Hi"}]
         ({"messages": TEXT, "stop": ["a", "b", "c", "d", "e"]}, "invalid_request", "stop"),
         ({"messages": TEXT, "stream_options": {"include_usage": True}}, "invalid_request", "stream_options"),
         ({"messages": TEXT, "model": "gpt-4o"}, "model_mismatch", "model"),
-        ({"messages": [{"role": "tool", "content": "42"}]}, "invalid_request", "messages[0].role"),
+        ({"messages": [{"role": "function", "content": "42"}]}, "invalid_request", "messages[0].role"),
         (
             {"messages": [{"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}]},
             "invalid_request",

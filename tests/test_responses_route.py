@@ -147,10 +147,11 @@ def test_a_streamed_response_is_the_responses_events_in_order(engine):
     [
         ({"input": "Hi", "previous_response_id": "resp_1"}, "previous_response_id", "unsupported_parameter"),
         ({"input": "Hi", "store": True}, "store", "unsupported_parameter"),
-        ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools", "unsupported_parameter"),
+        ({"input": "Hi", "tools": [{"type": "web_search"}]}, "tools[0].type", "unsupported_parameter"),
         ({"input": "Hi", "text": {"format": {"type": "xml"}}}, "text.format.type", "invalid_request"),
         ({"input": []}, "input", "invalid_request"),
-        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0]", "invalid_request"),
+        ({"input": [{"type": "function_call_output", "output": "x"}]}, "input[0].call_id", "invalid_request"),
+        ({"input": [{"type": "reasoning", "summary": []}]}, "input[0]", "invalid_request"),
         (
             {"input": [{"role": "user", "content": [{"type": "input_file"}]}]},
             "input[0].content[0].type",

@@ -100,10 +100,26 @@ def build(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out, safe_serialization=True)
+    own_template = getattr(processor.tokenizer, "chat_template", None) if hasattr(processor, "tokenizer") else None
     processor.save_pretrained(out)
+    if own_template is not None and own_template != processor.chat_template:
+        save_as_hub_repos_do(out, processor.chat_template, own_template)
     if vision_lora:
         save_vision_lora(model, out / "vision-lora")
     return out
+
+
+def save_as_hub_repos_do(out: Path, processor_template: str, tokenizer_template: str) -> None:
+    """A processor and a tokenizer with chat templates of their own, laid out as the hub's Qwen2.5-VL repositories
+    are (5.x would save one chat_template.jinja, which both read): the processor's in chat_template.json, the
+    tokenizer's in tokenizer_config.json."""
+    import json
+
+    (out / "chat_template.jinja").unlink()
+    (out / "chat_template.json").write_text(json.dumps({"chat_template": processor_template}))
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "chat_template": tokenizer_template}))
 
 
 def main() -> None:

@@ -234,7 +234,7 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
                     ticket.prepared = self._intake_of().submit(ticket.item, self._notify)
                 params = ticket.item.params
                 if params.json_schema is not None:
-                    param = join_param(ticket.item.param, "response_format")
+                    param = join_param(ticket.item.param, params.schema_param)
                     limit = params.max_new_tokens, join_param(ticket.item.param, "max_new_tokens")
                     ticket.grammar = self._grammars().start(params.json_schema, param, limit)
                     ticket.grammar.add_done_callback(lambda _: self._notify())
@@ -415,7 +415,7 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
                 ticket.result = RequestError(
                     "structured_output_failed",
                     f"the answer could not follow this JSON schema: {broken}",
-                    join_param(item.param, "response_format"),
+                    join_param(item.param, item.params.schema_param),
                 )
         if ticket.stream and not ticket.cancelled:
             ticket.emit_delta(self.eos_ids)
@@ -460,13 +460,13 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         kept = ids[: answered_length(ids, self.eos_ids)]
         top = item.params.top_logprobs
         entries = logprob_entries(self.tokenizer, kept, logprobs, top) if item.params.logprobs else None
+        raw = item.task == "grounding" or item.tool_use is not None  # boxes, calls: between special tokens
         return Generation.from_ids(
             self.tokenizer.decode(kept, skip_special_tokens=True).strip(),
             ids,
             self.eos_ids,
             item.params.max_new_tokens,
-            # Grounding reads boxes between special tokens (Qwen's <|box_start|>...).
-            raw_text=self.tokenizer.decode(kept, skip_special_tokens=False) if item.task == "grounding" else None,
+            raw_text=self.tokenizer.decode(kept, skip_special_tokens=False) if raw else None,
             prompt_tokens=int(prompt_tokens),
             image_input_size=input_size,
             logprobs=entries,

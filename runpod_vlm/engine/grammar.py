@@ -14,6 +14,7 @@ the next request with the same schema.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -95,7 +96,7 @@ class Grammars:
         matcher, template, error, forced = llguidance.LLMatcher, None, None, 0
         tokenizer = self._tokenizer.result()
         try:
-            grammar = matcher.grammar_from_json_schema(schema, overrides=JSON_OPTIONS)
+            grammar = matcher.grammar_from_json_schema(closed(json.loads(schema)), overrides=JSON_OPTIONS)
             problem = matcher.validate_grammar(grammar, tokenizer)
             if problem and not problem.startswith("WARNING"):
                 error = problem
@@ -144,6 +145,20 @@ class Grammars:
         bitmask = llguidance.torch.allocate_token_bitmask(len(matchers), self.words * 32)
         llguidance.torch.fill_next_token_bitmask_par(self._executor, [(m, n) for n, m in enumerate(matchers)], bitmask)
         return bitmask
+
+
+def closed(schema: Any) -> Any:
+    """The schema with every object that does not say otherwise taking only the properties it names (as vLLM's
+    default grammar backend, xgrammar, reads schemas in its strict mode): an answer never invents keys, and a model
+    that would (random weights) cannot write on forever."""
+    if isinstance(schema, list):
+        return [closed(value) for value in schema]
+    if not isinstance(schema, dict):
+        return schema
+    schema = {key: closed(value) for key, value in schema.items()}
+    if "properties" in schema and not {"additionalProperties", "unevaluatedProperties"} & set(schema):
+        schema["additionalProperties"] = False
+    return schema
 
 
 def forced_start_error(template) -> Optional[str]:

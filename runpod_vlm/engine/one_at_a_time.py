@@ -24,7 +24,7 @@ class OneAtATime:
                 torch.manual_seed(item.params.seed)
             if item.params.json_schema is not None:
                 message = f"the {self.adapter.name} family answers one request at a time, without structured output"
-                raise RequestError("unsupported_parameter", message, join_param(item.param, "response_format"))
+                raise RequestError("unsupported_parameter", message, join_param(item.param, item.params.schema_param))
             if item.params.logprobs and not self.adapter.native:
                 message = f"the {self.adapter.name} family answers through its repository's chat(), which gives none"
                 raise RequestError("unsupported_parameter", message, join_param(item.param, "logprobs"))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import re
 from typing import Optional
 
 from runpod_vlm.frames import decode_frames
@@ -92,7 +93,48 @@ class FamilyAdapter:
                 return {"type": "text", "text": part}
             return {"type": "video" if isinstance(part, Video) else "image"}
 
-        return [{"role": turn.role, "content": [block(p) for p in turn.parts]} for turn in turns]
+        return [self.chat_message(turn, [block(p) for p in turn.parts]) for turn in turns]
+
+    @staticmethod
+    def chat_message(turn: Turn, content: list) -> dict:
+        """A turn as chat templates take it: a tool's answer and an assistant's calls as the templates that take
+        tools read them (text content, `tool_call_id`; `tool_calls` with each call's arguments an object)."""
+        if turn.role == "tool":
+            return {"role": "tool", "tool_call_id": turn.tool_call_id, "content": "".join(turn.parts)}
+        if turn.tool_calls:
+            calls = [
+                {"id": c["id"], "type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for c in turn.tool_calls
+            ]
+            return {
+                "role": turn.role,
+                "content": "".join(p for p in turn.parts if isinstance(p, str)),
+                "tool_calls": calls,
+            }
+        return {"role": turn.role, "content": content}
+
+    def tool_template(self, processor) -> Optional[str]:
+        """The chat template that renders function tools: the processor's when it takes `tools`, else its
+        tokenizer's (vLLM chooses so too: a VLM's processor template often has no tools, its tokenizer's has);
+        None when neither does (the family refuses tools)."""
+        for owner in (processor, getattr(processor, "tokenizer", None)):
+            template = getattr(owner, "chat_template", None)
+            if isinstance(template, str) and re.search(r"\btools\b", template):
+                return template
+        return None
+
+    def prompt(self, processor, item: GenerationRequest) -> str:
+        """The item's prompt text, by the family's chat template (the one that takes its tools, when it has any)."""
+        messages = self.chat_messages(self.request_turns(item))
+        if item.tool_use is None:
+            return processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return processor.apply_chat_template(
+            messages,
+            tools=item.tool_use.tools,
+            chat_template=self.tool_template(processor),
+            tokenize=False,
+            add_generation_prompt=True,
+        )
 
     def takes_video(self, model_type: Optional[str]) -> bool:
         """Whether this family's card feeds videos to its processor, as `video_inputs` does here."""
@@ -139,12 +181,7 @@ class FamilyAdapter:
         """Left-padded prompts and pixels on `device`, and per item its first image's input size (or None).
         `image_device`: where the images are rescaled, normalized and cut into patches after `host_resized`, where
         `images_finish_on_gpu` (the rest stays on the host); its pixels stay there."""
-        prompts = [
-            processor.apply_chat_template(
-                self.chat_messages(self.request_turns(item)), tokenize=False, add_generation_prompt=True
-            )
-            for item in items
-        ]
+        prompts = [self.prompt(processor, item) for item in items]
         kwargs: dict = {"text": prompts, "padding": True, "return_tensors": "pt"}
         if any(item.images for item in items):
             kwargs["images"] = [self.bounded_images(processor, item) for item in items]

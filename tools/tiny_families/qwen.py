@@ -41,6 +41,49 @@ QWEN_TEMPLATE = (
 )
 
 
+# The Qwen2.5 chat template's tools branches (Hermes-style <tool_call> blocks, <tool_response> in a user turn),
+# with the VL templates' image and video blocks: Qwen2.5-VL-*-Instruct's tokenizer template (its processor's has
+# no tools) and Qwen3-VL-*-Instruct's processor template, less their vision-id and reasoning branches.
+QWEN_TOOLS_TEMPLATE = (
+    "{%- macro render(content) -%}"
+    "{%- if content is string -%}{{- content -}}{%- else -%}{%- for part in content -%}"
+    "{%- if part.type == 'image' or 'image' in part or 'image_url' in part -%}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif part.type == 'video' or 'video' in part -%}<|vision_start|><|video_pad|><|vision_end|>"
+    "{%- elif 'text' in part -%}{{- part.text -}}{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\n' -}}"
+    "{%- if messages[0].role == 'system' -%}{{- render(messages[0].content) -}}"
+    "{%- else -%}{{- 'You are a helpful assistant.' -}}{%- endif -%}"
+    "{{- '\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>' -}}"
+    "{%- for tool in tools -%}{{- '\n' -}}{{- tool | tojson -}}{%- endfor -%}"
+    "{{- '\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": '
+    "<args-json-object>}\n</tool_call><|im_end|>\n' -}}"
+    "{%- elif messages[0].role == 'system' -%}"
+    "{{- '<|im_start|>system\n' + render(messages[0].content) + '<|im_end|>\n' -}}"
+    "{%- else -%}{{- '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' -}}{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'user' or (message.role == 'system' and not loop.first) "
+    "or (message.role == 'assistant' and not message.tool_calls) -%}"
+    "{{- '<|im_start|>' + message.role + '\n' + render(message.content) + '<|im_end|>\n' -}}"
+    "{%- elif message.role == 'assistant' -%}"
+    "{{- '<|im_start|>assistant' -}}{%- if message.content -%}{{- '\n' + message.content -}}{%- endif -%}"
+    "{%- for call in message.tool_calls -%}"
+    "{%- if call.function is defined -%}{%- set call = call.function -%}{%- endif -%}"
+    '{{- \'\n<tool_call>\n{"name": "\' + call.name + \'", "arguments": \' + (call.arguments | tojson) '
+    "+ '}\n</tool_call>' -}}{%- endfor -%}{{- '<|im_end|>\n' -}}"
+    "{%- elif message.role == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\n<tool_response>\n' + render(message.content) + '\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' -%}{{- '<|im_end|>\n' -}}{%- endif -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
+
 # Real Qwen2-VL sizes (config.json of Qwen/Qwen2-VL-2B-Instruct and -7B-Instruct).
 QWEN2_VL_TEXT = {
     "tiny": dict(
@@ -129,6 +172,8 @@ def qwen2_parts(family: str, shape: str):
         tokenizer=tokenizer,
         chat_template=QWEN_TEMPLATE,
     )
+    if family != "qwen2-vl":
+        tokenizer.chat_template = QWEN_TOOLS_TEMPLATE
     eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     return (
         config,
@@ -138,7 +183,7 @@ def qwen2_parts(family: str, shape: str):
     )
 
 
-# Qwen3-VL-*-Instruct: Qwen2-VL's template; patches of 16 merged 2x2 (boxes relative to 1000).
+# Qwen3-VL-*-Instruct: the template with tools; patches of 16 merged 2x2 (boxes relative to 1000).
 def qwen3_parts(family: str, shape: str):
     import transformers as tf
 
@@ -184,7 +229,7 @@ def qwen3_parts(family: str, shape: str):
         image_processor=tf.Qwen2VLImageProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, **pixels),
         video_processor=tf.Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2, **pixels),
         tokenizer=tokenizer,
-        chat_template=QWEN_TEMPLATE,
+        chat_template=QWEN_TOOLS_TEMPLATE,
     )
     eos = [ids["<|im_end|>"], ids["<|endoftext|>"]]
     return (
