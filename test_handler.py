@@ -1842,14 +1842,15 @@ def test_a_full_kv_cache_preempts_the_newest_row_which_resumes_with_its_tokens(m
     serve(monkeypatch, VLM_KV_CACHE_TOKENS="160", VLM_SYNC_INTERVAL="4")  # room for about 1.5 such jobs
     engine = handler.get_engine()
     preempted = []
-    real_preempt = engine._preempt
+    scheduler = engine.scheduler
+    real_preempt = scheduler.preempt
 
-    def preempt(row):
-        newest = max(ticket.admitted for ticket in engine._rows.values())
-        preempted.append(engine._rows[row].admitted == newest)
-        return real_preempt(row)
+    def preempt(row, release):
+        newest = max(ticket.admitted for ticket in scheduler.running.values())
+        preempted.append(scheduler.running[row].admitted == newest)
+        return real_preempt(row, release)
 
-    monkeypatch.setattr(engine, "_preempt", preempt)
+    monkeypatch.setattr(scheduler, "preempt", preempt)
     out = batch(*(chat(letter + letter, max_new_tokens=70) for letter in "abcd"))
     assert [r["response"] for r in out["results"]] == [letter * 60 for letter in "abcd"]
     assert preempted and all(preempted)  # always the newest row
@@ -1974,10 +1975,10 @@ def test_a_request_that_does_not_fit_yet_is_not_passed_by_later_smaller_ones(mon
     engine = handler.get_engine()
     settings, model_id = handler.served_model()
     started, answers = [], {}
-    real_give_row, real_step = engine._give_row, FakePagedDecoder.step
+    real_give_row, real_step = engine.scheduler.give_row, FakePagedDecoder.step
     monkeypatch.setattr(
-        engine,
-        "_give_row",
+        engine.scheduler,
+        "give_row",
         lambda ticket, *a: started.append(ticket.item.turns[-1].parts[0]) or real_give_row(ticket, *a),
     )
 
@@ -1988,7 +1989,7 @@ def test_a_request_that_does_not_fit_yet_is_not_passed_by_later_smaller_ones(mon
     def step(
         self, steps
     ):  # once the first holds 60 tokens: a long request that does not fit beside it, and a short one that would
-        if started == ["first"] and max(self.lengths.values()) >= 90 and not answers and not engine._queue:
+        if started == ["first"] and max(self.lengths.values()) >= 90 and not answers and not engine.view().queued:
             submit("x" * 110, 5)
             submit("small", 5)
         return real_step(self, steps)
@@ -2018,7 +2019,7 @@ def test_a_cancelled_prompt_entering_in_chunks_gives_its_blocks_back(monkeypatch
     monkeypatch.setattr(FakePagedDecoder, "prefill_chunk", cancel_after_the_first)
     tickets.append(engine.submit(item, answers.append))
     deadline = time.monotonic() + 10
-    while (engine._chunking is not None or engine._queue) and time.monotonic() < deadline:
+    while (engine.view().prefilling or engine.view().queued) and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.05)
     assert len(hub.chunks) == 1 and not answers  # dropped after one chunk, nothing answered
@@ -2118,7 +2119,7 @@ def test_no_graph_is_recorded_ahead_while_an_item_is_in_the_intake(monkeypatch, 
     monkeypatch.setattr(engine.adapter, "batch_inputs", lambda *a, **k: prepared.wait(10) and real_inputs(*a, **k))
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         answer = pool.submit(call, chat("second"))
-        assert wait_for(lambda: engine._queue)
+        assert wait_for(lambda: engine.view().queued)
         decoder.ahead.append(decoder.buckets[0])  # a graph to record while the engine has nothing ready
         engine._notify()
         time.sleep(0.2)
@@ -2616,6 +2617,11 @@ def test_the_package_has_no_import_cycle_and_the_engine_knows_no_jobs():
         assert not reaches(module, set()) & job_modules, f"{module} reaches request or job code"
     for path in (ROOT / "runpod_vlm" / "engine").glob("*.py"):  # nor the runpod SDK
         assert not re.search(r"^\s*(import|from) runpod\b(?!_vlm)", path.read_text(), re.M), path
+    # The scheduler plans in plain Python: neither it nor what it imports touches torch.
+    planned = reaches("runpod_vlm.engine.scheduler", {"runpod_vlm.engine.scheduler"})
+    for module in planned:
+        text = (ROOT / (module.replace(".", "/") + ".py")).read_text()
+        assert not re.search(r"^\s*(import|from) torch\b", text, re.M), f"{module} imports torch"
 
 
 if __name__ == "__main__":  # `python test_handler.py`: this suite alone, through pytest, in its own process

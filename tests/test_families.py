@@ -705,8 +705,10 @@ def test_phi4_multimodal_matches_transformers_recipe_alone_and_batched(tiny_mode
     assert f"{folder} has no vision-lora adapter: Phi-4-multimodal answers with its base weights" in caplog.messages
     assert not getattr(engine.model, "_hf_peft_config_loaded", False)
     assert type(engine.model).__name__ == "Phi4MultimodalForCausalLM"
-    # LongRoPE switches factors on a batch's highest position: each item runs alone through generate()
-    assert not engine.continuous
+    # Its flat config names no text model, so the paged attention is not set: each item runs alone through
+    # generate(). (Set on the whole model, the base weights' batched answers matched the card, but with the vision
+    # LoRA the second of two batched answers did not.)
+    assert not engine.continuous and engine.max_slots == 4096
     request, prompt, images = PHI4_CARDS[0]
     calls = forward_calls_of(engine)
     out = ask(request)

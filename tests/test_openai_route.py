@@ -380,7 +380,7 @@ def test_an_unknown_route_is_refused(engine):
 
 
 def test_a_context_overflow_found_by_the_engine_names_the_openai_field(engine, monkeypatch):
-    monkeypatch.setattr(engine, "context_length", 40)  # the prompt alone is over 20 tokens
+    monkeypatch.setattr(engine.scheduler, "context_length", 40)  # the prompt alone is over 20 tokens
     limit = 30
     out = completion({"messages": TEXT, "max_tokens": limit})
     assert (out["error"]["code"], out["error"]["param"]) == ("context_too_long", "max_tokens")

@@ -17,7 +17,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import handler
 from runpod_vlm.answers import generate_all
-from runpod_vlm.engine import admission, prefill_graphs, varlen
+from runpod_vlm.engine import prefill_graphs, varlen
+from runpod_vlm.engine import scheduler as scheduler_module
 from runpod_vlm.vocabulary import StreamDelta
 from sample_images import data_uri, striped
 from test_vision_compile import block_diagonal_varlen, wait_for
@@ -76,11 +77,11 @@ def test_jobs_beyond_the_pool_preempt_and_resume_with_their_solo_tokens(family, 
     items = items_of(engine, mixed_jobs(8))
     solo = solo_generate(engine, items)
     events: list = []
-    spy(monkeypatch, engine, "_preempt", events, "preempt")
+    spy(monkeypatch, engine.scheduler, "preempt", events, "preempt")
     assert generate_all(engine, items) == solo
     assert "preempt" in events  # the pool was too small for all of them at once
     pool = engine._current_decoder().pool
-    assert pool.free == pool.capacity and not engine._rows
+    assert pool.free == pool.capacity and not engine.view().running
 
 
 @pytest.mark.parametrize("family", ["qwen2-vl", "llava"])
@@ -90,7 +91,7 @@ def test_a_resumed_row_can_enter_in_chunks_its_tokens_following_as_text(family, 
     items = items_of(engine, mixed_jobs(8))
     solo = solo_generate(engine, items)
     events: list = []
-    monkeypatch.setattr(engine, "_resumes_in_chunks", lambda ticket: bool(ticket.ids))
+    monkeypatch.setattr(engine.scheduler, "resumes_in_chunks", lambda ticket: bool(ticket.ids))
     spy(monkeypatch, engine._current_decoder(), "follow_with", events, "follow")
     assert generate_all(engine, items) == solo
     assert "follow" in events
@@ -98,6 +99,30 @@ def test_a_resumed_row_can_enter_in_chunks_its_tokens_following_as_text(family, 
 
 def short_jobs(count: int) -> list[dict]:
     return [dict(job, max_new_tokens=n, min_new_tokens=n) for job, n in zip(mixed_jobs(count), [8, 20, 12, 16] * count)]
+
+
+def test_llama4_batches_requests_within_its_attention_chunk_and_runs_a_longer_one_alone(tiny_model, serve, monkeypatch):
+    """Chunked attention is full attention within a chunk (the tiny model's is 64 tokens): requests that stay in it
+    decode together in the batch, a longer one through generate() alone; every answer its solo generate()'s."""
+    engine = serve(tiny_model("llama4"), VLM_SYNC_INTERVAL="2")
+    assert engine.continuous and engine.max_slots == 64
+    short = [
+        {"messages": [{"role": "user", "content": "Hi" * n}], "max_new_tokens": 6, "min_new_tokens": 6}
+        for n in range(1, 5)
+    ]
+    long = {"messages": [{"role": "user", "content": "word " * 40}], "max_new_tokens": 6, "min_new_tokens": 6}
+    items = items_of(engine, [*short, long])
+    solo = solo_generate(engine, items)
+    widths = []
+    real_launch = engine._current_decoder().launch
+    monkeypatch.setattr(
+        engine._current_decoder(),
+        "launch",
+        lambda n: widths.append(engine.view().running) or real_launch(n),
+    )
+    assert generate_all(engine, items) == solo
+    assert max(widths) >= 2  # the short ones decoded side by side
+    assert solo[-1].prompt_tokens + 6 > 64  # the long one could not: it ran alone
 
 
 class HostCopies(TorchDispatchMode):
@@ -196,19 +221,21 @@ def test_a_decode_step_out_of_memory_preempts_the_rows_past_a_smaller_bucket(tin
     decoder = engine._current_decoder()
     met = out_of_memory_above(monkeypatch, decoder, 8)
     preempted = []
-    real_preempt = engine._preempt
-    monkeypatch.setattr(engine, "_preempt", lambda row: preempted.append(row) or real_preempt(row))
+    real_preempt = engine.scheduler.preempt
+    monkeypatch.setattr(
+        engine.scheduler, "preempt", lambda row, release: preempted.append(row) or real_preempt(row, release)
+    )
     assert generate_all(engine, items) == solo
     assert met.count(16) == 2 and sorted(preempted) == list(range(8, 12))  # one step ran, the next ran out
     assert decoder.pool.free == decoder.pool.capacity
     generate_all(engine, items[:1])
-    assert engine._row_cap is None  # lifted once the engine was idle
+    assert engine.view().row_cap is None  # lifted once the engine was idle
 
 
 def test_under_unbroken_load_the_rows_come_back_after_a_while(tiny_model, serve, monkeypatch):
     """The row cap after a decode step ran out of memory lifts after ROW_CAP_S (here at once), not only when idle:
     the preempted rows are given again while the others still decode."""
-    monkeypatch.setattr(admission, "ROW_CAP_S", 0.0)
+    monkeypatch.setattr(scheduler_module, "ROW_CAP_S", 0.0)
     engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_SIZE="16", VLM_SYNC_INTERVAL="4")
     items = items_of(engine, short_jobs(12))
     solo = solo_generate(engine, items)
@@ -609,9 +636,9 @@ def test_a_step_whose_graph_the_compile_kept_from_recording_is_recorded_before_t
         assert wait_for(lambda: decoder.recording_wanted)
     assert not recorded
     with engine._holding_the_gpu():  # the next shape
-        assert recorded and engine._rows
+        assert recorded and engine.view().running
     ticket.cancel()
-    assert wait_for(lambda: not engine._rows)
+    assert wait_for(lambda: not engine.view().running)
     decoder.recording_wanted = True  # as a step left it before its rows ended
     started = time.monotonic()
     with engine._holding_the_gpu():

@@ -79,13 +79,13 @@ def test_jobs_sharing_a_system_prompt_while_one_decodes_share_its_blocks_with_th
     expected = one_by_one(cold, jobs)
     engine = serve(tiny_model("qwen2-vl"), VLM_PREFIX_CACHING="true", VLM_SYNC_INTERVAL="2")
     answers, admitted = {}, threading.Event()
-    give_row = engine._give_row
+    give_row = engine.scheduler.give_row
 
     def given_then_next(ticket, *args):
         give_row(ticket, *args)
         admitted.set()
 
-    engine._give_row = given_then_next
+    engine.scheduler.give_row = given_then_next
     done = threading.Semaphore(0)
     for n, item in enumerate(items(engine, jobs)):  # each submitted once the one before it has a row
         admitted.clear()

@@ -294,7 +294,7 @@ def test_videos_of_other_lengths_beside_image_jobs_through_a_small_pool_get_thei
     items = [handler.read_job_item(job, engine.settings, engine.model_id, None)[1] for job in jobs]
     solo = solo_generate(engine, items)
     events: list = []
-    spy(monkeypatch, engine, "_preempt", events, "preempt")
+    spy(monkeypatch, engine.scheduler, "preempt", events, "preempt")
     assert generate_all(engine, items) == solo
     assert "preempt" in events
 

@@ -10,13 +10,12 @@ import logging
 import time
 from typing import NamedTuple, Optional
 
-from runpod_vlm.engine.blocks import PoolExhausted, prefix_digests
 from runpod_vlm.engine.decoder import Launched, PagedDecoder
 from runpod_vlm.engine.gpu_errors import is_fatal_gpu_error, is_out_of_memory
 from runpod_vlm.engine.intake import on_device, with_generated
 from runpod_vlm.engine.prefill import ChunkedPrefill
 from runpod_vlm.engine.ticket import Ticket
-from runpod_vlm.vocabulary import GENERATION_FAILED, GPU_FAILURE, GenerationRequest, RequestError
+from runpod_vlm.vocabulary import GENERATION_FAILED, GPU_FAILURE
 
 log = logging.getLogger("runpod-vlm")
 
@@ -42,60 +41,18 @@ class InFlight(NamedTuple):
                 yield row, ticket
 
 
-def admissible(waiting: list[Ticket]) -> list[Ticket]:
-    """The queued items that may be admitted now, in arrival order: those whose call's items are all prepared (a
-    call's items go in together). One still being prepared (a video decoding) holds up no other call's."""
-    unready = {id(t.call) for t in waiting if not t.ready()}
-    return [t for t in waiting if id(t.call) not in unready]
-
-
 class Admission:
-    """Part of Engine (its base): what the engine thread does to start items and to keep their rows in blocks."""
+    """Part of Engine (its base): the engine thread carrying out the scheduler's plan on the decoder (placing the
+    admitted items' prompts, chunks, decode intervals, their tokens handed out) and telling it what happened."""
 
     def _admit(self, waiting: list[Ticket]) -> None:
-        """Prefill the prepared items at the queue's head that fit the step's token budget, the free rows and
-        the free KV blocks (in arrival order: a long request is never passed over), and give them rows."""
+        """Prefill the items the scheduler admits now (`Scheduler.next_group`) and give them rows."""
         decoder = self._current_decoder()
-        free = decoder.free_rows()
-        if self._chunking is not None:  # the row of the prompt entering in chunks is not free
-            free = [row for row in free if row != self._chunking[1].row]
-        if self._row_cap is not None:  # after a decode step ran out of memory; rows are given lowest first
-            cap, since = self._row_cap
-            idle = not (self._rows or self._launched or self._chunking)
-            if idle or time.monotonic() - since > ROW_CAP_S:  # a step that runs out again caps them again
-                self._row_cap = None
-            else:
-                free = [row for row in free if row < cap]
-        group, prepared = [], []
-        for ticket in admissible(waiting)[: len(free)]:
-            if len(group) == (ticket.group_limit or len(free)):
-                break
-            try:
-                inputs, size, held = ticket.prepared.result()
-            except Exception as error:
-                self._take([ticket])
-                if isinstance(error, RequestError):  # the family's adapter refused it
-                    ticket.finish(error)
-                elif is_out_of_memory(error):  # its images processed on the GPU
-                    ticket.finish(self._out_of_memory(ticket.item, 0))
-                else:
-                    log.error("could not prepare an item", exc_info=error)
-                    ticket.fail(GENERATION_FAILED)
-                continue
-            if self._chunking is not None and (
-                inputs["input_ids"].shape[1] + len(ticket.ids) > self.settings.max_batch_tokens
-                or self._resumes_in_chunks(ticket)
-            ):
-                break  # one prompt enters in chunks at a time: this one waits its turn, ahead of those behind it
-            lengths = [inputs["input_ids"].shape[1], *(p[0]["input_ids"].shape[1] for p in prepared)]
-            tokens = sum(lengths) if decoder.packs else len(lengths) * max(lengths)  # packed, else padded
-            if group and (tokens > self.settings.max_batch_tokens or ticket.ids or group[0].ids):
-                break  # a prefill within the token budget; a preempted item resumes alone
-            group.append(ticket)
-            prepared.append((inputs, size, held))
+        free = self.scheduler.free_rows(decoder.free_rows())
+        with self._wake:
+            group, prepared = self.scheduler.next_group(waiting, free, bool(decoder.packs))
         if not group:
             return
-        self._take(group)
         try:
             self._place(group, free, prepared)
         except Exception as error:
@@ -105,14 +62,14 @@ class Admission:
             else:
                 log.exception("could not admit %d items", len(group))
             with self._wake:
-                lost = [t for t in group if t.row is None and t not in self._queue and not t.done]
+                lost = [t for t in group if t.row is None and t not in self.scheduler.waiting and not t.done]
             for ticket in lost:
                 ticket.fail(GPU_FAILURE if fatal else GENERATION_FAILED)
 
     def _place(self, group: list[Ticket], free: list[int], prepared: list) -> None:
         import torch
 
-        decoder = self._current_decoder()
+        decoder, scheduler = self._current_decoder(), self.scheduler
         kept = self._with_grammars(group)
         if not kept:
             return
@@ -134,41 +91,38 @@ class Admission:
                 )
                 inputs = on_device(inputs, self.model.device, floating_only=True)
         except Exception as error:
-            if is_out_of_memory(error):  # the pixels moving to the GPU: halves, then the item alone fails
+            if is_out_of_memory(error):  # the pixels moving to the GPU
                 torch.cuda.empty_cache()
-                if len(group) > 1:
-                    return self._requeue(group, limit=len(group) // 2)
-                return group[0].finish(self._out_of_memory(group[0].item, group[0].prompt_tokens))
+                return self._out_of_memory(group)
             if len(group) > 1:
                 return self._requeue(group, limit=1)
             return self._admit_failed(group[0])
         prompt_tokens = inputs["attention_mask"].sum(dim=1).tolist()
-        errors = [self._context_error(t.item, n) or self._pool_error(t.item, n) for t, n in zip(group, prompt_tokens)]
+        errors = [scheduler.refusal(t.item, n) for t, n in zip(group, prompt_tokens)]
         if any(errors):
             for ticket, error in zip(group, errors):
                 if error:
                     ticket.finish(error)
-            self._requeue([t for t, e in zip(group, errors) if not e])
-            return
+            return self._requeue([t for t, e in zip(group, errors) if not e])
         window = self.max_slots
         if window is not None and any(n + t.item.params.max_new_tokens > window for t, n in zip(group, prompt_tokens)):
-            # past a sliding window: generate() handles it alone
+            # past the length the batch answers for this family (Engine.max_slots): generate() handles it alone
             return self._requeue(group, limit=1) if len(group) > 1 else self._run_alone(group[0])
         generated = group[0].ids  # resumed (alone): the tokens it had generated follow its prompt
-        placeholder = self._resumes_in_chunks(group[0])
+        placeholder = scheduler.resumes_in_chunks(group[0])
         if generated and not placeholder:
             with_generated(inputs, generated, self.adapter.generated_token_types)
         lengths = [n + len(generated) * placeholder for n in inputs["attention_mask"].sum(dim=1).tolist()]
-        room = self._rows_that_fit(decoder, lengths, [t.item.params.max_new_tokens for t in group])
+        room = scheduler.rows_that_fit(lengths, [t.item.params.max_new_tokens for t in group], decoder.interval)
         if room < len(group):  # wait for blocks: what fits first comes again as a smaller group
             return self._requeue(group, limit=room or None)
-        long = len(group) == 1 and lengths[0] > self.settings.max_batch_tokens  # never while one chunks (_admit)
+        long = len(group) == 1 and lengths[0] > scheduler.token_budget  # never while one chunks (next_group)
         if self.prefix_caching:
             for ticket, ids in zip(group, self._prompt_ids(inputs)):
-                ticket.prefix = self._prefix_digests(ticket.item, ids)
+                ticket.prefix = scheduler.prefix_of(ticket.item, ids)
         # A prompt admitted alone starts from the cached blocks of its prefix (a batched prefill computes all).
-        alone = len(group) == 1 and self._chunking is None
-        hit = decoder.pool.cached_prefix(group[0].prefix[: (lengths[0] - 1) // decoder.block_size]) if alone else []
+        alone = len(group) == 1 and scheduler.chunking is None
+        hit = scheduler.cached_prefix(group[0], lengths[0]) if alone else []
         if long or hit or placeholder:
             try:
                 chunked = self._begin_chunks(decoder, inputs, free[0], group[0], held)
@@ -176,7 +130,7 @@ class Admission:
                 if not is_out_of_memory(error):
                     raise
                 torch.cuda.empty_cache()
-                return group[0].finish(self._out_of_memory(group[0].item, prompt_tokens[0]))
+                return self._out_of_memory(group, prompt_tokens[0])
             if placeholder and chunked is not None:
                 decoder.follow_with(chunked, generated)
             elif placeholder:  # a prompt prefilled whole: the placeholder may fail it, alone
@@ -187,7 +141,7 @@ class Admission:
                     decoder.share(chunked.row, hit)
                     chunked.done = len(hit) * decoder.block_size
                 self._count_prefix(chunked.done, lengths[0])
-                self._chunking = (group[0], chunked)
+                scheduler.chunking = (group[0], chunked)
                 return
         rows = free[: len(group)]
         started = time.perf_counter()
@@ -207,10 +161,7 @@ class Admission:
                 raise
             if is_out_of_memory(error):
                 torch.cuda.empty_cache()
-                if len(group) > 1:  # halves, down to single items
-                    log.warning("a prefill of %d items ran out of GPU memory; retrying in halves", len(group))
-                    return self._requeue(group, limit=len(group) // 2)
-                return group[0].finish(self._out_of_memory(group[0].item, prompt_tokens[0]))
+                return self._out_of_memory(group, prompt_tokens[0])
             if len(group) > 1:
                 log.warning("a prefill of %d items failed; admitting them one by one", len(group), exc_info=True)
                 return self._requeue(group, limit=1)
@@ -221,17 +172,12 @@ class Admission:
             ticket.prompt_tokens, ticket.input_size = prompt, size
             decoder.pool.remember(row, ticket.prefix)
             self._count_prefix(0, length)
-            self._give_row(ticket, row)
+            scheduler.give_row(ticket, row)
         # The first tokens are handed out after the next launch (`_hand_out_launched`): the GPU runs this prefill
         # while the host prepares the next one. A grammar's next mask needs its row's first token now.
         self._launched.append(InFlight.of(launched, dict(zip(rows, group))))
         if decoder.any_constrained:
             self._hand_out_all()
-
-    def _resumes_in_chunks(self, ticket: Ticket) -> bool:
-        """Whether a preempted row had generated an image placeholder token (a random model does): in its prompt
-        that token would be taken for an image's, so its prompt enters in chunks and its tokens follow as text."""
-        return any(token in self.media_token_ids for token in ticket.ids)
 
     def _images_cached(self, group: list[Ticket], held: dict):
         """Where the family can, the group's images already encoded come from the embedding cache, or from the
@@ -269,19 +215,6 @@ class Admission:
         masks = inputs["attention_mask"].tolist()
         return [[i for i, kept in zip(ids, mask) if kept] for ids, mask in zip(inputs["input_ids"].tolist(), masks)]
 
-    def _prefix_digests(self, item: GenerationRequest, ids: list[int]) -> list[bytes]:
-        """The digests of a prompt's full blocks, each image's key in the block of its first token; none where a
-        part has no key (a video). The k-th run of image tokens is the k-th image; where the runs do not tell
-        the images apart (two with no token between), every key goes where the first run starts."""
-        keys = item.image_keys
-        if item.videos or len(keys) != len(item.images):
-            return []
-        media = self.media_token_ids
-        starts = [n for n, i in enumerate(ids) if i in media and (n == 0 or ids[n - 1] not in media)]
-        if len(starts) != len(keys):
-            starts = [starts[0] if starts else 0] * len(keys)
-        return prefix_digests(ids, self._current_decoder().block_size, list(zip(starts, keys)))
-
     def _count_prefix(self, cached: int, prompt: int) -> None:
         """Prompt tokens, and those read from cached blocks; logged now and then."""
         self.timings["prompt_tokens"] += prompt
@@ -296,80 +229,42 @@ class Admission:
                 self._current_decoder().pool.cached,
             )
 
-    def _give_row(self, ticket: Ticket, row: int) -> None:
-        ticket.row, ticket.group_limit = row, None
-        self._admitted += 1
-        ticket.admitted = self._admitted
-        self._rows[row] = ticket
-
-    def _rows_that_fit(self, decoder: PagedDecoder, lengths: list[int], max_new: list[int]) -> int:
-        """How many of a group's leading items the free blocks hold, each with its prompt and first interval."""
-        needed = 0
-        for n, (length, new) in enumerate(zip(lengths, max_new)):
-            needed += decoder.pool.blocks_for(length + min(new, decoder.interval))
-            if needed > decoder.pool.free:
-                return n
-        return len(lengths)
-
-    def _pool_error(self, item: GenerationRequest, prompt_tokens: int) -> Optional[RequestError]:
-        """A request the whole KV pool could not hold, even alone."""
-        capacity = self._current_decoder().pool.capacity_tokens
-        if prompt_tokens + item.params.max_new_tokens > capacity:
-            return self._out_of_memory(item, prompt_tokens, f"the KV cache, which holds {capacity} tokens")
-
-    def _out_of_memory(
-        self, item: GenerationRequest, prompt_tokens: int, where="the GPU's free memory"
-    ) -> RequestError:
-        return RequestError(
-            "out_of_memory",
-            f"this request ({prompt_tokens} prompt tokens with its {len(item.images)} images, and max_new_tokens "
-            f"{item.params.max_new_tokens}) does not fit in {where}",
-            item.param,
-        )
-
     def _prefill_next_chunk(self) -> None:
         """The next chunk of the prompt entering in pieces (at most the step's token budget)."""
         import torch
 
-        ticket, chunked = self._chunking
+        scheduler = self.scheduler
+        ticket, chunked = scheduler.chunking
         decoder = self._current_decoder()
         if ticket.cancelled:
-            self._chunking = None
+            scheduler.chunking = None
             return decoder.release(chunked.row)
-        size = self.settings.max_batch_tokens
+        size = scheduler.token_budget
         end = min(chunked.done + size, chunked.length)
         if decoder.pool.shortfall(chunked.row, end + min(ticket.item.params.max_new_tokens, decoder.interval)):
-            if self._rows:
+            if scheduler.running:
                 return  # blocks come back as rows finish (or are preempted before the next interval)
         started = time.perf_counter()
         try:
             launched = decoder.prefill_chunk(chunked, size, self._grammar_masks([ticket]))
         except Exception as error:
-            self._chunking = None
+            scheduler.chunking = None
             decoder.release(chunked.row)
             if is_fatal_gpu_error(error):
                 raise
             if is_out_of_memory(error):
                 torch.cuda.empty_cache()
-                return ticket.finish(self._out_of_memory(ticket.item, ticket.prompt_tokens))
+                return self._out_of_memory([ticket], ticket.prompt_tokens)
             log.exception("a chunked prefill failed")
             return ticket.fail(GENERATION_FAILED)
         self.timings["chunk_s"] += time.perf_counter() - started
         if launched is not None:  # its first token handed out as a prefill's (`_place`), without waiting here
-            self._chunking = None
+            scheduler.chunking = None
             decoder.pool.remember(chunked.row, ticket.prefix)
-            self._give_row(ticket, chunked.row)
+            scheduler.give_row(ticket, chunked.row)
             self._launched.append(InFlight.of(launched, {chunked.row: ticket}))
             if decoder.any_constrained:
                 self._hand_out_all()
-
-    def _requeue(self, tickets: list[Ticket], limit: Optional[int] = None) -> None:
-        """Back to the front of the queue; `limit`: admitted in groups of at most that many."""
-        with self._wake:
-            for ticket in reversed(tickets):
-                if limit:
-                    ticket.group_limit = min(limit, ticket.group_limit or limit)
-                self._queue.insert(0, ticket)
 
     def _admit_failed(self, ticket: Ticket) -> None:
         log.exception("could not prepare an item")
@@ -409,19 +304,23 @@ class Admission:
     def _launch(self, decoder: PagedDecoder) -> Optional[InFlight]:
         """The next interval of the rows that may still take tokens beyond those in flight, with each row's item
         at launch; None when none may."""
+        import torch
+
+        running = self.scheduler.running
         ahead: dict[int, int] = {}
         for entry in self._launched:
-            for row, _ in entry.owners(self._rows):
+            for row, _ in entry.owners(running):
                 ahead[row] = ahead.get(row, 0) + entry.launched.steps
         remaining = max(
-            (t.item.params.max_new_tokens - len(t.ids) - ahead.get(row, 0) for row, t in self._rows.items()), default=0
+            (t.item.params.max_new_tokens - len(t.ids) - ahead.get(row, 0) for row, t in running.items()), default=0
         )
         if remaining <= 0:
             return None
         # A grammar's next mask depends on the token just chosen: constrained rows step one token at a time.
         steps = 1 if decoder.any_constrained else min(decoder.interval, remaining)
-        self._make_room(decoder, steps, ahead)
-        if not self._rows:
+        with self._wake:  # a row preempted goes back to the queue
+            self.scheduler.make_room(steps, ahead, decoder.lengths, decoder.grow, decoder.release)
+        if not running:
             return None
         started, eager, capturing = time.perf_counter(), decoder.eager_steps, decoder.capture_s
         try:
@@ -429,13 +328,15 @@ class Admission:
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
-            self._step_out_of_memory(decoder)
+            torch.cuda.empty_cache()
+            with self._wake:
+                self.scheduler.step_out_of_memory(decoder.buckets, decoder.bucket(), decoder.release)
             return None
         self.timings["decode_s"] += time.perf_counter() - started
         self.timings["decode_steps"] += steps
         self.timings["decode_eager_steps"] += decoder.eager_steps - eager
         self.timings["graph_capture_s"] += decoder.capture_s - capturing
-        return InFlight.of(launched, self._rows)
+        return InFlight.of(launched, running)
 
     def _hand_out(self, decoder: PagedDecoder, in_flight: InFlight) -> None:
         """A prefill's or an interval's tokens to the items that were in its rows at launch and still are (a row
@@ -448,52 +349,19 @@ class Admission:
         read = time.perf_counter()
         self.timings["prefill_s" if launched.rows else "decode_s"] += read - started
         logprobs = decoder.take_logprobs() or {}
-        for row, ticket in in_flight.owners(self._rows):
+        for row, ticket in in_flight.owners(self.scheduler.running):
             self._accept(ticket, tokens[row], logprobs.get(row))
         self._next_grammar_masks()
         self.timings["accept_s"] += time.perf_counter() - read
 
-    def _make_room(self, decoder: PagedDecoder, steps: int, ahead: dict) -> None:
-        """Blocks for every row's next `steps` tokens (after the `ahead` ones per row in flight); while too few are
-        free, the newest row is preempted: its blocks freed, it goes back to the queue's front and is later
-        prefilled again with the tokens it had (recompute: a prefill costs less than copying blocks to the host and
-        back)."""
-        for row in sorted(self._rows, key=lambda r: self._rows[r].admitted):
-            while row in self._rows:
-                ticket, length = self._rows[row], decoder.lengths[row]
-                left = ticket.item.params.max_new_tokens - len(ticket.ids) - ahead.get(row, 0)
-                try:
-                    decoder.grow(row, length + min(steps, left))  # past its last token it writes on, into block 0
-                    break
-                except PoolExhausted:
-                    self._preempt(max(self._rows, key=lambda r: self._rows[r].admitted))
+    def _requeue(self, tickets: list[Ticket], limit: Optional[int] = None) -> None:
+        with self._wake:
+            self.scheduler.requeue(tickets, limit)
 
-    def _step_out_of_memory(self, decoder: PagedDecoder) -> None:
-        """A decode step ran out of memory (the rows' state put back): a step's memory follows its bucket of rows, so
-        the rows past the next smaller bucket are preempted, and no more than that are admitted until the engine is
-        idle again, or for ROW_CAP_S under unbroken load. At the smallest bucket the rows in flight get
-        `out_of_memory`."""
-        import torch
-
-        torch.cuda.empty_cache()
-        bucket = decoder.bucket()
-        smaller = max((b for b in decoder.buckets if b < bucket), default=None)
-        if smaller is None:
-            log.warning("a decode step of the fewest rows (%d) ran out of GPU memory: its items fail", bucket)
-            for row, ticket in list(self._rows.items()):
-                del self._rows[row]
-                decoder.release(row)
-                ticket.finish(self._out_of_memory(ticket.item, ticket.prompt_tokens))
-            return
-        log.warning("a %d-row decode step ran out of GPU memory: at most %d rows until idle", bucket, smaller)
-        for row in sorted(self._rows, reverse=True):
-            if row >= smaller:
-                self._preempt(row)
-        self._row_cap = smaller, time.monotonic()
+    def _out_of_memory(self, group: list[Ticket], prompt_tokens: int = 0) -> None:
+        with self._wake:
+            self.scheduler.out_of_memory(group, prompt_tokens)
 
     def _preempt(self, row: int) -> None:
-        ticket = self._rows.pop(row)
-        self._current_decoder().release(row)
-        ticket.row = None
-        log.info("KV cache full: request preempted after %d tokens (it resumes later)", len(ticket.ids))
-        self._requeue([ticket])
+        with self._wake:
+            self.scheduler.preempt(row, self._current_decoder().release)

@@ -230,7 +230,7 @@ class BackgroundCompile:
         deadline = time.monotonic() + RECORDING_FIRST_S
         while time.monotonic() < deadline and not self._closed:
             decoder = self._decoder
-            if decoder is None or not decoder.recording_wanted or not self._rows:
+            if decoder is None or not decoder.recording_wanted or not self.scheduler.running:
                 break
             time.sleep(0.005)
         return self._capture_lock

@@ -12,7 +12,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Optional
 
-from runpod_vlm.engine.admission import Admission, InFlight, admissible
+from runpod_vlm.engine.admission import Admission, InFlight
 from runpod_vlm.engine.background_compile import BackgroundCompile
 from runpod_vlm.engine.blocks import BLOCK_SIZE
 from runpod_vlm.engine.compile import set_torch_cache_dirs
@@ -25,9 +25,9 @@ from runpod_vlm.engine.loading import load_model
 from runpod_vlm.engine.memory import kv_pool_tokens
 from runpod_vlm.engine.one_at_a_time import OneAtATime
 from runpod_vlm.engine.paged_attention import use_paged_attention
-from runpod_vlm.engine.prefill import ChunkedPrefill
 from runpod_vlm.engine.prefill_graphs import GRAPH_TOKENS
 from runpod_vlm.engine.projections import share_weights
+from runpod_vlm.engine.scheduler import Scheduler
 from runpod_vlm.engine.ticket import Ticket, logprob_entries
 from runpod_vlm.engine.view import EngineView
 from runpod_vlm.engine.vision_attention import use_packed_vision_attention
@@ -52,6 +52,22 @@ log = logging.getLogger("runpod-vlm")
 # this long: a request that arrives during a recording waits for it (100-200 ms on the H200), and a client sending its
 # next request on each answer met one per request in a fresh worker (bench/README.md, eighteenth session).
 RECORD_AHEAD_AFTER_IDLE_S = 0.25
+
+
+def batched_length(text_config) -> Optional[int]:
+    """The most tokens a request may hold (prompt and answer) to be answered in the batch, where the family's
+    attention or rotary embedding changes past some length (the module's `_load` says which); None: any length."""
+    window = getattr(text_config, "sliding_window", None)
+    kinds = set(getattr(text_config, "layer_types", None) or (["sliding_attention"] if window else []))
+    rope = getattr(text_config, "rope_parameters", None) or {}
+    bounds = []
+    if "sliding_attention" in kinds:
+        bounds.append(window)
+    if "chunked_attention" in kinds:
+        bounds.append(getattr(text_config, "attention_chunk_size", None))
+    if rope.get("rope_type") == "longrope":
+        bounds.append(rope.get("original_max_position_embeddings") or text_config.original_max_position_embeddings)
+    return min((b for b in bounds if b), default=None)
 
 
 def _close_at_exit(engine: weakref.ref) -> None:
@@ -84,15 +100,12 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         self._answered = threading.Event()  # set at the first answer; the background compile waits for it
         self._load()
         self.image_cache = ImageEmbeddingCache(settings.image_cache_mb * 2**20) if settings.image_cache_mb else None
-        self._wake = threading.Condition()  # guards the queue; the engine thread waits on it
-        self._queue: list[Ticket] = []  # submitted, not yet given a row, in arrival order
-        self._rows: dict[int, Ticket] = {}  # decoder row -> the item decoding there (engine thread only)
+        self._wake = threading.Condition()  # guards the scheduler's queue; the engine thread waits on it
+        # The queue, the rows, the chunking prompt, the row cap and the KV pool's bookkeeping: the plan of each step.
+        self.scheduler = Scheduler(settings.max_batch_tokens, self.media_token_ids, self.context_length)
         # Prefills and decode intervals launched, their tokens not yet handed out, in launch order.
         self._launched: collections.deque[InFlight] = collections.deque()
-        self._row_cap: Optional[tuple[int, float]] = None  # rows given at most, and since when, after a decode OOM
-        self._chunking: Optional[tuple[Ticket, ChunkedPrefill]] = None  # a long prompt entering chunk by chunk
         self._prefix_logged = time.monotonic()  # when the prefix cache's counts were last logged
-        self._admitted = 0  # admissions so far: a row's number orders preemption (the newest goes first)
         self._thread: Optional[threading.Thread] = None
         self._intake: Optional[Intake] = None
         self.timings: collections.Counter = collections.Counter()  # seconds and counts by phase (benchmarks)
@@ -112,16 +125,15 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         self.use_graphs = self._cuda_graphs_possible()
         self.compile = self.use_graphs and self.settings.compile
         # Rows join and leave a running batch through the paged cache; remote-code chat() APIs cannot, and answer
-        # one item at a time; nor can LongRoPE (Phi-4), whose factors switch on the highest position in a batch.
-        # Sliding-window layers attend like full attention while a request fits its window: a longer one runs alone.
-        window = getattr(text_config, "sliding_window", None)
-        kinds = set(getattr(text_config, "layer_types", None) or (["sliding_attention"] if window else []))
-        self.max_slots = window if "sliding_attention" in kinds else None
-        longrope = (getattr(text_config, "rope_parameters", None) or {}).get("rope_type") == "longrope"
+        # one item at a time. Sliding-window layers (Gemma 3), chunked attention (Llama 4) and LongRoPE's short
+        # factors (Phi-4, switched on the highest position of a forward) are full attention and the same factors
+        # while a request stays within the window, the chunk or the original context: the batch takes requests that
+        # do (`max_slots`), and a longer one runs alone through generate().
+        self.max_slots = batched_length(text_config)
+        kinds = set(getattr(text_config, "layer_types", None) or ())
         self.continuous = (
             self.adapter.native
-            and kinds <= {"full_attention", "sliding_attention"}
-            and not longrope
+            and kinds <= {"full_attention", "sliding_attention", "chunked_attention"}
             and use_paged_attention(self.model)
         )
         if self.compile and self.continuous:
@@ -137,6 +149,7 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         """The decoder, made at first use (which queues the background compile of its shapes)."""
         if self._decoder is None:
             self._decoder = self._new_decoder()
+            self.scheduler.pool = self._decoder.pool
             # Queued once the decoder is in place: a compile done before, switched to by the engine thread,
             # found no decoder and was dropped (tests/test_handler.py's fake compile on a loaded CPU).
             missing = [b for b in self._decoder.buckets if b not in self._compiled_shapes]
@@ -160,18 +173,19 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
             "rows": self.settings.max_batch_size,
             "kv_cache_tokens": self._decoder.pool.capacity_tokens if self._decoder else None,
             "kv_block_size": BLOCK_SIZE,
-            "max_batch_tokens": self.settings.max_batch_tokens,
+            "max_batch_tokens": self.scheduler.token_budget,
             "compiled_decode": self.compile,
             "cuda_graphs": self.use_graphs,
         }
 
     def view(self) -> EngineView:
         """What the engine holds now (callable from any thread)."""
-        decoder, chunking, cap = self._decoder, self._chunking, self._row_cap
+        decoder, scheduler = self._decoder, self.scheduler
+        chunking, cap = scheduler.chunking, scheduler.row_cap
         pool = decoder.pool if decoder is not None else None
         return EngineView(
-            queued=len(self._queue),
-            running=len(self._rows),
+            queued=len(scheduler.waiting),
+            running=len(scheduler.running),
             prefilling=int(chunking is not None),
             kv_blocks=pool.capacity if pool else 0,
             kv_blocks_free=pool.free if pool else 0,
@@ -239,7 +253,7 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
                     ticket.grammar = self._grammars().start(params.json_schema, param, limit)
                     ticket.grammar.add_done_callback(lambda _: self._notify())
         with self._wake:
-            self._queue.extend(queued)
+            self.scheduler.add(queued)
             self._wake.notify()
             self._start_thread()
         return tickets
@@ -265,14 +279,14 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
     def _idle(self) -> bool:
         """Nothing to do until woken (call with `_wake` held): no queued call whose items are all prepared, none
         decoding."""
-        busy = self._rows or self._launched or self._chunking
-        return not busy and not admissible(self._queue) and not self._switch_due()
+        busy = self.scheduler.busy() or self._launched
+        return not busy and not self.scheduler.has_admissible() and not self._switch_due()
 
     def _captures_ahead_due(self, ahead: Optional[bool] = None) -> bool:
         """A graph to record while idle (`ahead` of need too: by default once `_quiet`), and no item queued (call with
         `_wake` held): one still in the intake would wait for the whole recording when it is ready a few ms later."""
         ahead = self._quiet() if ahead is None else ahead
-        return not self._queue and self._decoder is not None and self._decoder.captures_ahead_due(ahead)
+        return not self.scheduler.waiting and self._decoder is not None and self._decoder.captures_ahead_due(ahead)
 
     def _quiet(self) -> bool:
         return self._quiet_in_s() <= 0
@@ -315,8 +329,7 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
                     self._wake.wait(self._idle_wait_s())
                 if self._closed:
                     break
-                self._queue = [t for t in self._queue if not t.cancelled]
-                waiting = list(self._queue)
+                waiting = self.scheduler.drop_cancelled()
             started = time.perf_counter()
             try:
                 if self._stop_by is not None and time.monotonic() >= self._stop_by:
@@ -336,9 +349,9 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
                     self._switch_to_compiled()
                 earlier = list(self._launched)
                 self._admit(waiting)
-                if self._chunking is not None:
+                if self.scheduler.chunking is not None:
                     self._prefill_next_chunk()
-                if self._rows:
+                if self.scheduler.running:
                     self._decode_interval()
                 self._hand_out_launched(earlier)
             except SettingsError as error:  # a KV pool the GPU cannot hold, made at the first request (no warm-up)
@@ -348,7 +361,7 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
                     self._gpu_failed()
                     continue
                 log.exception("the engine failed a step; failing the items in flight (the queued ones if none)")
-                self._fail_all(GENERATION_FAILED, queued=not self._rows)  # else the same failure would come again
+                self._fail_all(GENERATION_FAILED, queued=not self.scheduler.running)  # else it would come again
             finally:
                 self.timings["busy_s"] += time.perf_counter() - started  # the engine thread's time not waiting
                 if not idle:
@@ -357,7 +370,7 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
 
     def _take(self, tickets: list[Ticket]) -> None:
         with self._wake:
-            self._queue = [t for t in self._queue if t not in tickets]
+            self.scheduler.take(tickets)
 
     # ---- structured output --------------------------------------------------------------------
 
@@ -389,7 +402,7 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         return self._grammars().masks_for(matchers) if any(matchers) else None
 
     def _next_grammar_masks(self) -> None:
-        constrained = [(row, t) for row, t in self._rows.items() if t.matcher is not None]
+        constrained = [(row, t) for row, t in self.scheduler.running.items() if t.matcher is not None]
         if constrained:
             rows, tickets = zip(*constrained)
             self._current_decoder().set_allowed(list(rows), self._grammar_masks(list(tickets)))
@@ -422,7 +435,7 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         if done:
             self._answered.set()
             self._current_decoder().release(ticket.row)
-            del self._rows[ticket.row]
+            self.scheduler.finished(ticket.row)
             if not ticket.cancelled:
                 ticket.finish(
                     ticket.result
@@ -431,19 +444,9 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
 
     def _fail_all(self, error: RequestError, queued: bool = False) -> None:
         """Fail the items in flight (and the queued ones too when `queued`)."""
-        with self._wake:
-            waiting, self._queue = (self._queue, []) if queued else ([], self._queue)
         self._launched.clear()
-        if self._chunking is not None:
-            waiting.append(self._chunking[0])
-            self._current_decoder().release(self._chunking[1].row)
-            self._chunking = None
-        for row, ticket in list(self._rows.items()):
-            self._current_decoder().release(row)
-            ticket.fail(error)
-        self._rows.clear()
-        for ticket in waiting:
-            ticket.fail(error)
+        with self._wake:
+            self.scheduler.fail_all(error, queued, lambda row: self._current_decoder().release(row))
 
     def _gpu_failed(self) -> None:
         """A fatal CUDA error (illegal access, device-side assert, ECC): the context is unusable. Every
@@ -472,16 +475,6 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
             logprobs=entries,
         )
 
-    def _context_error(self, item: GenerationRequest, prompt_tokens: int) -> Optional[RequestError]:
-        if self.context_length and prompt_tokens + item.params.max_new_tokens > self.context_length:
-            return RequestError(
-                "context_too_long",
-                f"the prompt ({prompt_tokens} tokens, images included) plus "
-                f"max_new_tokens ({item.params.max_new_tokens}) exceed the model's context of "
-                f"{self.context_length} tokens",
-                join_param(item.param, "max_new_tokens"),
-            )
-
     # ---- the decoder, its KV pool and its compiled step ----------------------------------------
 
     def _new_decoder(self) -> PagedDecoder:
@@ -509,7 +502,7 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
             use_graph=use_graph,
             interval=self.settings.sync_interval,
             max_row_tokens=self.context_length,
-            prefill_tokens=self.settings.max_batch_tokens,
+            prefill_tokens=self.scheduler.token_budget,
         )
         decoder.capture_lock = self._capture_lock
         return decoder
@@ -520,7 +513,7 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         return on_gpu and self.settings.preprocess_on_gpu and self.adapter.images_finish_on_gpu(self.processor)
 
     def _kv_pool_blocks(self) -> int:
-        graph_tokens = min(GRAPH_TOKENS, self.settings.max_batch_tokens) if self.use_graphs else 0
+        graph_tokens = min(GRAPH_TOKENS, self.scheduler.token_budget) if self.use_graphs else 0
         pixels = PREPARED_ON_GPU_BYTES if self._images_on_gpu() else 0
         return max(2, kv_pool_tokens(self.model, self.settings, self.dtype, graph_tokens, pixels) // BLOCK_SIZE + 1)
 
@@ -543,7 +536,7 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
             self._wake.notify()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
-        if self._rows or self._chunking:  # their rows' state was made in inference mode, on the engine thread
+        if self.scheduler.busy():  # their rows' state was made in inference mode, on the engine thread
             import torch
 
             with torch.inference_mode():

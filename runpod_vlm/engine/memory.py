@@ -87,9 +87,17 @@ def _prefill_peak(model, tokens: int, dtype) -> int:
     before = torch.cuda.memory_allocated(device)
     with torch.inference_mode():
         embeds = torch.zeros(1, tokens, hidden, dtype=dtype, device=device)
-        hidden_states = model.get_decoder()(inputs_embeds=embeds, use_cache=False).last_hidden_state
+        hidden_states = text_model(model)(inputs_embeds=embeds, use_cache=False).last_hidden_state
         model.get_output_embeddings()(hidden_states[:, -1:])
         del embeds, hidden_states
     peak = torch.cuda.max_memory_allocated(device) - before
     torch.cuda.empty_cache()
     return peak
+
+
+def text_model(model):
+    """The language model without its head, whose output holds the last hidden states: `get_decoder()`, or its
+    inner model where that is a causal LM with its head (Llama 4's)."""
+    decoder = model.get_decoder()
+    inner = getattr(decoder, "model", None)
+    return inner if inner is not None and hasattr(decoder, "lm_head") else decoder

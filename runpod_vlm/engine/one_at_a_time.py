@@ -43,7 +43,7 @@ class OneAtATime:
 
         inputs, input_sizes = self.adapter.batch_inputs(self.processor, [item], self.model.device, self.dtype)
         prompt_tokens = int(inputs["attention_mask"].sum())
-        error = self._context_error(item, prompt_tokens)
+        error = self.scheduler.context_error(item, prompt_tokens)
         if error:
             return error
         kwargs = dict(eos_token_id=sorted(self.eos_ids), **self.sampling_kwargs(item.params))

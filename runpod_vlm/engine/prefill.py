@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Optional
 
 from runpod_vlm.engine.host_copies import to_device
 from runpod_vlm.engine.intake import on_device
+from runpod_vlm.engine.memory import text_model
 from runpod_vlm.engine.paged_attention import PagedStep, paged
 from runpod_vlm.vocabulary import GenerationParams
 
@@ -208,7 +209,7 @@ class Prefill:
         with paged(step):  # a run cut off midway wrote some layers' slots: run again, it writes them again
             # A 4-D mask is taken as made: the paged attention needs none, and making one read the positions back.
             return beside_fx_traces(
-                self.model.get_decoder(),
+                text_model(self.model),
                 inputs_embeds=embeds,
                 attention_mask=self.no_mask,
                 position_ids=positions,
