@@ -66,7 +66,7 @@ from runpod_vlm.families.native import QwenVLAdapter
 from runpod_vlm.grounding import box_to_pixels, parse_bbox
 from runpod_vlm.request import TASK_PROMPTS
 from runpod_vlm.settings import CURATED_MODELS, DEFAULT_MODEL, MediaPolicy, Settings, SettingsError
-from sample_images import b64, data_uri, encode, plain, png
+from tools.sample_images import b64, data_uri, encode, plain, png
 
 # The fakes' fixtures, for every test here: the stubs installed in sys.modules for this module, the
 # scripted hub reset per test (`hub`), and URL fetches answered from WEB (`web`).

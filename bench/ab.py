@@ -1,6 +1,6 @@
 """The same concurrent runs on several code trees (GPU), a fresh worker each, taken in turns:
 
-    python bench/ab.py --out OUT --tree old=PATH --tree new=. [--rounds 2] [--variant new:gc_freeze] [--runs ...]
+    python -m bench.ab --out OUT --tree old=PATH --tree new=. [--rounds 2] [--variant new:gc_freeze] [--runs ...]
 
 A tree is a checkout of the worker (`git archive REV | tar -x -C PATH`); each worker imports `handler` and
 `runpod_vlm` from its tree, and the jobs from this tree's bench/. Trees go in turns (old, new, old, new, ...) so a
@@ -39,12 +39,12 @@ BURSTS = ("short_32", "uniform_64", "mixed_64", "images_64")
 def child(tree: str, variant: str, models: str, runs: list[str]) -> dict:
     if "=" in variant:
         os.environ.update(pair.split("=", 1) for pair in variant.split(","))
-    sys.path[:0] = [str(Path(tree).resolve()), str(ROOT / "tools"), str(ROOT / "bench")]
+    sys.path.insert(0, str(Path(tree).resolve()))  # the tree's handler and runpod_vlm, measured
     import gc
 
     import torch
 
-    import tiny_models
+    import tools.tiny_models as tiny_models
 
     folder = Path(models) / "qwen2-vl-2b"
     if not (folder / "config.json").exists():
@@ -55,7 +55,15 @@ def child(tree: str, variant: str, models: str, runs: list[str]) -> dict:
 
     handler = importlib.import_module("handler")  # first: bench's modules put their own checkout ahead on sys.path
     runpod_vlm = importlib.import_module("runpod_vlm")
-    from serving import concurrent, counted_since, counters, mixed_jobs, open_loop, sequential, wait_for_recordings
+    from bench.harness import (
+        concurrent,
+        counted_since,
+        counters,
+        mixed_jobs,
+        open_loop,
+        sequential,
+        wait_for_recordings,
+    )
 
     for module in (handler, runpod_vlm):  # the tree's own code, not this one's
         assert Path(module.__file__).resolve().is_relative_to(Path(tree).resolve()), module.__file__
@@ -129,8 +137,8 @@ def graph_replay_ms(engine) -> dict:
 
 def burst(name: str, base: int) -> list[dict]:
     """A burst's jobs, their images numbered from `base`."""
-    from paged import vqa
-    from serving import data_uri, mixed_jobs
+    from bench.harness import data_uri, mixed_jobs
+    from bench.paged import vqa
 
     if name == "short_32":
         return mixed_jobs(32, seed=5, first_image=base)
@@ -167,9 +175,9 @@ def main() -> None:
     for round_ in range(args.rounds):
         for name, variant in workers:
             started = time.perf_counter()
-            command = [sys.executable, __file__, "--models", args.models, "--runs", args.runs]
+            command = [sys.executable, "-m", __spec__.name, "--models", args.models, "--runs", args.runs]
             command += ["--child", trees[name], variant]
-            done = subprocess.run(command, text=True, capture_output=True)
+            done = subprocess.run(command, cwd=ROOT, text=True, capture_output=True)
             label = name if variant == "plain" else f"{name}:{variant}"
             (out / f"ab-{label.replace(':', '-')}-{round_}.log").write_text(done.stderr[-100_000:])
             lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]

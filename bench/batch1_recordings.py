@@ -4,18 +4,16 @@ shapes, random weights, default settings): five one-token jobs with a new 448x44
 eager `generate`, then with the recordings each job asked for waited for before the next, then back to back again.
 Each run: its time to first token (ms) and the engine's counters over it.
 
-    python bench/batch1_recordings.py --out DIR
+    python -m bench.batch1_recordings --out DIR
 """
 
 import json
 import logging
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
+from bench.harness import bench_model, bench_parser, gpu_parity, one_token_job, run_alone, wait_for_recordings
 
-from serving import bench_model, bench_parser, gpu_parity, one_token_job, run_alone, wait_for_recordings  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:

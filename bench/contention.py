@@ -1,6 +1,6 @@
 """Why serving slows while the background compile runs (GPU machine), one fresh worker per variant:
 
-    python bench/contention.py --out OUT --models MODELS
+    python -m bench.contention --out OUT --models MODELS
 
 Each worker (Qwen2-VL-2B shapes, one 8-row bucket, its own empty inductor/Triton caches) answers
 single jobs one after another: before the compile, while it runs and after. A sampler records where
@@ -25,7 +25,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
 
 VARIANTS = {
     "defaults": {},
@@ -54,9 +53,8 @@ def child() -> None:
     if forced:  # the worker sets 0.5 ms while compiling; this variant sets its own instead
         real = sys.setswitchinterval
         sys.setswitchinterval = lambda value: real(float(forced) if value < 0.005 else value)
-    from serving import QUESTIONS, data_uri, run_job
-
     import handler
+    from bench.harness import QUESTIONS, data_uri, run_job
 
     class Gate(threading.Event):  # the compile starts when the gate opens, not at the first answer
         def set(self):
@@ -124,14 +122,14 @@ def child() -> None:
 
 
 def main() -> None:
-    from serving import bench_parser
+    from bench.harness import bench_parser
 
     parser = bench_parser(__doc__)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         return child()
-    import tiny_models
+    import tools.tiny_models as tiny_models
 
     folder = Path(args.models) / "qwen2-vl-2b"
     if not (folder / "config.json").exists():
@@ -156,7 +154,12 @@ def main() -> None:
         }
         try:
             done = subprocess.run(
-                [sys.executable, __file__, "--child"], env=child_env, capture_output=True, text=True, timeout=130
+                [sys.executable, "-m", __spec__.name, "--child"],
+                cwd=ROOT,
+                env=child_env,
+                capture_output=True,
+                text=True,
+                timeout=130,
             )
             lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
             results[name] = json.loads(lines[-1]) if lines else {"error": done.stderr[-2000:]}

@@ -5,18 +5,15 @@ Triton kernel (runpod_vlm/engine/decode_kernel.py); all replayed as CUDA graphs.
 alone at 16-token blocks over its launch settings (programs aimed at, tokens a tile, warps, pipeline stages), 20
 calls a graph, against the settings it ships with.
 
-python bench/decode_attention.py --out OUT [--sweep]
+python -m bench.decode_attention --out OUT [--sweep]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 HEADS, KV_HEADS, DIM = 12, 2, 128
 

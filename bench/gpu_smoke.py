@@ -1,7 +1,7 @@
 """GPU smoke check of the compiled path: the worker's answers with torch.compile + CUDA graphs against
 the same worker with VLM_COMPILE=false, on a tiny random Qwen2-VL (fp32), through handler(job).
 
-    python bench/gpu_smoke.py --out DIR      # writes DIR/gpu_smoke.json and prints it
+    python -m bench.gpu_smoke --out DIR      # writes DIR/gpu_smoke.json and prints it
 
 Reports per request whether the compiled answer's tokens equal the eager one's, whether batched
 answers equal solo ones, the finish reasons, and graphs compiled during requests (should be 0); and,
@@ -15,12 +15,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "tests")]
 
 
 def run_job(job: dict):
@@ -42,8 +40,8 @@ def main() -> None:
 
     from torch._dynamo.utils import counters
 
-    import tiny_models
-    from sample_images import data_uri, plain, striped
+    import tools.tiny_models as tiny_models
+    from tools.sample_images import data_uri, plain, striped
 
     folder = tiny_models.build("qwen2-vl", Path(tempfile.mkdtemp()) / "qwen2-vl")
     # Two engines in one process: each with a small KV pool (the first one's is not freed when it is replaced).

@@ -2,7 +2,7 @@
 rows (the work the engine thread does between two steps while such rows run), with a byte-level BPE of
 a real vocabulary's size trained offline here (the tiny test models' tokenizers have ~300 tokens).
 
-    python bench/grammar_masks.py [--vocab 50000] [--rows 1,16,64] [--out bench/results/grammar-masks.json]
+    python -m bench.grammar_masks [--vocab 50000] [--rows 1,16,64] [--out bench/results/grammar-masks.json]
 
 Each row follows the tests' "nested" schema with its own random walk through the allowed tokens; the
 report is the median milliseconds per step to fill every row's mask and consume its token.
@@ -15,11 +15,9 @@ import json
 import pathlib
 import random
 import statistics
-import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
 
 def corpus(limit_bytes: int) -> list[str]:

@@ -6,18 +6,14 @@
 - what a recording voided midway (the GPU synchronized during it, from its own thread and from another) leaves: the
   next recording into its memory pool, and into a new one as the engine then takes, and their replays.
 
-    python bench/graph_recording.py
+    python -m bench.graph_recording
 """
 
-import sys
 import threading
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from runpod_vlm.engine.prefill_graphs import record, usable  # noqa: E402
+from runpod_vlm.engine.prefill_graphs import record, usable
 
 
 def blocks() -> tuple:

@@ -1,8 +1,8 @@
 """Issue 22's benchmark: new images at GPU speed and images sent again, through the handler's path, at
 DEFAULT settings (the image-embedding cache and prefix caching on), random weights at Qwen2-VL-2B shapes on the GPU:
 
-    python bench/images.py --out OUT            # GPU
-    python bench/images.py --out OUT --tiny     # a tiny fp32 model on the CPU: checks the script runs
+    python -m bench.images --out OUT            # GPU
+    python -m bench.images --out OUT --tiny     # a tiny fp32 model on the CPU: checks the script runs
 
 - prefill_64: 64 jobs of one new 448x448 image and max_new_tokens 1 sent at once, after a first such
   burst (first_burst_64): new images a second (target >= 200), with the engine's phases (intake, prefill); and
@@ -28,10 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
-
-from serving import (  # noqa: E402
+from bench.harness import (
     QUESTIONS,
     bench_model,
     bench_parser,
@@ -43,6 +40,8 @@ from serving import (  # noqa: E402
     run_job,
     wait_for_recordings,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 LATER_BURSTS = 6
 

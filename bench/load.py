@@ -1,6 +1,6 @@
 """Where a fresh worker's load time goes, phase by phase, in a fresh process (GPU machine):
 
-    python bench/load.py MODEL_FOLDER [--device-map auto|cuda] > OUT/load.json
+    python -m bench.load MODEL_FOLDER [--device-map auto|cuda] > OUT/load.json
 
 Imports, the CUDA context, config, processor, weights (`from_pretrained` as the worker calls it),
 and the first forward; beside them, the bare read of the safetensors files onto the GPU

@@ -3,7 +3,7 @@
 A fresh worker (Qwen2-VL-2B shapes, random weights, eager) is capped with
 `torch.cuda.set_per_process_memory_fraction` to its idle memory plus 1.5x what one small job needs:
 
-    python bench/oom.py --out OUT
+    python -m bench.oom --out OUT
 
 - 8 small jobs at once: their prefill does not fit together; all must succeed (split in halves);
 - 1 large job that does not fit alone, sent with 2 small ones: the large one gets `out_of_memory`,
@@ -18,17 +18,14 @@ import asyncio
 import json
 import logging
 import os
-import sys
 import time
 from pathlib import Path
 
+from bench.harness import photo_uri
+from runpod_vlm.answers import stream_generation
+from runpod_vlm.vocabulary import RequestError
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
-
-from benchmark import photo_uri  # noqa: E402
-
-from runpod_vlm.answers import stream_generation  # noqa: E402
-from runpod_vlm.vocabulary import RequestError  # noqa: E402
 
 SMALL, LARGE = 896, 2464  # about 1,024 and 7,744 visual tokens
 
@@ -59,14 +56,14 @@ def job(name: str, side: int, seed: int) -> dict:
 
 
 def main() -> None:
-    from serving import bench_parser
+    from bench.harness import bench_parser
 
     parser = bench_parser(__doc__)
     args = parser.parse_args()
 
     import torch
 
-    import tiny_models
+    import tools.tiny_models as tiny_models
 
     folder = Path(args.models) / "qwen2-vl-2b"
     if not (folder / "config.json").exists():

@@ -1,11 +1,11 @@
 """GPU benchmark of the paged engine (issue 20) at DEFAULT settings, on the whole GPU and capped.
 
 Random weights at Qwen2-VL-2B / 7B shapes (tools/tiny_models.py), loaded through the handler's own
-path; every job is one asyncio task on the handler's path (bench/serving.py's `run_job`). Plain
+path; every job is one asyncio task on the handler's path (bench/harness.py's `run_job`). Plain
 transformers `generate` is measured in the same process as the peer. Each part runs in a fresh
 process, so a memory cap (`torch.cuda.set_per_process_memory_fraction`) holds from the load on:
 
-    python bench/paged.py --out OUT [--parts h200,cap24,cap48-7b] [--quick] [--prefill-eager]
+    python -m bench.paged --out OUT [--parts h200,cap24,cap48-7b] [--quick] [--prefill-eager]
 
 - h200 (2B, whole GPU): batch 1; uniform 64 x 448x448 x 128; mixed 64 and 256 at once; long requests
   (4 x 1280x720 images, 512 tokens) among 32 short mixed jobs vs the short ones alone; open loop at 8
@@ -34,10 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
-
-from serving import (  # noqa: E402
+from bench.harness import (
     QUESTIONS,
     SIZES,
     bench_parser,
@@ -51,6 +48,8 @@ from serving import (  # noqa: E402
     sequential,
     wait_for_recordings,
 )
+
+ROOT = Path(__file__).resolve().parent.parent
 
 PARTS = {  # part -> (model shape, memory cap in GB or None)
     "h200": ("qwen2-vl-2b", None),
@@ -157,7 +156,7 @@ def child(part: str, args) -> dict:
 
     import torch
 
-    import tiny_models
+    import tools.tiny_models as tiny_models
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     shape, cap_gb = PARTS[part]
@@ -214,7 +213,7 @@ def child(part: str, args) -> dict:
         wait_for_recordings(engine)
         results["gpu_parity_prefill_replayed"] = gpu_parity(handler, engine, 16)  # the same prefills' shapes, replayed
         wait_for_recordings(engine)  # its groups' new shapes too (bench/README.md, fifteenth session)
-        from serving import one_token_job, run_alone
+        from bench.harness import one_token_job, run_alone
 
         def full(n):
             job = vqa("b1", [data_uri(448, 448, 810_000 + n)], 128)
@@ -236,7 +235,7 @@ def child(part: str, args) -> dict:
         def long_among_short():  # the short jobs of short_32_alone, with other images
             jobs = long_jobs(8) + mixed_jobs(32, seed=5, first_image=830_000)
             random.Random(0).shuffle(jobs)
-            from serving import run_job
+            from bench.harness import run_job
 
             async def run():
                 t0 = time.perf_counter()
@@ -329,10 +328,10 @@ def main() -> None:
         return print(json.dumps(child(args.child, args)))
     summary = {}
     for part in args.parts.split(","):
-        command = [sys.executable, __file__, "--child", part, "--out", args.out, "--models", args.models]
+        command = [sys.executable, "-m", __spec__.name, "--child", part, "--out", args.out, "--models", args.models]
         command += [f"--env={pair}" for pair in args.env]
         command += ["--quick"] * args.quick + ["--prefill-eager"] * args.prefill_eager
-        done = subprocess.run(command, text=True, capture_output=True)
+        done = subprocess.run(command, cwd=ROOT, text=True, capture_output=True)
         (Path(args.out) / f"paged-{part}.log").write_text(done.stderr[-200_000:])
         path = Path(args.out) / f"paged-{part}.json"
         summary[part] = json.loads(path.read_text()) if path.exists() else {"error": done.stderr[-3000:]}

@@ -1,6 +1,6 @@
 """Draw bench/results/chart.png from bench/results/results.json (needs matplotlib, no GPU).
 
-python bench/plot.py [--results bench/results/results.json]
+python -m bench.plot [--results bench/results/results.json]
 """
 
 from __future__ import annotations

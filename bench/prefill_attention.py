@@ -3,7 +3,7 @@ and the padding's sequence (engine/prefill_graphs.py) through FlashAttention, re
 padding attending to the rest of the keys' bucket (before) against as many keys as it has tokens (now); and whether
 the real sequences' outputs are the same either way.
 
-python bench/prefill_attention.py --out OUT
+python -m bench.prefill_attention --out OUT
 """
 
 from __future__ import annotations
@@ -11,13 +11,11 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+from bench.decode_attention import DIM, HEADS, KV_HEADS, replayed_us
 
-from decode_attention import DIM, HEADS, KV_HEADS, replayed_us  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def scenarios() -> dict:

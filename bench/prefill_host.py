@@ -1,7 +1,7 @@
 """Whether a burst's prefill is bound by the host or by the GPU (GPU): the engine thread's time to launch one
 prefill of new 448x448 one-image items, against the time until the GPU has run it.
 
-    python bench/prefill_host.py --out OUT [--groups 1,4,16,23]
+    python -m bench.prefill_host --out OUT [--groups 1,4,16,23]
 
 Random weights at Qwen2-VL-2B shapes, DEFAULT settings. For each group size, three groups of new items prepared as
 the intake prepares them, then placed as the engine places them (`on_device`, `collate`, `prefill_launch`):
@@ -18,16 +18,14 @@ import io
 import json
 import pstats
 import statistics
-import sys
 import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
+from bench.harness import bench_model, bench_parser, data_uri, gpu_parity
+from bench.timeline import gpu_busy
 
-from serving import bench_model, bench_parser, data_uri, gpu_parity  # noqa: E402
-from timeline import gpu_busy  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:

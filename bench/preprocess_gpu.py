@@ -1,6 +1,6 @@
 """Image processing on the CPU (the model card's path) against the GPU (`VLM_PREPROCESS_ON_GPU`), Qwen2-VL's processor:
 
-    python bench/preprocess_gpu.py
+    python -m bench.preprocess_gpu
 
 over 20 images of 448x448 to 1280x720, how many of the bf16 pixel values differ from the CPU's, and by how much at
 most: resized on the GPU by the processor, and resized on the host as the worker now does (`host_resized`, the
@@ -12,16 +12,13 @@ from __future__ import annotations
 
 import base64
 import io
-import sys
 import time
 from pathlib import Path
 
+from bench.harness import SIZES, bench_model, data_uri
+from runpod_vlm.families import adapter_for
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
-
-from serving import SIZES, bench_model, data_uri  # noqa: E402
-
-from runpod_vlm.families import adapter_for  # noqa: E402
 
 
 def main() -> None:

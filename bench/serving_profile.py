@@ -1,18 +1,16 @@
-"""`bench/paged_profile.py`'s parts through the handler's path: a batch-1 job's time to first token (`ttft`) and 64
+"""`bench/profile.py`'s parts through the handler's path: a batch-1 job's time to first token (`ttft`) and 64
 one-token jobs on a timeline (`intake`) (GPU)."""
 
 from __future__ import annotations
 
 import contextlib
 import json
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
+from bench.vision_profile import vision_packed
 
-from vision_profile import vision_packed  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def intake_timeline(handler, engine) -> dict:
@@ -24,9 +22,9 @@ def intake_timeline(handler, engine) -> dict:
     import threading
 
     import torch
-    from images import job
-    from serving import concurrent_records, data_uri
 
+    from bench.harness import concurrent_records, data_uri
+    from bench.images import job
     from runpod_vlm.engine.intake import Intake
 
     spans: dict = {"read": [], "intake": [], "place": []}
@@ -120,7 +118,7 @@ DECODER_SPANS = (
 def spans_of(engine):
     """Within the block, each call of the engine's and its decoder's methods named above (and the intake's
     `_prepare`) appended to the list it gives as (name, thread, start, end) in perf_counter seconds."""
-    from timeline import Spans
+    from bench.timeline import Spans
 
     spans = Spans()
     for owner, names in ((engine, ENGINE_SPANS), (engine._current_decoder(), DECODER_SPANS)):
@@ -141,7 +139,7 @@ def ttft_breakdown(handler, engine, out: Path) -> dict:
     import statistics
     import threading
 
-    from serving import QUESTIONS, counted_since, counters, data_uri, python_profile, wait_for_recordings
+    from bench.harness import QUESTIONS, counted_since, counters, data_uri, python_profile, wait_for_recordings
 
     def once(n: int) -> dict:
         job = {"task": "vqa", "question": QUESTIONS[0], "image_url": data_uri(448, 448, 8000 + n),
@@ -188,7 +186,7 @@ def ttft_breakdown(handler, engine, out: Path) -> dict:
         result[f"{name}_runs"] = runs
     # bench/paged.py's batch 1, through the handler's path (reading off the event loop, the answer streamed): one
     # token, a new image each time, back to back as there and with the recordings each asked for waited for between.
-    from serving import one_token_job, run_alone
+    from bench.harness import one_token_job, run_alone
 
     def through_handler(n: int, wait: bool) -> dict:
         record = run_alone(handler, engine, one_token_job(n), wait)

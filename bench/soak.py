@@ -2,7 +2,7 @@
 loopback queue stand-in of tests/runpod_queue.py), a tiny random-weight model on CPU. Run by hand
 (it takes minutes; not part of CI):
 
-    python bench/soak.py [--jobs 1000] [--family qwen2-vl] [--max-new-tokens 4] [--out soak.json]
+    python -m bench.soak [--jobs 1000] [--family qwen2-vl] [--max-new-tokens 4] [--out soak.json]
 
 Prints (and writes with --out): jobs/s from the first take to the last answer, jobs lost (no accepted
 answer) and answered twice, and the worker's resident memory after the first 50 answers and at the
@@ -18,11 +18,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tools")]
+from tools.runpod_queue import JobQueue, worker
+from tools.sample_images import data_uri, plain, striped
 
-from runpod_queue import JobQueue, worker  # noqa: E402
-from sample_images import data_uri, plain, striped  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def jobs(count: int, max_new_tokens: int) -> list[dict]:
@@ -49,7 +48,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="soak-"))
     model = args.model
     if model is None:
-        import tiny_models
+        import tools.tiny_models as tiny_models
 
         model = tiny_models.build(args.family, work / args.family)
     with JobQueue() as queue:

@@ -3,7 +3,7 @@ constrained to a JSON schema, and half of each, at Qwen2-VL-2B shapes (random we
 case the mean decode step (engine.timings: decode seconds over decode steps), each case run once
 untimed first so that its graphs are recorded before it is measured.
 
-    python bench/structured.py --out DIR      # writes DIR/structured.json and prints it
+    python -m bench.structured --out DIR      # writes DIR/structured.json and prints it
 
 The tiny builder's tokenizer has a few hundred tokens (the vocabulary of the logits is the model's
 151,936), so llguidance's mask filling is cheaper here than with the real tokenizer: see
@@ -16,12 +16,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "tests")]
 
 
 def job(n: int, constrained: bool, schema: dict) -> dict:
@@ -64,13 +62,13 @@ def _parses(text: str) -> bool:
 
 
 def main() -> None:
-    from serving import bench_parser
+    from bench.harness import bench_parser
 
     parser = bench_parser(__doc__)
     args = parser.parse_args()
     import torch
 
-    import tiny_models
+    import tools.tiny_models as tiny_models
     from test_structured_output import SCHEMAS
 
     folder = Path(args.models) / "qwen2-vl-2b"

@@ -1,7 +1,7 @@
 """Where a concurrent run's time goes (GPU): the engine thread's spans (admission, placement, prefill, decode
 steps, handing out tokens), the intake's and the reading's, and how busy the GPU was.
 
-    python bench/timeline.py --out OUT [--runs uniform,mixed,images] [--variants switch_0.1ms,...]
+    python -m bench.timeline --out OUT [--runs uniform,mixed,images] [--variants switch_0.1ms,...]
 
 Random weights at Qwen2-VL-2B shapes, DEFAULT settings, jobs on the handler's path as in bench/paged.py:
 `uniform` 64 x 448x448 x 128 tokens, `mixed` 64 mixed jobs, `images` 64 one-token jobs of a new 448x448
@@ -26,11 +26,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
-
-from paged import vqa  # noqa: E402
-from serving import (  # noqa: E402
+from bench.harness import (
     bench_parser,
     concurrent,
     data_uri,
@@ -39,6 +35,9 @@ from serving import (  # noqa: E402
     python_profile,
     wait_for_recordings,
 )
+from bench.paged import vqa
+
+ROOT = Path(__file__).resolve().parent.parent
 
 ENGINE_TOP = ("_admit", "_prefill_next_chunk", "_decode_interval")  # what one engine-loop turn does
 
@@ -263,7 +262,7 @@ def main() -> None:
 
     import torch
 
-    import tiny_models
+    import tools.tiny_models as tiny_models
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     out = Path(args.out)

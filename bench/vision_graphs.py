@@ -1,8 +1,8 @@
 """The vision tower's small passes, eager against replayed as CUDA graphs (engine/vision_graphs.py), at Qwen2-VL-2B
 shapes with random weights on the GPU:
 
-    python bench/vision_graphs.py --out OUT            # GPU: OUT/vision_graphs.json
-    python bench/vision_graphs.py --out OUT --tiny     # a tiny fp32 model on the CPU: checks the script runs
+    python -m bench.vision_graphs --out OUT            # GPU: OUT/vision_graphs.json
+    python -m bench.vision_graphs --out OUT --tiny     # a tiny fp32 model on the CPU: checks the script runs
 
 For each set of images: the engine thread's time for the tower's pass (the host's wall time to the GPU's end, median
 of 10) run eagerly as before, padded eagerly (a shape's first pass), and replayed; the replayed features against the
@@ -15,12 +15,10 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "tests"), str(ROOT / "bench")]
 
 IMAGE_SETS = {
     "one_448x448": [(448, 448)],
@@ -32,7 +30,7 @@ IMAGE_SETS = {
 
 
 def main() -> None:
-    from serving import bench_parser
+    from bench.harness import bench_parser
 
     parser = bench_parser(__doc__)
     parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on the CPU (a smoke run)")
@@ -40,14 +38,15 @@ def main() -> None:
     import logging
 
     import torch
-    from serving import bench_model
+
+    from bench.harness import bench_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     bench_model(args.models, args.tiny)
     os.environ.update(VLM_COMPILE="false")
     import handler
     from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, Turn
-    from sample_images import striped
+    from tools.sample_images import striped
 
     engine = handler.get_engine()
     decoder = engine._current_decoder()  # the engine thread is not started: nothing else runs on the GPU

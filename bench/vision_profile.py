@@ -1,15 +1,13 @@
-"""`bench/paged_profile.py`'s parts on the vision tower (`vision`, `vision_blocks`, `vision_packed`), and the mixed
+"""`bench/profile.py`'s parts on the vision tower (`vision`, `vision_blocks`, `vision_packed`), and the mixed
 one-image items its parts use (GPU)."""
 
 from __future__ import annotations
 
 import contextlib
-import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
 
 
 def mixed_items(engine, count: int, seed: int, first_image: int, params, sizes=None) -> list:
@@ -17,8 +15,7 @@ def mixed_items(engine, count: int, seed: int, first_image: int, params, sizes=N
     import base64
     import random
 
-    from serving import QUESTIONS, SIZES, data_uri
-
+    from bench.harness import QUESTIONS, SIZES, data_uri
     from runpod_vlm.media import decode_image
     from runpod_vlm.vocabulary import GenerationRequest, Turn
 

@@ -39,7 +39,7 @@ else
     tmp="$MODEL_DIR.partial.$$"
     rm -rf "$tmp"
     trap 'rm -rf "$tmp"' EXIT
-    "$PY" tools/tiny_models.py qwen2-vl "$tmp"
+    "$PY" -m tools.tiny_models qwen2-vl "$tmp"
     rm -rf "$MODEL_DIR"
     mv "$tmp" "$MODEL_DIR"  # only a complete build ever sits at $MODEL_DIR
     trap - EXIT

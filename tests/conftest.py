@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tools")]
+sys.path.insert(0, str(ROOT))
 
 import handler  # noqa: E402
-import tiny_models  # noqa: E402
+import tools.tiny_models as tiny_models  # noqa: E402
 from runpod_vlm.settings import Settings  # noqa: E402
 
 
@@ -175,7 +175,7 @@ class ImageServer:
 @pytest.fixture
 def image_server():
     """A loopback image server for one test (see ImageServer)."""
-    from sample_images import encode, striped
+    from tools.sample_images import encode, striped
 
     server = ImageServer(encode(striped((64, 48))))
     yield server

@@ -1814,7 +1814,7 @@ def hub(monkeypatch):
     monkeypatch.setattr(engine_module, "Grammars", UnusedGrammars)
     # The vision tower's attention runs for real in tests/test_vision_attention.py.
     monkeypatch.setattr(engine_module, "use_packed_vision_attention", lambda model: True)
-    # GPU memory is asked of the fake torch.cuda; the work memory is measured on the GPU (bench/serving.py).
+    # GPU memory is asked of the fake torch.cuda; the work memory is measured on the GPU (bench/harness.py).
     monkeypatch.setattr(
         memory_module, "measured_work_memory", lambda model, settings, dtype, graph_tokens=0: HUB.work_memory
     )

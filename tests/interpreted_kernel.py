@@ -65,7 +65,7 @@ def engine_answers(folder: str) -> dict:
     decode_kernel.SPLITS_TARGET = 32  # 2 splits at 8 rows: the merge runs, the interpreter stays quick
     import handler
     from runpod_vlm.answers import generate_all
-    from sample_images import data_uri, striped
+    from tools.sample_images import data_uri, striped
 
     engine = handler.get_engine()
     jobs = [

@@ -9,7 +9,7 @@ import json
 import pytest
 
 import handler
-from sample_images import data_uri, striped
+from tools.sample_images import data_uri, striped
 
 PROMPT = "Describe the picture, then tell a long story about it, with many details. " * 4
 

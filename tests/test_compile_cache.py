@@ -680,7 +680,7 @@ def test_jobs_answered_while_the_step_compiles_and_after_get_their_eager_tokens(
     # lengths and images, sent together again and again while the step compiles and once it is switched to,
     # get exactly the tokens of the plain forward; also with the projections that share an input computed as one
     # product (engine/projections.py, as a worker that compiles loads them).
-    from sample_images import data_uri, striped
+    from tools.sample_images import data_uri, striped
 
     engine = serve(
         tiny_model("qwen2-vl"),

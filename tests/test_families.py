@@ -16,7 +16,7 @@ import torch
 import handler
 from runpod_vlm.families import FAMILIES, adapter_for
 from runpod_vlm.settings import CURATED_MODELS
-from sample_images import data_uri, plain, striped
+from tools.sample_images import data_uri, plain, striped
 
 # Families whose processor has a chat template (PaliGemma, prompted by task prefixes, is below).
 CHAT_FAMILIES = ["qwen3-vl", "gemma3", "llava-onevision", "smolvlm", "internvl-hf", "mistral3", "llama4", "glm4v"]
@@ -601,7 +601,7 @@ def test_phi3_vision_asks_for_eager_attention_without_flash_attn(serve_remote, m
 
 
 def test_every_curated_native_family_has_a_tiny_builder_and_card_parity_here():
-    import tiny_models
+    import tools.tiny_models as tiny_models
 
     remote_code = {"minicpm-v", "phi3-vision", "internvl"}
     built = {{"glm4v": "glm-4.1v"}.get(name, name) for name in tiny_models.FAMILIES}

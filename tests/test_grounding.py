@@ -14,7 +14,7 @@ from runpod_vlm.grounding import box_to_pixels, grounding_fields, parse_bbox, pa
 from runpod_vlm.request import parse_request
 from runpod_vlm.settings import Settings
 from runpod_vlm.vocabulary import Generation, GenerationParams, GenerationRequest, RequestError, Turn
-from sample_images import data_uri
+from tools.sample_images import data_uri
 
 QWEN2_VL_TWO_DOGS = (
     "<|object_ref_start|>the dog<|object_ref_end|><|box_start|>(100,250),(500,750)<|box_end|> and "

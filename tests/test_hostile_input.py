@@ -13,7 +13,7 @@ import pytest
 import handler
 from runpod_vlm.request import check_strings
 from runpod_vlm.vocabulary import MAX_ECHO_CHARS, MAX_PARAM_CHARS, RequestError
-from sample_images import data_uri, striped
+from tools.sample_images import data_uri, striped
 
 SMALL = 4096  # bytes: the most any error answer may weigh
 HUGE = 15_000_000  # characters: the 15 MB field name

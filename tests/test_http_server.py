@@ -16,7 +16,7 @@ from fastapi.testclient import TestClient
 
 from conftest import ROOT, free_port
 from runpod_vlm.http_server import make_app
-from sample_images import data_uri, striped
+from tools.sample_images import data_uri, striped
 
 # ---- readiness, in process: the states /ping reports ---------------------------------------------
 

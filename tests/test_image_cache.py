@@ -8,7 +8,7 @@ import torch
 
 import handler
 from runpod_vlm.answers import generate_all
-from sample_images import data_uri, striped
+from tools.sample_images import data_uri, striped
 
 PHOTO, OTHER, THIRD = data_uri(striped((64, 48))), data_uri(striped((40, 72))), data_uri(striped((56, 56)))
 

@@ -15,7 +15,7 @@ import pytest
 
 import handler
 from conftest import free_port, running_server
-from sample_images import b64, data_uri, encode, plain, striped
+from tools.sample_images import b64, data_uri, encode, plain, striped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -37,7 +37,7 @@ from runpod_vlm.fetch import MAX_URL_CHARS
 from runpod_vlm.media import MAX_PARALLEL_FETCHES
 from runpod_vlm.settings import MediaPolicy, Settings, SettingsError
 from runpod_vlm.vocabulary import Generation, GenerationParams, GenerationRequest, ImageSpec, RequestError, Turn
-from sample_images import b64, data_uri, encode, png
+from tools.sample_images import b64, data_uri, encode, png
 
 FAKE_PUBLIC = "93.184.215.14"  # "the internet": the guard routes it to 127.0.0.1, same port
 FAKE_PUBLIC_2 = "198.41.0.4"

@@ -27,7 +27,7 @@ from runpod_vlm.families.native import QwenVLAdapter
 from runpod_vlm.openai_route import OPENAI_IGNORED, OPENAI_UNSUPPORTED, ChatCompletionBody, openai_answers
 from runpod_vlm.settings import Settings
 from runpod_vlm.vocabulary import Generation, StreamDelta
-from sample_images import data_uri, striped
+from tools.sample_images import data_uri, striped
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

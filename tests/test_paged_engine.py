@@ -20,9 +20,9 @@ from runpod_vlm.answers import generate_all
 from runpod_vlm.engine import prefill_graphs, varlen
 from runpod_vlm.engine import scheduler as scheduler_module
 from runpod_vlm.vocabulary import StreamDelta
-from sample_images import data_uri, striped
 from test_vision_compile import block_diagonal_varlen, wait_for
-from tiny_models import FAMILIES
+from tools.sample_images import data_uri, striped
+from tools.tiny_models import FAMILIES
 
 LONG_TEXT = " ".join(f"word{n}" for n in range(40))  # about 300 tokens: more than one chunk at a 256 budget
 

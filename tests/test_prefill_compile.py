@@ -13,9 +13,9 @@ import torch
 import handler
 from runpod_vlm.engine import compile as compile_module
 from runpod_vlm.engine.compile import decoder_layers, run_layers_compiled
-from sample_images import data_uri, striped
 from test_compile_cache import compile_in_background
 from test_vision_compile import wait_for
+from tools.sample_images import data_uri, striped
 
 
 def vqa(size: tuple, question: str, tokens: int) -> dict:

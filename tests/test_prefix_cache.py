@@ -9,7 +9,7 @@ import pytest
 
 import handler
 from runpod_vlm.answers import generate_all
-from sample_images import data_uri, striped
+from tools.sample_images import data_uri, striped
 
 SYSTEM = "You answer briefly. " + " ".join(f"rule{n}" for n in range(30))  # several blocks before any image
 PHOTO, OTHER = data_uri(striped((64, 48))), data_uri(striped((40, 72)))

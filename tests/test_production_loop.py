@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from runpod_queue import Faults, JobQueue, worker
-from sample_images import data_uri, striped
+from tools.runpod_queue import Faults, JobQueue, worker
+from tools.sample_images import data_uri, striped
 
 SMALL = 4096  # bytes: the most an error answer may weigh
 RUN_LIMIT_S = 300  # a deadline for a run to finish, not a performance assertion

@@ -18,7 +18,7 @@ import handler
 from runpod_vlm.answers import generate_all, stream_generation
 from runpod_vlm.engine.loading import quantization_config
 from runpod_vlm.vocabulary import StreamDelta
-from sample_images import b64, data_uri, plain, striped
+from tools.sample_images import b64, data_uri, plain, striped
 
 FAMILIES = ["qwen2-vl", "qwen2.5-vl", "llava", "llava-next"]
 GROUNDING_FAMILIES = {"qwen2-vl", "qwen2.5-vl"}

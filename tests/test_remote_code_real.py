@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 
 import handler
-from sample_images import data_uri, plain, striped
+from tools.sample_images import data_uri, plain, striped
 
 CODE_DIR = os.environ.get("VLM_LEGACY_CODE_DIR", "")
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
@@ -73,7 +73,7 @@ def legacy_model(tmp_path_factory):
     """`legacy_model(family, eos_bias=False)` -> folder of a tiny model on the family's real code.
     Built in a child process: building imports the repository code (with MiniCPM-V's `List` fix),
     which must not be loaded already when the worker loads it here."""
-    import legacy_models
+    import tools.legacy_models as legacy_models
 
     built: dict[tuple, Path] = {}
     root = tmp_path_factory.mktemp("legacy-models")
@@ -85,8 +85,10 @@ def legacy_model(tmp_path_factory):
         key = (family, eos_bias)
         if key not in built:
             out = root / f"{family}{'-eos' if eos_bias else ''}"
-            command = [sys.executable, str(TOOLS / "legacy_models.py"), family, CODE_DIR, str(out)]
-            done = subprocess.run(command + (["--eos-bias"] if eos_bias else []), capture_output=True, text=True)
+            command = [sys.executable, "-m", "tools.legacy_models", family, CODE_DIR, str(out)]
+            done = subprocess.run(
+                command + (["--eos-bias"] if eos_bias else []), cwd=TOOLS.parent, capture_output=True, text=True
+            )
             if done.returncode:
                 pytest.fail(f"building the tiny {family} model failed:\n{done.stderr[-3000:]}")
             built[key] = out

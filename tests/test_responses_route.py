@@ -17,7 +17,7 @@ from pydantic import TypeAdapter
 import handler
 from conftest import free_port, running_server
 from runpod_vlm.responses_route import RESPONSES_IGNORED, RESPONSES_UNSUPPORTED, ResponsesBody
-from sample_images import data_uri, striped
+from tools.sample_images import data_uri, striped
 
 EVENTS = TypeAdapter(openai.types.responses.ResponseStreamEvent)
 

@@ -11,7 +11,7 @@ from transformers import PreTrainedTokenizerFast
 
 import handler
 from runpod_vlm.text_deltas import TextDeltas
-from sample_images import data_uri, striped
+from tools.sample_images import data_uri, striped
 
 # Mixed ASCII, 2-, 3- and 4-byte characters.
 TEXT = "Le café au lait, s'il vous plaît: 日本の猫 🐈 et 20 €. " * 6

@@ -12,7 +12,7 @@ import pytest
 
 import handler
 from runpod_vlm.openai_route import openai_answers
-from sample_images import data_uri, striped
+from tools.sample_images import data_uri, striped
 
 # Bounded schemas (no free whitespace, capped strings and arrays): a random model must close them in time.
 SCHEMAS = {

@@ -41,7 +41,7 @@ from fake_backend import STUBBED_API
 from runpod_vlm.engine.loading import quantization_config
 from runpod_vlm.families.remote import InternVL2Adapter, MiniCPMVAdapter, Phi3VisionAdapter
 from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, Turn
-from sample_images import data_uri, plain, striped
+from tools.sample_images import data_uri, plain, striped
 
 # The worker's own code: handler.py and the runpod_vlm package.
 WORKER_FILES = (handler.handler.__code__.co_filename, os.path.dirname(runpod_vlm.__file__) + os.sep)
@@ -57,7 +57,7 @@ REMOTE_CODE = {
     "its remote code registers a vision model there",
 }
 # Reached only when torch.cuda.is_available(): they are exercised by the GPU benchmark
-# (bench/serving.py), never on this CPU machine; here they must at least exist on real torch.
+# (bench/harness.py), never on this CPU machine; here they must at least exist on real torch.
 CUDA_ONLY = {
     "torch.cuda.is_bf16_supported": "asked only once torch.cuda.is_available() (dtype 'auto')",
     "torch.compile": "the decode forward is compiled only on a CUDA device",

@@ -18,7 +18,7 @@ import handler
 from conftest import free_port, running_server
 from runpod_vlm.tools import read_calls
 from runpod_vlm.vocabulary import ToolUse
-from sample_images import data_uri, striped
+from tools.sample_images import data_uri, striped
 
 WEATHER = {
     "type": "function",

@@ -15,7 +15,7 @@ import torch
 import handler
 from conftest import ImageServer
 from runpod_vlm.answers import generate_all
-from sample_images import data_uri, striped
+from tools.sample_images import data_uri, striped
 
 av = pytest.importorskip("av")
 qwen_vl_utils = pytest.importorskip("qwen_vl_utils")

@@ -8,7 +8,7 @@ import torch
 
 from runpod_vlm.engine import varlen, vision_attention
 from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, Turn
-from sample_images import striped
+from tools.sample_images import striped
 
 PACKED_FAMILIES = ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"]
 

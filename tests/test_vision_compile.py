@@ -14,9 +14,9 @@ import handler
 from runpod_vlm.engine import compile as compile_module
 from runpod_vlm.engine import varlen
 from runpod_vlm.engine.compile import dynamic_forwards, run_blocks_compiled, vision_blocks
-from sample_images import data_uri, striped
 from test_compile_cache import compile_in_background
 from test_vision_attention import image_features
+from tools.sample_images import data_uri, striped
 
 
 def block_diagonal_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale=None, window_size=(-1, -1), enable_gqa=False):

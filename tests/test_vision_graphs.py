@@ -19,12 +19,12 @@ from runpod_vlm.engine import varlen
 from runpod_vlm.engine import vision_graphs as vision_graphs_module
 from runpod_vlm.engine.compile import model_view
 from runpod_vlm.engine.vision_graphs import VisionGraphs, padded_patches, tower
-from sample_images import striped
 from test_paged_engine import items_of, solo_generate
 from test_prefill_compile import vqa
 from test_prefill_graphs import graphs_on_cpu, varlen_reference, with_graphs  # noqa: F401 (a fixture)
 from test_vision_attention import PACKED_FAMILIES, image_features
 from test_vision_compile import wait_for
+from tools.sample_images import striped
 
 
 def replayed_in_place(self, shape, pool):

@@ -24,12 +24,9 @@ import argparse
 import copy
 import json
 import shutil
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from tiny_models import _favour_eos, _make_sensitive  # noqa: E402
+from tools.tiny_models import _favour_eos, _make_sensitive
 
 FAMILIES = {"internvl2": "internvl_chat", "phi3-vision": "phi3_v", "minicpm-v": "minicpmv"}
 MODELING_FILES = {
@@ -173,7 +170,7 @@ def _shrink_phi3_vision(config: dict, out: Path) -> str:
 
 def _shrink_minicpm_v(config: dict, out: Path) -> str:
     if not (out / "tokenizer_config.json").is_file():  # a byte-level stand-in for its Qwen2 vocabulary
-        from tiny_families.tokenizer import byte_level_tokenizer
+        from tools.tiny_families.tokenizer import byte_level_tokenizer
 
         tokenizer = byte_level_tokenizer(MINICPM_SPECIAL, eos="<|im_end|>", pad="<|endoftext|>", unk="<unk>")
         tokenizer.chat_template = CHATML_TEMPLATE

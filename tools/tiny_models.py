@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from tiny_families import PARTS
-from tiny_families.glm_phi import save_vision_lora
+from tools.tiny_families import PARTS
+from tools.tiny_families.glm_phi import save_vision_lora
 
 FAMILIES = (
     "qwen2-vl",

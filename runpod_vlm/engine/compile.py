@@ -216,7 +216,7 @@ def dynamic_forwards(modules: list, **options) -> dict:
     return {kind: torch.compile(kind.forward, dynamic=True, **options) for kind in set(map(type, modules))}
 
 
-# On the H200 (bench/paged_profile.py --parts vision_blocks) 5,120 patches took 30 -> 20 ms compiled, 23,552
+# On the H200 (bench/profile.py --parts vision_blocks) 5,120 patches took 30 -> 20 ms compiled, 23,552
 # 119 -> 78 ms; with every call compiled, a batch-1 448x448 image (1,024) was answered in 78 ms, not 54-62
 # (not measured apart from the session's other changes): fewer patches stay eager.
 COMPILED_FROM_PATCHES = 4096

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from tiny_families.gemma import gemma3_parts, paligemma_parts
-from tiny_families.glm_phi import glm4v_parts, phi4_multimodal_parts
-from tiny_families.idefics import internvl_parts, smolvlm_parts
-from tiny_families.llama import llama4_parts, mistral3_parts
-from tiny_families.llava import llava_onevision_parts, llava_parts
-from tiny_families.qwen import qwen2_parts, qwen3_parts
+from tools.tiny_families.gemma import gemma3_parts, paligemma_parts
+from tools.tiny_families.glm_phi import glm4v_parts, phi4_multimodal_parts
+from tools.tiny_families.idefics import internvl_parts, smolvlm_parts
+from tools.tiny_families.llama import llama4_parts, mistral3_parts
+from tools.tiny_families.llava import llava_onevision_parts, llava_parts
+from tools.tiny_families.qwen import qwen2_parts, qwen3_parts
 
 PARTS = {
     "qwen2-vl": qwen2_parts,

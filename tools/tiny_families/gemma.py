@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from tiny_families.shapes import TINY_TEXT, TINY_VISION
-from tiny_families.tokenizer import byte_level_tokenizer
+from tools.tiny_families.shapes import TINY_TEXT, TINY_VISION
+from tools.tiny_families.tokenizer import byte_level_tokenizer
 
 GEMMA_SPECIAL = [
     "<pad>",

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from tiny_families.shapes import TINY_TEXT, TINY_VISION
-from tiny_families.tokenizer import byte_level_tokenizer
+from tools.tiny_families.shapes import TINY_TEXT, TINY_VISION
+from tools.tiny_families.tokenizer import byte_level_tokenizer
 
 GLM4V_SPECIAL = [
     "<|endoftext|>",

@@ -6,7 +6,7 @@ is read off the event loop (`handler.read_job_item`), then its item is streamed 
 (`stream_generation`); the SDK's posting is not included. Every figure is compared with a
 baseline measured in the same run:
 
-    python bench/serving.py --out OUT [--quick] [--skip cold,main,open]
+    python -m bench.harness --out OUT [--quick] [--skip cold,main,open]
 
 - cold start: fresh worker processes at the default settings, compiled without and then with the
   compile-artifact cache, and eager: process start to the first answer, when the compiled step takes
@@ -36,13 +36,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from runpod_vlm.answers import stream_generation
+from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, RequestError, StreamDelta, Turn, answered_length
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
-
-from benchmark import photo_uri as data_uri  # noqa: E402
-
-from runpod_vlm.answers import stream_generation  # noqa: E402
-from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, RequestError, StreamDelta, Turn, answered_length  # noqa: E402
 
 SIZES = [(448, 448), (640, 480), (800, 600), (1024, 768), (1280, 720)]
 QUESTIONS = [
@@ -101,7 +98,7 @@ def bench_parser(doc: str) -> argparse.ArgumentParser:
 def bench_model(models: str, tiny: bool = False) -> Path:
     """The model a benchmark runs, with the worker's environment set to load it: random weights at Qwen2-VL-2B shapes
     in bf16 (built into `models` once), or with `tiny` a tiny fp32 one on the CPU (a smoke run)."""
-    import tiny_models
+    import tools.tiny_models as tiny_models
 
     if tiny:
         folder = tiny_models.build("qwen2-vl", Path(models) / "qwen2-vl-tiny")
@@ -350,7 +347,12 @@ def cold_start(folder: Path, compile_: bool, cache_dir: Path, log: Path) -> dict
     started = time.perf_counter()
     try:
         child = subprocess.run(
-            [sys.executable, __file__, "--child-cold-start"], env=env, capture_output=True, text=True, timeout=300
+            [sys.executable, "-m", __spec__.name, "--child-cold-start"],
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
     except subprocess.TimeoutExpired as expired:
         log.write_text(str(expired.stderr or ""))
@@ -490,7 +492,7 @@ def main() -> None:
     import torch
     import transformers
 
-    import tiny_models
+    import tools.tiny_models as tiny_models
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     skip = set(filter(None, args.skip.split(",")))
@@ -595,3 +597,20 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+
+
+def photo_uri(width: int, height: int, seed: int) -> str:
+    """A photo-like JPEG (smooth gradients and noise) as a data URI."""
+    import numpy as np
+    from PIL import Image
+
+    from tools.sample_images import data_uri, encode
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([(x * 255 // width), (y * 255 // height), ((x + y) * 127 // (width + height))], -1)
+    pixels = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype("uint8")
+    return data_uri(encode(Image.fromarray(pixels), "JPEG", quality=90), "image/jpeg")
+
+
+data_uri = photo_uri  # the harness's images are photo-like JPEGs

@@ -10,7 +10,7 @@ admission, for a new image and for the same job again; (`intake`) 64 one-token j
 phase's spans on a timeline; and (`prefill_layers`) prompts of 40 to 8,000 tokens prefilled through the decoder
 layers compiled with dynamic shapes and eagerly.
 
-python bench/paged_profile.py --out OUT [--projections-apart]
+python -m bench.profile --out OUT [--projections-apart]
     [--parts decode,prefill,prefill_uniform,vision,vision_blocks,vision_packed,shapes,ttft,intake,prefill_layers]
 
 With the default KV pool the GPU has too little room left for `vision_packed` after other parts: run it
@@ -23,20 +23,18 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "tools"), str(ROOT / "bench")]
+from bench.vision_profile import mixed_items
 
-from vision_profile import mixed_items  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
-    from serving import bench_parser
-    from serving_profile import intake_timeline, ttft_breakdown
-    from vision_profile import vision_blocks_compiled, vision_compile, vision_packed
+    from bench.harness import bench_parser
+    from bench.serving_profile import intake_timeline, ttft_breakdown
+    from bench.vision_profile import vision_blocks_compiled, vision_compile, vision_packed
 
     parser = bench_parser(__doc__)
     parser.add_argument("--parts", default="decode,prefill")
@@ -52,7 +50,7 @@ def main() -> None:
     import torch
     from PIL import Image
 
-    import tiny_models
+    import tools.tiny_models as tiny_models
 
     logging.basicConfig(level=logging.INFO)
     folder = Path(args.models) / "qwen2-vl-2b"
