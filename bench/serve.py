@@ -47,10 +47,11 @@ def main() -> None:
     parser.add_argument("--parts", default="h200,cap24,images")
     parser.add_argument("--models", default="/tmp/bench-models", help="where model shapes are built and kept")
     parser.add_argument("--quick", action="store_true", help="fewer rounds, where a part has them")
+    parser.add_argument("--commit", default=None, help="the commit measured (a copy of the tree may have no git)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    summary = {"commit": commit(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "parts": {}}
+    summary = {"commit": args.commit or commit(), "started": time.strftime("%Y-%m-%d %H:%M:%S"), "parts": {}}
     for part in args.parts.split(","):
         module, extra = PARTS[part]
         command = [sys.executable, "-m", module, "--out", str(out / part), "--models", args.models, *extra]
@@ -60,6 +61,9 @@ def main() -> None:
         (out / f"{part}.log").write_text(done.stdout[-200_000:] + done.stderr[-200_000:])
         results = {p.stem: json.loads(p.read_text()) for p in sorted((out / part).glob("*.json"))}
         summary["parts"][part] = {"returncode": done.returncode, "seconds": time.monotonic() - started, **results}
+        if done.returncode or any(isinstance(r, dict) and r.get("exit") for r in results.values()):
+            logs = sorted((out / part).glob("*.log"))
+            summary["parts"][part]["log_tails"] = {p.name: p.read_text()[-6000:] for p in logs}
         print(f"{part}: exit {done.returncode} in {time.monotonic() - started:.0f}s, {len(results)} result files")
         (out / "serve.json").write_text(json.dumps(summary, indent=1))
 
