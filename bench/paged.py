@@ -101,7 +101,7 @@ class BlocksInUse:
 
 async def outcomes(handler, jobs: list[dict]) -> list[dict]:
     """Each job's token count or error code, all sent at once."""
-    from oom import outcome
+    from bench.oom import outcome
 
     return list(await asyncio.gather(*(outcome(handler, job) for job in jobs)))
 
