@@ -51,7 +51,7 @@ def main() -> None:
     from transformers import PreTrainedTokenizerFast
 
     from runpod_vlm.engine.grammar import Grammars
-    from test_structured_output import SCHEMAS
+    from tools.sample_schemas import SCHEMAS
 
     started = time.perf_counter()
     backend = Tokenizer(models.BPE())

@@ -69,7 +69,7 @@ def main() -> None:
     import torch
 
     import tools.tiny_models as tiny_models
-    from test_structured_output import SCHEMAS
+    from tools.sample_schemas import SCHEMAS
 
     folder = Path(args.models) / "qwen2-vl-2b"
     if not (folder / "config.json").exists():

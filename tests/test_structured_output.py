@@ -13,39 +13,13 @@ import pytest
 import handler
 from runpod_vlm.openai_route import openai_answers
 from tools.sample_images import data_uri, striped
+from tools.sample_schemas import SCHEMAS
 
 # Bounded schemas (no free whitespace, capped strings and arrays): a random model must close them in time.
-SCHEMAS = {
-    "flat": {
-        "type": "object",
-        "properties": {"name": {"type": "string", "maxLength": 8}, "ok": {"type": "boolean"}},
-        "required": ["name", "ok"],
-        "additionalProperties": False,
-    },
-    "nested": {
-        "type": "object",
-        "properties": {
-            "item": {
-                "type": "object",
-                "properties": {
-                    "colour": {"enum": ["red", "green", "blue"]},
-                    "count": {"type": "integer", "minimum": 0, "maximum": 99},
-                },
-                "required": ["colour", "count"],
-                "additionalProperties": False,
-            },
-            "tags": {"type": "array", "items": {"type": "string", "maxLength": 4}, "maxItems": 3},
-            "price": {"type": "integer", "minimum": 0, "maximum": 10},  # a number's decimals have no bound
-        },
-        "required": ["item", "tags", "price"],
-        "additionalProperties": False,
-    },
-    "array": {"type": "array", "items": {"enum": [1, 2, 3]}, "minItems": 1, "maxItems": 4},
-}
 
 
 def validate(text: str, schema: dict) -> None:
-    import jsonschema  # here, not at the top: bench/structured.py imports SCHEMAS where it is not installed
+    import jsonschema
 
     jsonschema.validate(json.loads(text), schema)
 
