@@ -2150,7 +2150,7 @@ def test_sampling_on_the_compiled_path(monkeypatch, hub):
 
 
 def test_the_forward_is_compiled_once_per_decode_shape_in_the_background(monkeypatch, hub):
-    # Internal, on purpose: a compilation during requests costs seconds of GPU time and shows in no
+    # Internal, on purpose: a compilation during requests costs seconds of the GPU and shows in no
     # output; the fake torch.compile counts compiles, the fake decoder the shapes compiled.
     engine = compiled_and_ready(monkeypatch, hub, VLM_MAX_BATCH_SIZE="16")
     assert engine.wait_until_compiled(timeout=0)  # a zero timeout still looks once
@@ -2670,3 +2670,50 @@ def test_requests_are_counted_by_route_and_outcome_and_summed_up_in_one_log_line
     assert METRICS.registry.get_sample_value("vlm_completion_tokens_total") > generated
     line = METRICS.summary()
     assert line.startswith("metrics: requests ") and "missing_image" in line and "KV blocks" in line, line
+
+
+WORK_PERIOD_WORDS = re.compile(
+    r"\b(?:first|second|third|fourth|fifth|sixth|seventh|eighth|ninth|tenth|eleventh|twelfth|thirteenth|fourteenth"
+    r"|fifteenth|sixteenth|seventeenth|eighteenth|nineteenth|twentieth|twenty-[a-z]+|\d+(?:st|nd|rd|th)) session\b"
+    r"|\b(?:this|last|next|previous|that) (?:session|round)\b|\bsession-\d+|\bdevice time\b|\bGPU time\b"
+    r"|\bwork (?:session|period)s?\b|\bwas lent\b",
+    re.IGNORECASE,
+)
+
+
+def test_the_project_speaks_of_versions_and_commits_not_of_how_its_work_was_organised():
+    """Code, docs, result files and their names cite a version, a date, a commit or a result file; never a work
+    period (a session or round), device time spent, or how a machine was reached."""
+    import subprocess
+
+    listed = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True)
+    files = listed.stdout.split() if listed.returncode == 0 else [str(p.relative_to(ROOT)) for p in ROOT.rglob("*")]
+    hits = []
+    for name in files:
+        path = ROOT / name
+        if WORK_PERIOD_WORDS.search(name):
+            hits.append(name)
+        if (
+            path.suffix not in {".py", ".md", ".json", ".txt", ".sh", ".toml", ".yml", ".yaml", ""}
+            or not path.is_file()
+        ):
+            continue
+        text = path.read_text(errors="replace")
+        hits += [f"{name}: {m.group(0)}" for m in WORK_PERIOD_WORDS.finditer(text) if name != "test_handler.py"]
+    assert not hits, hits[:20]
+
+
+def test_every_module_of_the_package_is_on_its_map():
+    """runpod_vlm/__init__.py's map names every module (and docs/architecture.md the engine's), so it says where a
+    thing lives as the code is."""
+    import runpod_vlm
+
+    package = ROOT / "runpod_vlm"
+    modules = {p.stem for p in package.rglob("*.py") if p.stem != "__init__"}
+    mapped = set(re.findall(r"^\s+(\w+)(?:/)?\s{2,}", runpod_vlm.__doc__, re.M))
+    assert modules <= mapped, sorted(modules - mapped)
+    architecture = (ROOT / "docs" / "architecture.md").read_text()
+    engine = {p.stem for p in (package / "engine").glob("*.py") if p.stem != "__init__"}
+    assert not [m for m in engine if f"{m}.py" not in architecture and f"engine/{m}" not in architecture], sorted(
+        m for m in engine if f"{m}.py" not in architecture and f"engine/{m}" not in architecture
+    )

@@ -195,7 +195,7 @@ def main() -> None:
     for record in results["workers"]:
         for run, values in record.get("runs", {}).items():
             summary.setdefault(record["worker"], {}).setdefault(run, []).extend(figure(run, r) for r in values)
-    # Each run's median `figure` (results before the twentieth session call it `median_tokens_per_s`).
+    # Each run's median `figure` (older results call it `median_tokens_per_s`).
     results["medians"] = {
         worker: {run: round(statistics.median(v), 2) for run, v in runs.items()} for worker, runs in summary.items()
     }

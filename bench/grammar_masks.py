@@ -2,7 +2,7 @@
 rows (the work the engine thread does between two steps while such rows run), with a byte-level BPE of
 a real vocabulary's size trained offline here (the tiny test models' tokenizers have ~300 tokens).
 
-    python -m bench.grammar_masks [--vocab 50000] [--rows 1,16,64] [--out bench/results/grammar-masks.json]
+    python -m bench.grammar_masks [--vocab 50000] [--rows 1,16,64] [--out bench/results/grammar-masks-ea7cf4f.json]
 
 Each row follows the tests' "nested" schema with its own random walk through the allowed tokens; the
 report is the median milliseconds per step to fill every row's mask and consume its token.
@@ -43,7 +43,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=50_000)
     parser.add_argument("--rows", default="1,16,64")
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--out", default="bench/results/grammar-masks.json")
+    parser.add_argument("--out", default="bench/results/grammar-masks-ea7cf4f.json")
     args = parser.parse_args()
 
     import torch

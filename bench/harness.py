@@ -114,7 +114,7 @@ def bench_model(models: str, tiny: bool = False) -> Path:
 
 def counters(engine) -> dict:
     """The engine's timings and counts so far, and on the GPU the page-locked blocks allocated (each a `cudaHostAlloc`
-    of milliseconds, which stalls the engine thread's CUDA calls meanwhile: bench/README.md, fourteenth session) and
+    of milliseconds, which stalls the engine thread's CUDA calls meanwhile) and
     the GPU memory segments the caching allocator took from CUDA."""
     import torch
 
@@ -134,10 +134,9 @@ def counted_since(engine, before: dict) -> dict:
 
 def wait_for_recordings(engine, seconds: float = 60) -> None:
     """Until the engine has recorded the CUDA graphs it asked for while idle and none is under way (at most
-    `seconds`): a job arriving meanwhile waits for one recording, which is not the steady state (bench/README.md,
-    fifteenth session), and a synchronize from another thread (a profiler's exit) voids it (sixteenth session). A
-    recording holds the capture lock (as the background compile does), taken before the last one asked for is
-    no longer due."""
+    `seconds`): a job arriving meanwhile waits for one recording, which is not the steady state, and a synchronize
+    from another thread (a profiler's exit) voids it. A recording holds the capture lock (as the background compile
+    does), taken before the last one asked for is no longer due."""
     decoder, deadline = engine._current_decoder(), time.monotonic() + seconds
     quiet = 0
     while quiet < 2 and time.monotonic() < deadline:  # twice in a row: a decode step's is asked for before its lock
@@ -214,7 +213,7 @@ def one_token_job(image: int) -> dict:
 def run_alone(handler, engine, job: dict, wait: bool = True) -> dict:
     """`run_job` of `job` alone, then (`wait`) the graphs it asked for recorded while idle: the next job meets none
     under way, as a warm worker serves (unwaited, a fresh worker's first jobs took 55-155 ms to their first token
-    against 26-30: bench/README.md, seventeenth session). Its record, with the engine's counters over it."""
+    against 26-30). Its record, with the engine's counters over it."""
     before = counters(engine)
     record = asyncio.run(run_job(handler, job))
     if wait:
@@ -259,7 +258,7 @@ async def open_loop(handler, jobs: list[dict], rate: float, seed: int = 1, unloa
     """`jobs` arriving at `rate` a second (Poisson). With `unloaded` (`sequential`'s): the p95 latency against its
     p95 (`p95_latency_vs_unloaded`), and, with its `latency_fit`, against the p95 of these same jobs alone as the fit
     predicts them (`p95_latency_vs_alone`), a divisor steadier than the unloaded run's own p95, which is of 16 other
-    jobs (bench/README.md, eighteenth session)."""
+    jobs."""
     rng = random.Random(seed)
     started = time.perf_counter()
     tasks, at = [], 0.0

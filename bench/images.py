@@ -89,11 +89,11 @@ def main() -> None:
         return {"jobs": count, "seconds": seconds, "images_per_s": count / seconds, "phases": phases, **recorded}
 
     # A process's first burst of this size also meets its first prefill shapes (kernels loaded, the KV
-    # pool's first use: bench/results/profile-intake-timeline.json); the target is the steady state.
+    # pool's first use: bench/results/profile-intake-timeline-d279a0c.json); the target is the steady state.
     results["first_burst_64"] = burst(10000)
     results["prefill_64"] = burst(0)
     # A burst's groups vary with the jobs' arrival, and each new shape is recorded at the burst's idle moments (0.3-0.6
-    # s of the second burst, bench/README.md, nineteenth session): how many bursts until a worker has recorded them.
+    # s of the second burst): how many bursts until a worker has recorded them.
     results["later_bursts_64"] = [burst(1000 * n) for n in range(20, 20 + LATER_BURSTS)]
     save()
 

@@ -212,7 +212,7 @@ def child(part: str, args) -> dict:
         # as a worker serves once warm.
         wait_for_recordings(engine)
         results["gpu_parity_prefill_replayed"] = gpu_parity(handler, engine, 16)  # the same prefills' shapes, replayed
-        wait_for_recordings(engine)  # its groups' new shapes too (bench/README.md, fifteenth session)
+        wait_for_recordings(engine)  # its groups' new shapes too
         from bench.harness import one_token_job, run_alone
 
         def full(n):
@@ -268,8 +268,8 @@ def child(part: str, args) -> dict:
             )
     else:
         short = mixed_jobs(16 if quick else 32, seed=21)
-        # A process's first burst recorded the decode graphs it met (0.49 s of its 1.82 s at 24 GB, bench/README.md,
-        # twentieth session): they are now recorded while the worker is idle after its compile, before any request
+        # A process's first burst recorded the decode graphs it met (0.49 s of its 1.82 s at 24 GB): they are now
+        # recorded while the worker is idle after its compile, before any request
         # (waited for here, as a worker idle after its start). The burst still meets its prefill shapes; the h200
         # part measures after those recordings, as a warm worker serves: so here too, after the same burst with other
         # images, kept as the first burst.
@@ -285,7 +285,7 @@ def child(part: str, args) -> dict:
             "sixteen_images_beside_8_short", lambda: {"outcomes": asyncio.run(outcomes(handler, [big, *short[:8]]))}
         )
         # Every row sampling at once: the sampled step of all rows is the one whose graph's recording ran out of
-        # memory capped to 24 GB (the eleventh session); a step out of memory sends rows back to the queue.
+        # memory capped to 24 GB; a step out of memory sends rows back to the queue.
         sampled = mixed_jobs(64 if quick else 256, seed=31)
         for job in sampled:
             job["input"].update(do_sample=True, temperature=1.0, max_new_tokens=64, min_new_tokens=64)
@@ -315,7 +315,7 @@ def main() -> None:
     parser.add_argument("--parts", default=",".join(PARTS))
     parser.add_argument("--quick", action="store_true", help="fewer jobs (a smoke run)")
     parser.add_argument(
-        "--prefill-eager", action="store_true", help="the prefill's decoder layers left eager (an A/B in one session)"
+        "--prefill-eager", action="store_true", help="the prefill's decoder layers left eager (an A/B in one run)"
     )
     parser.add_argument(
         "--env", action="append", default=[], help="NAME=VALUE for the worker (e.g. VLM_PREPROCESS_ON_GPU=true)"

@@ -162,7 +162,7 @@ def ttft_breakdown(handler, engine, out: Path) -> dict:
             first.wait(30)
         time.sleep(0.05)  # the rest of the job
         # and the graphs it asked for: the next job would wait for a recording, and a profiler's exit, which
-        # synchronizes the GPU from this thread, would void it (bench/README.md, sixteenth session)
+        # synchronizes the GPU from this thread, would void it
         wait_for_recordings(engine)
         return {
             "read_ms": 1000 * (marks["read"] - marks["start"]),

@@ -756,7 +756,7 @@ def test_the_intake_processes_images_on_the_device_while_their_pixels_waiting_th
 
 @pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
 def test_images_for_a_gpu_are_resized_on_the_host_as_the_processor_resizes_them(tiny_model, serve, monkeypatch, family):
-    """A GPU's resize rounds differently from the host's (bench/README.md, fifteenth session). So an item for the
+    """A GPU's resize rounds differently from the host's. So an item for the
     GPU gets its images already at the size the processor gives them, resized by the processor's own steps on the
     host: there it only rescales, normalizes and cuts patches, and its inputs are the host's."""
     engine = serve(tiny_model(family))

@@ -31,8 +31,7 @@ log = logging.getLogger("runpod-vlm")
 COMPILE_AFTER_FIRST_ANSWER_S = 10.0  # a new worker's first job is answered before the background compile slows it
 # The most the compile waits, before it takes the GPU for its next shape, for a decode step's graph the engine thread
 # could not record while the compile held it: those steps run eagerly meanwhile, beside the compile on the GIL. 16 jobs
-# at once ran at 125-190 tokens/s through a fresh worker's compile, 2,354 where nothing compiled (bench/README.md,
-# twentieth session).
+# at once ran at 125-190 tokens/s through a fresh worker's compile, 2,354 where nothing compiled.
 RECORDING_FIRST_S = 2.0
 
 

@@ -218,7 +218,7 @@ def dynamic_forwards(modules: list, **options) -> dict:
 
 # On the H200 (bench/profile.py --parts vision_blocks) 5,120 patches took 30 -> 20 ms compiled, 23,552
 # 119 -> 78 ms; with every call compiled, a batch-1 448x448 image (1,024) was answered in 78 ms, not 54-62
-# (not measured apart from the session's other changes): fewer patches stay eager.
+# (not measured apart from other changes of the time): fewer patches stay eager.
 COMPILED_FROM_PATCHES = 4096
 # A prefill through the decoder layers (--parts prefill_layers, the engine thread's whole time): 97 to 2,057 tokens
 # 25-32 ms either way (host-bound: a compiled layer's four graphs cost the host as much as the eager ops); 4,057

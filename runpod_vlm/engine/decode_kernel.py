@@ -2,7 +2,7 @@
 kernel, split over each row's length, then a second one merging the splits by their log-sum-exps).
 
 Hand-written: FlexAttention over a block mask needs 64-token blocks and, measured in our layout, ran only
-1.6x faster than gathering every row's slots (300-400 GB/s, bench/results/decode-attention.json);
+1.6x faster than gathering every row's slots (300-400 GB/s, bench/results/decode-attention-08ae8b8.json);
 FlashInfer and flash-attn compile their kernels at run time with nvcc, which a worker image lacks."""
 
 from __future__ import annotations

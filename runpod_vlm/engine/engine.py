@@ -50,7 +50,7 @@ log = logging.getLogger("runpod-vlm")
 
 # A graph asked for ahead of need (not of a shape met) is recorded only after the engine has had nothing to do for
 # this long: a request that arrives during a recording waits for it (100-200 ms on the H200), and a client sending its
-# next request on each answer met one per request in a fresh worker (bench/README.md, eighteenth session).
+# next request on each answer met one per request in a fresh worker.
 RECORD_AHEAD_AFTER_IDLE_S = 0.25
 
 

@@ -3,7 +3,7 @@
 CUDA copies a host tensor of more than STAGED_BYTES in pageable memory to the GPU only as the GPU reaches the copy:
 the thread asking waits for everything the GPU was given before, the prefill or decode steps launched ahead. From
 page-locked memory the copy is only queued. At each group's first pixels the engine thread waited 12-82 ms for the
-prefill before (bench/README.md, thirteenth session)."""
+prefill before."""
 
 from __future__ import annotations
 

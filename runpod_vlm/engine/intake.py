@@ -25,9 +25,9 @@ class Intake:
     """Threads that run each item's processor call alone (its `batch_inputs` of one item) and hand back
     its inputs, first image's input size and the image-cache entries it took as a Future. Threads, not
     processes: the processors' image work runs in PIL, numpy and torch, which release the GIL, and their
-    tensors need no copying between processes; four or eight worker processes served bursts no faster
-    (bench/README.md, ninth session). Two: with eight, the engine thread waited for the GIL at every kernel
-    launch of a prefill (500 ms a prefill of six 720p images on the H200)."""
+    tensors need no copying between processes; four or eight worker processes served bursts no faster. Two: with
+    eight, the engine thread waited for the GIL at every kernel launch of a prefill (500 ms a prefill of six 720p
+    images on the H200)."""
 
     def __init__(
         self,

@@ -132,7 +132,7 @@ def load_model(settings: Settings, quantize: str) -> LoadedModel:
         import torch
 
         # cuDNN's attention builds a plan for each shape it meets first (0.07-1.6 s a prefill on the H200,
-        # bench/results/profile-new-shapes.json), and a server's prefill shapes are nearly always new.
+        # bench/results/profile-new-shapes-d279a0c.json), and a server's prefill shapes are nearly always new.
         torch.backends.cuda.enable_cudnn_sdp(False)
     if adapter.native and _on_cuda(settings):
         decode_kernel.build_ahead(config, dtype)  # while the weights load

@@ -139,7 +139,7 @@ class Prefill:
     def _positions(self, inputs):
         """Each prompt token's position, as generate() continues them (M-RoPE's too), computed from host copies of
         the prompt's small inputs: transformers' M-RoPE index is tens of small ops and host syncs, which on the GPU
-        took the engine thread 2-3 ms a prefill (bench/README.md, seventh session)."""
+        took the engine thread 2-3 ms a prefill."""
         import torch
 
         host = {

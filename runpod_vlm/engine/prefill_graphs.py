@@ -1,8 +1,8 @@
 """Prefills replayed as CUDA graphs: new prompts packed together, or a prompt's last chunk after its cached prefix,
 of up to `GRAPH_TOKENS` tokens (the step's default token budget). Run eagerly, a prefill costs the host 25-32 ms
 whatever its size up to 4,000 tokens (the decoder's kernels launched one by one through Python, or a compiled layer's
-four graphs, bench/results/profile-prefill-layers.json), and two to three times that in a burst, where the reading and
-intake threads take the GIL between its launches; a graph launches them all at once.
+four graphs: bench/results/profile-prefill-layers-a387304.json), and two to three times that in a burst, where the
+reading and intake threads take the GIL between its launches; a graph launches them all at once.
 
 A graph has fixed shapes, so a prefill is padded to buckets: its tokens to a power of two up to `POWERS_UP_TO`, to a
 multiple of `TOKEN_STEP` beyond (the padding one more sequence, whose keys and values go to block 0, never handed out;
@@ -42,7 +42,7 @@ _stuck_pools: set = set()  # pools a voided recording left taken by the page-loc
 def record(graph, pool, forward) -> None:
     """Record `forward` into `graph`, its memory from `pool` (a pool id, not None): torch.cuda.graph's steps but for
     its release of the page-locked host cache (`torch._C._host_emptyCache`), after which the next copies to the GPU
-    each allocate anew (2.3 ms each, bench/README.md, fifteenth session). The caller gives the GPU's free blocks back
+    each allocate anew (2.3 ms each). The caller gives the GPU's free blocks back
     first (`_graph_memory`).
 
     A voided capture (a synchronize during it, say) makes `capture_end` raise before it tells the allocators that the

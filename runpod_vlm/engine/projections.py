@@ -1,6 +1,6 @@
 """Projections that read the same input (a decoder layer's query, key and value; its MLP's gate and up) as one
 matrix product in the compiled decode step. At 64 rows on the H200 the query, key and value took three launches,
-16 us a layer, and the gate and up two of 11 us (bench/results/profile-graph-step-cuda.txt).
+16 us a layer, and the gate and up two of 11 us (bench/results/profile-graph-step-cuda-fbf5012.txt).
 
 At load, each group's weights move into one tensor and every projection's weight becomes a view of its rows:
 memory and eager code are unchanged. The compiled step runs on a view of the model whose projections are slices

@@ -1,6 +1,6 @@
 """A packed vision tower's passes replayed as CUDA graphs (Qwen2-VL, Qwen2.5-VL, Qwen3-VL). Eagerly, one 448x448
 image is about 700 kernel launches through Python, ~20 ms of the engine thread for ~3.5 ms of GPU work, and several
-times that while other threads take the GIL between launches (bench/README.md, eighth session); compiled, a pass of
+times that while other threads take the GIL between launches; compiled, a pass of
 many images still costs the host about as much. A graph launches them at once.
 
 A graph has fixed shapes, so a pass is padded: its patches to a multiple of STEP (of LARGE_STEP beyond
@@ -31,7 +31,8 @@ GRAPHED_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")  # towers whose pass read
 MAX_GRAPHS = 24
 HELD_GRIDS = 64  # padded grids whose helpers are kept: 0.3-1.4 ms of host work a pass, the same for same-sized images
 # Patches padded to a multiple of STEP (SMALLEST at least): padded to powers of two, three 448x448 images (3,072
-# patches) replayed at 4,096 took 24 ms where their eager pass took 19 (bench/results/vision-graphs-powers-of-two.json).
+# patches) replayed at 4,096 took 24 ms where their eager pass took 19
+# (bench/results/vision-graphs-powers-of-two-5d0d981.json).
 SMALLEST, STEP, LARGE_STEP = 256, 512, 1024
 MOST_PATCHES = 32768  # a step's default budget of 8,192 tokens (prefill_graphs.GRAPH_TOKENS), each of 2x2 patches
 
