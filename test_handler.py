@@ -1,7 +1,7 @@
 """The worker's contract, tested fast: settings, requests, tasks, images, messages, outputs, errors
 and batching behaviour, through `handler.handler` (run alone: `python -m pytest test_handler.py`).
 
-No torch, transformers, torchvision, qwen_vl_utils or bitsandbytes is imported: tests/fake_backend.py
+No torch, transformers, torchvision, qwen_vl_utils or bitsandbytes is imported: tests/support/
 stands in for them (its fixtures, bound below, install the fakes for this module only). The fake
 model answers `hub.reply` one character per token; tests assert on handler outputs and on what the
 fake model received, so the engine's internals may change freely.
@@ -27,16 +27,19 @@ from PIL import Image
 # The fakes and sample images live in tests/ (pytest adds it through pyproject.toml; `python test_handler.py` here).
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent / "tests"))
 
-import fake_backend
 import handler
 import runpod_vlm.engine.background_compile as background_compile
 import runpod_vlm.engine.engine as engine_module
-from fake_backend import (
-    BF16,
+import support.fixtures as fixtures
+from runpod_vlm.engine.blocks import BlockPool, PoolExhausted, prefix_digests
+from runpod_vlm.families.native import QwenVLAdapter
+from runpod_vlm.grounding import box_to_pixels, parse_bbox
+from runpod_vlm.request import TASK_PROMPTS
+from runpod_vlm.settings import CURATED_MODELS, DEFAULT_MODEL, MediaPolicy, Settings, SettingsError
+from support.fake_decoder import FakePagedDecoder
+from support.fake_hub import (
     END,
     EOS,
-    F16,
-    F32,
     GENERIC,
     HUB,
     INTERNVL,
@@ -48,29 +51,21 @@ from fake_backend import (
     PHI3,
     QWEN,
     QWEN25,
-    STUBBED_API,
-    USED,
     VOCAB,
-    WEB,
     FakeBitsAndBytesConfig,
-    FakePagedDecoder,
     StubModule,
     encode_text,
     last_user_text,
-    model_load,
     render,
-    sent_images,
 )
-from runpod_vlm.engine.blocks import BlockPool, PoolExhausted, prefix_digests
-from runpod_vlm.families.native import QwenVLAdapter
-from runpod_vlm.grounding import box_to_pixels, parse_bbox
-from runpod_vlm.request import TASK_PROMPTS
-from runpod_vlm.settings import CURATED_MODELS, DEFAULT_MODEL, MediaPolicy, Settings, SettingsError
+from support.fake_torch import BF16, F16, F32
+from support.fixtures import WEB, model_load, sent_images
+from support.stubbed_api import STUBBED_API, USED
 from tools.sample_images import b64, data_uri, encode, plain, png
 
 # The fakes' fixtures, for every test here: the stubs installed in sys.modules for this module, the
 # scripted hub reset per test (`hub`), and URL fetches answered from WEB (`web`).
-stub_modules, hub, web = fake_backend.stub_modules, fake_backend.hub, fake_backend.web
+stub_modules, hub, web = fixtures.stub_modules, fixtures.hub, fixtures.web
 
 # =================================================================================================
 # Helpers

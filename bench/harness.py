@@ -51,6 +51,23 @@ QUESTIONS = [
 ]
 
 
+def photo_uri(width: int, height: int, seed: int) -> str:
+    """A photo-like JPEG (smooth gradients and noise) as a data URI."""
+    import numpy as np
+    from PIL import Image
+
+    from tools.sample_images import data_uri, encode
+
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width]
+    base = np.stack([(x * 255 // width), (y * 255 // height), ((x + y) * 127 // (width + height))], -1)
+    pixels = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype("uint8")
+    return data_uri(encode(Image.fromarray(pixels), "JPEG", quality=90), "image/jpeg")
+
+
+data_uri = photo_uri  # the harness's images are photo-like JPEGs
+
+
 @contextlib.contextmanager
 def python_profile(engine, methods, path: Path, sorts=(("cumulative", 60),)):
     """`engine`'s `methods` run under one cProfile inside the block (on Python 3.12 it sees every thread while
@@ -596,20 +613,3 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-
-
-def photo_uri(width: int, height: int, seed: int) -> str:
-    """A photo-like JPEG (smooth gradients and noise) as a data URI."""
-    import numpy as np
-    from PIL import Image
-
-    from tools.sample_images import data_uri, encode
-
-    rng = np.random.default_rng(seed)
-    y, x = np.mgrid[0:height, 0:width]
-    base = np.stack([(x * 255 // width), (y * 255 // height), ((x + y) * 127 // (width + height))], -1)
-    pixels = np.clip(base + rng.normal(0, 20, base.shape), 0, 255).astype("uint8")
-    return data_uri(encode(Image.fromarray(pixels), "JPEG", quality=90), "image/jpeg")
-
-
-data_uri = photo_uri  # the harness's images are photo-like JPEGs

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("triton")
-SCRIPT = Path(__file__).with_name("interpreted_kernel.py")
+SCRIPT = Path(__file__).with_name("support") / "interpreted_kernel.py"
 
 
 def interpreted(*args: str) -> object:

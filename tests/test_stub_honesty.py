@@ -1,13 +1,13 @@
-"""The stubs of the stubbed suite (tests/fake_backend.py) must not drift from the libraries they stand for.
+"""The stubs of the stubbed suite (tests/support/) must not drift from the libraries they stand for.
 
-fake_backend.py lists in STUBBED_API every torch/transformers attribute or call its fakes provide.
+tests/support/stubbed_api.py lists in STUBBED_API every torch/transformers attribute or call its fakes provide.
 Here, on the real libraries (CPU, tiny random models), each entry must
   (a) resolve: name the same thing on real torch / torchvision / transformers, and
   (b) be exercised: the real worker (handler.py and runpod_vlm/), answering real requests, reaches it.
 So an entry the engine no longer uses (the stub went stale) or one the fakes invented fails here,
 unless it is one of the documented exceptions below (remote code, CUDA only).
 
-STUBBED_API is imported from fake_backend, which installs nothing on import (its fixtures do, in
+STUBBED_API is imported from support.stubbed_api, which installs nothing on import (its fixtures do, in
 test_handler.py's own process). "Exercised" means used by the worker's own code (the direct
 caller's frame is in handler.py or runpod_vlm/), not somewhere inside transformers: counting wrappers are put, with
 monkeypatch, on
@@ -37,10 +37,10 @@ import transformers
 
 import handler
 import runpod_vlm
-from fake_backend import STUBBED_API
 from runpod_vlm.engine.loading import quantization_config
 from runpod_vlm.families.remote import InternVL2Adapter, MiniCPMVAdapter, Phi3VisionAdapter
 from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, Turn
+from support.stubbed_api import STUBBED_API
 from tools.sample_images import data_uri, plain, striped
 
 # The worker's own code: handler.py and the runpod_vlm package.
@@ -454,8 +454,10 @@ def exercised(tiny_model):
 
 def test_importing_the_fakes_installs_no_stub():
     before = {name: sys.modules.get(name) for name in ("torch", "transformers", "torchvision")}
-    sys.modules.pop("fake_backend")
-    api = importlib.import_module("fake_backend").STUBBED_API
+    for name in [name for name in sys.modules if name.startswith("support.")]:
+        sys.modules.pop(name)
+    importlib.import_module("support.fixtures")  # every fake, through the fixtures' imports
+    api = importlib.import_module("support.stubbed_api").STUBBED_API
     assert api == STUBBED_API and all(isinstance(name, str) and "." in name for name in api)
     assert {name: sys.modules.get(name) for name in before} == before  # no fake modules installed
     assert sys.modules["torch"] is torch and isinstance(torch.zeros(2), torch.Tensor)

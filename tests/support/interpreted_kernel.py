@@ -12,7 +12,7 @@ import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 assert os.environ.get("TRITON_INTERPRET") == "1", "set TRITON_INTERPRET=1 before Triton is imported"
 
