@@ -1,5 +1,5 @@
 """Soak: many short jobs through the runpod SDK's real production loop (`python handler.py` against the
-loopback queue stand-in of tests/runpod_queue.py), a tiny random-weight model on CPU. Run by hand
+loopback queue stand-in of tools/runpod_queue.py), a tiny random-weight model on CPU. Run by hand
 (it takes minutes; not part of CI):
 
     python -m bench.soak [--jobs 1000] [--family qwen2-vl] [--max-new-tokens 4] [--out soak.json]

@@ -1,5 +1,5 @@
 """Issue 13: the worker in the runpod SDK's real production loop (`python handler.py` with
-RUNPOD_WEBHOOK_GET_JOB set) against a loopback stand-in of RunPod's job queue (tests/runpod_queue.py),
+RUNPOD_WEBHOOK_GET_JOB set) against a loopback stand-in of RunPod's job queue (tools/runpod_queue.py),
 a tiny model on CPU. Faults, hostile jobs and the log at the default level."""
 
 from __future__ import annotations
