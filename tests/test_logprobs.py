@@ -52,7 +52,7 @@ def assert_entries_match(engine, entries: list[dict], ids: list[int], logprobs: 
 @pytest.mark.parametrize("continuous", [True, False], ids=["batched", "one at a time"])
 def test_native_logprobs_equal_the_models_log_softmax(continuous, tiny_model, serve):
     engine = serve(tiny_model("gemma3"))
-    engine.continuous = continuous  # one at a time: generate()'s own path, as for a request past a sliding window
+    engine.continuous = continuous  # one at a time: generate()'s own path, as for Phi-4-multimodal
     ids, logprobs = reference(engine, 6)
     out = ask({"messages": PROMPT, "max_new_tokens": 6, "min_new_tokens": 6, "logprobs": True, "top_logprobs": 4})
     assert_entries_match(engine, out["logprobs"], ids, logprobs, 4)

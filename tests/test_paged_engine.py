@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import gc
 import threading
@@ -62,8 +63,8 @@ def mixed_jobs(count: int) -> list[dict]:
     return jobs
 
 
-# Every family in continuous batching; not Gemma 3, whose tiny 64-token window sends these jobs to generate().
-PREEMPTED = [f for f in FAMILIES if f not in ("gemma3", "llama4", "phi4-multimodal")]
+# Every family in continuous batching (Phi-4-multimodal answers alone).
+PREEMPTED = [f for f in FAMILIES if f != "phi4-multimodal"]
 
 
 @pytest.mark.parametrize("family", PREEMPTED)
@@ -101,28 +102,43 @@ def short_jobs(count: int) -> list[dict]:
     return [dict(job, max_new_tokens=n, min_new_tokens=n) for job, n in zip(mixed_jobs(count), [8, 20, 12, 16] * count)]
 
 
-def test_llama4_batches_requests_within_its_attention_chunk_and_runs_a_longer_one_alone(tiny_model, serve, monkeypatch):
-    """Chunked attention is full attention within a chunk (the tiny model's is 64 tokens): requests that stay in it
-    decode together in the batch, a longer one through generate() alone; every answer its solo generate()'s."""
-    engine = serve(tiny_model("llama4"), VLM_SYNC_INTERVAL="2")
-    assert engine.continuous and engine.max_slots == 64
-    short = [
-        {"messages": [{"role": "user", "content": "Hi" * n}], "max_new_tokens": 6, "min_new_tokens": 6}
-        for n in range(1, 5)
+@pytest.mark.parametrize("family", ["gemma3", "llama4"])
+def test_requests_past_a_sliding_window_or_an_attention_chunk_decode_in_the_batch_with_their_solo_tokens(
+    family, tiny_model, serve, monkeypatch
+):
+    """Gemma 3's sliding-window layers and Llama 4's chunked ones (64 tokens in the tiny models) read only their
+    window or chunk of each row's blocks: prompts before, across and past it, with images (Gemma 3's attend both
+    ways at prefill), decode side by side, none alone; every answer its solo generate()'s, each token's logprob
+    too (the tiny models' greedy tokens hardly depend on the far keys; their logprobs do); the pool is full again."""
+    engine = serve(tiny_model(family), VLM_SYNC_INTERVAL="2")
+    assert engine.continuous and engine.max_slots is None
+    jobs = [
+        {"messages": [{"role": "user", "content": "Hi"}], "max_new_tokens": 70, "min_new_tokens": 70},
+        {"messages": [{"role": "user", "content": "word " * 40}], "max_new_tokens": 30, "min_new_tokens": 30},
+        {"messages": [{"role": "user", "content": "word " * 90}], "max_new_tokens": 12, "min_new_tokens": 12},
+        {"task": "vqa", "image_url": data_uri(striped((48, 40))), "question": "What is it?", "max_new_tokens": 40},
+        {"task": "vqa", "image_url": data_uri(striped((40, 56))), "question": LONG_TEXT, "max_new_tokens": 9},
     ]
-    long = {"messages": [{"role": "user", "content": "word " * 40}], "max_new_tokens": 6, "min_new_tokens": 6}
-    items = items_of(engine, [*short, long])
+    items = items_of(engine, [dict(job, logprobs=True) for job in jobs])
     solo = solo_generate(engine, items)
-    widths = []
+    assert max(a.prompt_tokens for a in solo) > 64 and min(a.prompt_tokens for a in solo) < 64
+    widths, alone = [], []
     real_launch = engine._current_decoder().launch
     monkeypatch.setattr(
-        engine._current_decoder(),
-        "launch",
-        lambda n: widths.append(engine.view().running) or real_launch(n),
+        engine._current_decoder(), "launch", lambda n: widths.append(engine.view().running) or real_launch(n)
     )
-    assert generate_all(engine, items) == solo
-    assert max(widths) >= 2  # the short ones decoded side by side
-    assert solo[-1].prompt_tokens + 6 > 64  # the long one could not: it ran alone
+    spy(monkeypatch, engine, "_run_alone", alone, "alone")
+    batched = generate_all(engine, items)
+    assert [dataclasses.replace(a, logprobs=None) for a in batched] == [
+        dataclasses.replace(a, logprobs=None) for a in solo
+    ]
+    for answer, reference in zip(batched, solo):
+        assert [e["logprob"] for e in answer.logprobs] == pytest.approx(
+            [e["logprob"] for e in reference.logprobs], abs=1e-4
+        )
+    assert not alone and max(widths) >= 4
+    view = engine.view()
+    assert view.kv_blocks_free == view.kv_blocks and not view.running
 
 
 class HostCopies(TorchDispatchMode):
@@ -323,8 +339,7 @@ def test_a_chunked_prompts_first_token_is_read_after_the_next_launch(tiny_model,
 
 
 # Prefilled whole: Qwen3-VL (deepstack features), PaliGemma (its prefix attends both ways: in causal chunks
-# its answer differed from generate()'s); Gemma 3's tiny window and Llama 4's chunked attention send the
-# prompt to generate().
+# its answer differed from generate()'s), Gemma 3 and Llama 4 (layers of limited attention, through their own masks).
 WHOLE = {"qwen3-vl", "paligemma", "gemma3", "llama4"}
 
 
@@ -344,10 +359,9 @@ def test_a_prompt_over_the_token_budget_gets_its_solo_tokens_in_chunks_where_its
     assert bool(events) == (family not in WHOLE)
 
 
-@pytest.mark.parametrize("family, chunkable", [("gemma3", False), ("llava", True)])
+@pytest.mark.parametrize("family, chunkable", [("paligemma", False), ("llava", True)])
 def test_a_family_that_hands_its_language_model_masks_of_its_own_is_not_chunked(family, chunkable, tiny_model, serve):
-    # Gemma 3 builds one mask per layer kind, its images attending both ways (its tiny model's 64-token
-    # window sends long prompts to generate(), so the chunk path is asked directly here).
+    # PaliGemma builds one mask per layer kind, its prefix attending both ways.
     engine = serve(tiny_model(family))
     item = items_of(engine, [{"task": "vqa", "image_url": data_uri(striped((64, 48))), "question": "What?"}])[0]
     inputs, _ = engine.adapter.batch_inputs(engine.processor, [item], "cpu", engine.dtype)

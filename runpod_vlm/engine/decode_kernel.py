@@ -29,13 +29,16 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit(do_not_specialize=["stride_table", "splits"])  # one build per model, whatever its rows
+    # One build per model, whatever its rows and its layers' windows.
+    @triton.jit(do_not_specialize=["stride_table", "splits", "window", "chunk"])
     def paged_decode(
         query,  # [rows, heads, dim]
         keys,  # [slots, kv heads, dim]
         values,
         table,  # [rows, columns] block ids
-        visible,  # [rows] tokens each row sees (its new one included)
+        visible,  # [rows] tokens each row holds (its new one included)
+        window,  # > 0: a sliding window, the row's last `window` tokens only
+        chunk,  # > 0: chunked attention, the tokens of the new one's chunk only
         partial_out,  # [rows, heads, splits, dim] fp32
         partial_lse,  # [rows, heads, splits] fp32
         scale,
@@ -54,8 +57,12 @@ def _kernel():
     ):
         row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         length = tl.load(visible + row)
-        per_split = tl.cdiv(tl.cdiv(length, splits), TILE) * TILE
-        start, end = split * per_split, tl.minimum(split * per_split + per_split, length)
+        first = tl.where(window > 0, tl.maximum(length - window, 0), 0)
+        chunk_start = (length - 1) // tl.maximum(chunk, 1) * chunk
+        first = tl.where(chunk > 0, tl.maximum(first, chunk_start), first)
+        per_split = tl.cdiv(tl.cdiv(length - first, splits), TILE) * TILE
+        start = first + split * per_split
+        end = tl.minimum(start + per_split, length)
         group = tl.arange(0, GROUP)
         heads = kv_head * HEADS_PER_KV + group
         in_group = group < HEADS_PER_KV
@@ -194,9 +201,12 @@ def _triton_available() -> bool:
     return True
 
 
-def paged_decode_attention(query, keys, values, table, visible, block_size: int, scale: float):
-    """query [rows, heads, 1, dim]; keys/values [slots, kv heads, dim]; table [rows, columns]; visible [rows].
-    Returns [rows, heads, 1, dim]."""
+def paged_decode_attention(
+    query, keys, values, table, visible, block_size: int, scale: float, window: int = 0, chunk: int = 0
+):
+    """query [rows, heads, 1, dim]; keys/values [slots, kv heads, dim]; table [rows, columns]; visible [rows] the
+    tokens each row holds, of which it attends to its last `window` (a sliding-window layer) or those of its new
+    token's `chunk` (a chunked-attention layer), where given. Returns [rows, heads, 1, dim]."""
     import torch
     import triton
 
@@ -215,6 +225,8 @@ def paged_decode_attention(query, keys, values, table, visible, block_size: int,
         values,
         table,
         visible,
+        window,
+        chunk,
         partial_out,
         partial_lse,
         scale,

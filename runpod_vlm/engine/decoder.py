@@ -13,7 +13,7 @@ from runpod_vlm.engine.blocks import BlockPool
 from runpod_vlm.engine.decoder_graphs import DecoderGraphs
 from runpod_vlm.engine.host_copies import to_device
 from runpod_vlm.engine.memory import kv_layout
-from runpod_vlm.engine.paged_attention import PagedStep, paged
+from runpod_vlm.engine.paged_attention import PagedStep, attention_limits, paged
 from runpod_vlm.engine.prefill import Prefill, beside_fx_traces, placeholder_counts_on_the_host
 from runpod_vlm.engine.prefill_graphs import GRAPH_TOKENS, PrefillGraphs
 from runpod_vlm.engine.sampling import Sampler, row_seed
@@ -88,6 +88,8 @@ class PagedDecoder(Prefill, DecoderGraphs):
         self.unrecorded: set = set()  # keys of graphs whose recording ran out of memory: their steps run eagerly
         self.ahead: list = []  # (bucket, sampled) graphs to record while the engine is idle
         self.decode_kernel = decode_kernel.usable(model)  # else a step gathers each row's slots (span)
+        limits = attention_limits(model.config.get_text_config(decoder=True))
+        self.limits = limits if any(window or chunk for window, chunk in limits) else None
         self.keys, self.values = self._allocate(model)  # per layer [slots, kv heads, head dim]
         self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
         self.sampler = Sampler(model, eos_ids)
@@ -297,7 +299,8 @@ class PagedDecoder(Prefill, DecoderGraphs):
             offsets = self.offsets[:span]
             index = table[:, offsets // self.block_size] * self.block_size + offsets % self.block_size
             visible = (offsets[None, :] <= length[:, None])[:, None, None, :]
-            step = PagedStep(self.keys, self.values, slots, index, visible)
+            step = PagedStep(self.keys, self.values, slots, index, visible, query_positions=length[:, None])
+        step.limits = self.limits  # Gemma 3's sliding windows, Llama 4's chunks
         with paged(step):
             output = beside_fx_traces(
                 self.forwards[bucket],

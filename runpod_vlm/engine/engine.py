@@ -55,19 +55,13 @@ RECORD_AHEAD_AFTER_IDLE_S = 0.25
 
 
 def batched_length(text_config) -> Optional[int]:
-    """The most tokens a request may hold (prompt and answer) to be answered in the batch, where the family's
-    attention or rotary embedding changes past some length (the module's `_load` says which); None: any length."""
-    window = getattr(text_config, "sliding_window", None)
-    kinds = set(getattr(text_config, "layer_types", None) or (["sliding_attention"] if window else []))
+    """The most tokens a request may hold (prompt and answer) to be answered in the batch, where the family's rotary
+    embedding changes past some length (LongRoPE's factors, switched on the highest position of a forward, which
+    rows of different lengths do not share); None: any length."""
     rope = getattr(text_config, "rope_parameters", None) or {}
-    bounds = []
-    if "sliding_attention" in kinds:
-        bounds.append(window)
-    if "chunked_attention" in kinds:
-        bounds.append(getattr(text_config, "attention_chunk_size", None))
     if rope.get("rope_type") == "longrope":
-        bounds.append(rope.get("original_max_position_embeddings") or text_config.original_max_position_embeddings)
-    return min((b for b in bounds if b), default=None)
+        return rope.get("original_max_position_embeddings") or text_config.original_max_position_embeddings
+    return None
 
 
 def _close_at_exit(engine: weakref.ref) -> None:
@@ -125,10 +119,9 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         self.use_graphs = self._cuda_graphs_possible()
         self.compile = self.use_graphs and self.settings.compile
         # Rows join and leave a running batch through the paged cache; remote-code chat() APIs cannot, and answer
-        # one item at a time. Sliding-window layers (Gemma 3), chunked attention (Llama 4) and LongRoPE's short
-        # factors (Phi-4, switched on the highest position of a forward) are full attention and the same factors
-        # while a request stays within the window, the chunk or the original context: the batch takes requests that
-        # do (`max_slots`), and a longer one runs alone through generate().
+        # one item at a time. Sliding-window layers (Gemma 3) and chunked attention (Llama 4) read their rows' keys
+        # within their limits (`PagedStep.limits`); LongRoPE's short factors (Phi-4) hold while a request stays
+        # within the original context: the batch takes requests that do (`max_slots`), a longer one runs alone.
         self.max_slots = batched_length(text_config)
         kinds = set(getattr(text_config, "layer_types", None) or ())
         self.continuous = (

@@ -30,7 +30,12 @@ class PagedStep:
     tokens it attends to, or (new prompts packed into one query row) `starts` [prompts + 1] where each
     begins and `longest` the longest's length: each attends causally to its own keys, all new; or, with
     `key_slots` [keys] the pool slots of each prompt's keys (its cached prefix, then its new tokens) packed
-    likewise (`key_starts`, `longest_keys`), to those."""
+    likewise (`key_starts`, `longest_keys`), to those.
+
+    `limits`, per layer, (window, chunk): a sliding-window layer's row attends to its last `window` tokens only, a
+    chunked-attention layer's to its new token's chunk only (0: no limit). Kernel steps apply them from `seen`,
+    gathering ones from `query_positions` [query rows, query length] (each query's position in its row, the
+    gathered keys being the row's tokens from its first); packed prompts come only within every limit."""
 
     keys: list  # per layer [pool slots, kv heads, head dim]
     values: list
@@ -45,6 +50,18 @@ class PagedStep:
     key_slots: Any = None
     key_starts: Any = None
     longest_keys: int = 0
+    limits: Any = None
+    query_positions: Any = None
+
+
+def attention_limits(text_config) -> list[tuple[int, int]]:
+    """Per layer, (window, chunk) as `PagedStep.limits`: Gemma 3's sliding-window layers, Llama 4's chunked ones."""
+    window = getattr(text_config, "sliding_window", None) or 0
+    chunk = getattr(text_config, "attention_chunk_size", None) or 0
+    kinds = getattr(text_config, "layer_types", None) or (
+        ["sliding_attention" if window else "full_attention"] * text_config.num_hidden_layers
+    )
+    return [(window * (kind == "sliding_attention"), chunk * (kind == "chunked_attention")) for kind in kinds]
 
 
 @contextlib.contextmanager
@@ -74,6 +91,7 @@ def _paged_attention(layer: int, step: PagedStep, query, key, value, scaling):
     pool_keys, pool_values = step.keys[layer], step.values[layer]
     pool_keys.index_copy_(0, step.slots, key.transpose(1, 2).reshape(-1, kv_heads, dim).to(pool_keys.dtype))
     pool_values.index_copy_(0, step.slots, value.transpose(1, 2).reshape(-1, kv_heads, dim).to(pool_values.dtype))
+    window, chunk = step.limits[layer] if step.limits else (0, 0)
     if step.starts is not None:
         from runpod_vlm.engine import varlen
 
@@ -86,16 +104,33 @@ def _paged_attention(layer: int, step: PagedStep, query, key, value, scaling):
         from runpod_vlm.engine.decode_kernel import paged_decode_attention
 
         scale = dim**-0.5 if scaling is None else scaling
-        output = paged_decode_attention(query, pool_keys, pool_values, step.table, step.seen, step.block_size, scale)
+        output = paged_decode_attention(
+            query, pool_keys, pool_values, step.table, step.seen, step.block_size, scale, window, chunk
+        )
         return output.transpose(1, 2).contiguous(), None
     keys = pool_keys[step.index].transpose(1, 2)  # [rows, kv heads, length, dim]
     values = pool_values[step.index].transpose(1, 2)
     if heads != kv_heads:
         keys, values = (t.repeat_interleave(heads // kv_heads, dim=1) for t in (keys, values))
-    output = torch.nn.functional.scaled_dot_product_attention(
-        query, keys, values, attn_mask=step.visible, scale=scaling
-    )
+    visible = step.visible
+    if window or chunk:
+        visible = visible & _within(step.query_positions, step.index.shape[1], window, chunk)
+    output = torch.nn.functional.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scaling)
     return output.transpose(1, 2).contiguous(), None
+
+
+def _within(query_positions, keys: int, window: int, chunk: int):
+    """[rows, 1, query length, keys]: which of a row's first `keys` tokens each query may see under the limits."""
+    import torch
+
+    key = torch.arange(keys, device=query_positions.device)
+    query = query_positions[:, None, :, None]
+    seen = torch.ones((), dtype=torch.bool, device=key.device)
+    if window:
+        seen = seen & (key > query - window)
+    if chunk:
+        seen = seen & (key // chunk == query // chunk)
+    return seen
 
 
 def _mask(*args, **kwargs):

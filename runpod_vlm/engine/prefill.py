@@ -86,6 +86,12 @@ class Prefill:
     vision_graphs_unit = 0  # patches a feature merges, where placeholders are counted on the host (else 0)
     # A 4-D mask the language model hands on untouched (`_through_language_model`); made with the decoder.
     no_mask = None
+    limits = None  # per layer (window, chunk) where some layers attend to fewer keys (`PagedStep.limits`)
+
+    def _within_limits(self, tokens: int) -> bool:
+        """Whether a prompt of `tokens` may go packed or in chunks: every layer attends to all of them (`limits`: a
+        longer one prefills whole through the model's own masks; FlashAttention's varlen kernel takes no chunk mask)."""
+        return self.limits is None or tokens <= min(limit for pair in self.limits for limit in pair if limit)
 
     def _vision_graphs_engaged(self):
         return self.vision_graphs.engaged() if self.vision_graphs is not None else contextlib.nullcontext()
@@ -128,8 +134,10 @@ class Prefill:
         position_ids = self._positions(inputs)
         kept = inputs["attention_mask"].bool().cpu()  # counted on the host: a count on the GPU waits for it
         inputs = self._on_device(inputs)
-        packed = self._language_model_inputs(inputs, position_ids) if self.packs is not False else None
-        self.packs = packed is not None
+        packed = None
+        if self.packs is not False and self._within_limits(int(kept.sum(dim=1).max())):
+            packed = self._language_model_inputs(inputs, position_ids)
+            self.packs = packed is not None
         if packed is None:
             logits, lengths = self._prefill_padded(inputs, position_ids, rows)
         else:
@@ -155,7 +163,8 @@ class Prefill:
         model = self.model
 
         def forward():  # each try from an empty cache: one cut off midway has some layers' keys already
-            scratch = DynamicCache(config=model.config.get_text_config(decoder=True))
+            # Every layer keeps all its keys (the pool holds them all; a sliding-window layer's cache, its last only).
+            scratch = DynamicCache() if self.limits else DynamicCache(config=model.config.get_text_config(decoder=True))
             return model(
                 **inputs, position_ids=position_ids, past_key_values=scratch, use_cache=True, logits_to_keep=1
             ), scratch
@@ -268,7 +277,9 @@ class Prefill:
 
     def begin_chunks(self, inputs, row: int, params: GenerationParams, prior: int = 0) -> Optional[ChunkedPrefill]:
         """A one-item prompt's embeddings and positions (`_language_model_inputs`) to enter in chunks; None
-        where its family's language model takes more: prefill it whole."""
+        where its family's language model takes more, or some of its layers see fewer keys: prefill it whole."""
+        if not self._within_limits(inputs["input_ids"].shape[1] + prior):
+            return None
         position_ids = self._positions(inputs)
         inputs = self._on_device(inputs)
         found = self._language_model_inputs(inputs, position_ids)

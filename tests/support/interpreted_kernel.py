@@ -23,37 +23,48 @@ from runpod_vlm.engine import decode_kernel  # noqa: E402
 BLOCK = 16
 
 
-def gathered(query, keys, values, table, seen):
+def gathered(query, keys, values, table, seen, window=0, chunk=0):
     offsets = torch.arange(table.shape[1] * BLOCK)
     index = table[:, offsets // BLOCK] * BLOCK + offsets % BLOCK
-    visible = (offsets[None, :] < seen[:, None])[:, None, None, :]
+    newest = seen[:, None] - 1
+    visible = offsets[None, :] <= newest
+    if window:
+        visible &= offsets[None, :] > newest - window
+    if chunk:
+        visible &= offsets[None, :] // chunk == newest // chunk
+    visible = visible[:, None, None, :]
     k, v = keys[index].transpose(1, 2), values[index].transpose(1, 2)
     return torch.nn.functional.scaled_dot_product_attention(query, k, v, attn_mask=visible, enable_gqa=True)
 
 
 def kernel_cases() -> list[dict]:
     """Rows of 1 token (an idle row reads block 0's first slot) to several tiles, at 1, 4 and 32 splits,
-    with 2 and 3 query heads per KV head (3 is padded to the kernel's group of 16)."""
+    with 2 and 3 query heads per KV head (3 is padded to the kernel's group of 16); all tokens, a sliding
+    window's last 20, a chunk of 32's."""
     torch.manual_seed(0)
     found = []
-    for heads, kv_heads in ((4, 2), (6, 2)):
-        for target in (1, 64, 512):
-            decode_kernel.SPLITS_TARGET = target
-            keys = torch.randn(96 * BLOCK, kv_heads, 16)
-            values = torch.randn_like(keys)
-            lengths = [1, 5, 16, 17, 64, 65, 300]
-            table = torch.zeros(len(lengths), 24, dtype=torch.long)
-            free = (torch.randperm(95) + 1).tolist()  # blocks scattered over the pool, 0 left out
-            for row, length in enumerate(lengths):
-                for column in range(-(-length // BLOCK)):
-                    table[row, column] = free.pop()
-            table[0, 0] = 0  # an idle row: block 0
-            seen = torch.tensor(lengths)
-            query = torch.randn(len(lengths), heads, 1, 16)
-            out = decode_kernel.paged_decode_attention(query, keys, values, table, seen, BLOCK, 16**-0.5)
-            splits = max(1, min(32, target // (len(lengths) * kv_heads)))
-            difference = float((out - gathered(query, keys, values, table, seen)).abs().max())
-            found.append({"heads": heads, "kv_heads": kv_heads, "splits": splits, "max_abs_diff": difference})
+    shapes = [(4, 2, target, 0, 0) for target in (1, 64, 512)] + [(6, 2, target, 0, 0) for target in (1, 64, 512)]
+    shapes += [(4, 2, target, window, chunk) for target in (1, 512) for window, chunk in ((20, 0), (0, 32))]
+    for heads, kv_heads, target, window, chunk in shapes:
+        decode_kernel.SPLITS_TARGET = target
+        keys = torch.randn(96 * BLOCK, kv_heads, 16)
+        values = torch.randn_like(keys)
+        lengths = [1, 5, 16, 17, 64, 65, 300]
+        table = torch.zeros(len(lengths), 24, dtype=torch.long)
+        free = (torch.randperm(95) + 1).tolist()  # blocks scattered over the pool, 0 left out
+        for row, length in enumerate(lengths):
+            for column in range(-(-length // BLOCK)):
+                table[row, column] = free.pop()
+        table[0, 0] = 0  # an idle row: block 0
+        seen = torch.tensor(lengths)
+        query = torch.randn(len(lengths), heads, 1, 16)
+        out = decode_kernel.paged_decode_attention(query, keys, values, table, seen, BLOCK, 16**-0.5, window, chunk)
+        splits = max(1, min(32, target // (len(lengths) * kv_heads)))
+        difference = float((out - gathered(query, keys, values, table, seen, window, chunk)).abs().max())
+        found.append(
+            {"heads": heads, "kv_heads": kv_heads, "splits": splits, "window": window, "chunk": chunk}
+            | {"max_abs_diff": difference}
+        )
     return found
 
 
@@ -72,14 +83,21 @@ def engine_answers(folder: str) -> dict:
         {"task": "caption", "image_url": data_uri(striped((48, 40))), "max_new_tokens": 12, "min_new_tokens": 12},
         {"messages": [{"role": "user", "content": "Hi."}], "max_new_tokens": 20, "min_new_tokens": 20},
         {"task": "vqa", "image_url": data_uri(striped((64, 56))), "question": "What?", "max_new_tokens": 7},
+        {"messages": [{"role": "user", "content": " ".join(f"w{n}" for n in range(40))}], "max_new_tokens": 5},
     ]
-    items = [handler.read_job_item(job, engine.settings, engine.model_id, None)[1] for job in jobs]
+    items = [handler.read_job_item(dict(job, logprobs=True), engine.settings, engine.model_id, None)[1] for job in jobs]
     batched = generate_all(engine, items)
     solo = [engine._generate_with_generate(item) for item in items]
+    drift = [
+        max(abs(b["logprob"] - s["logprob"]) for b, s in zip(one.logprobs, alone.logprobs))
+        for one, alone in zip(batched, solo)
+    ]
     return {
         "kernel_used": engine._current_decoder().decode_kernel,
-        "equal": [b == s for b, s in zip(batched, solo)],
+        "equal": [b.raw_text == s.raw_text for b, s in zip(batched, solo)],
+        "logprob_drift": drift,
         "tokens": [b.completion_tokens for b in batched],
+        "prompt_tokens": [b.prompt_tokens for b in batched],
     }
 
 
