@@ -848,7 +848,7 @@ def test_the_intake_puts_pixels_for_a_gpu_in_page_locked_memory(tiny_model, serv
     (item,) = items_of(engine, packed_prefill_jobs()[:1])
     intake._prepare(item)
     assert locked == []
-    intake.pin = True
+    monkeypatch.setattr(intake, "pin", True)  # undone after: the next test may serve this same engine
     inputs, _, _ = intake._prepare(item)
     pixels = inputs["pixel_values"]
     assert pixels.nelement() * pixels.element_size() > STAGED_BYTES
