@@ -97,3 +97,46 @@ def test_jobs_sharing_a_system_prompt_while_one_decodes_share_its_blocks_with_th
     assert cached_tokens(engine) > 0
     pool = engine._current_decoder().pool
     assert pool.free == pool.capacity
+
+
+def shared_tokens(engine, jobs: list[dict], images: list[str]) -> int:
+    """The tokens a burst of `jobs` may read instead of computing: each prompt's whole blocks (not the one of its
+    last token) in common with an earlier one, up to the first image where their images differ."""
+    ids = [engine.adapter.batch_inputs(engine.processor, [item], "cpu", engine.dtype)[0]["input_ids"][0].tolist()
+           for item in items(engine, jobs)]  # fmt: skip
+    block, total = engine._current_decoder().block_size, 0
+    for n, prompt in enumerate(ids):
+        best = 0
+        for m in range(n):
+            common = next((k for k, (a, b) in enumerate(zip(prompt, ids[m])) if a != b), min(len(prompt), len(ids[m])))
+            if images[m] != images[n]:
+                common = min(common, next(k for k, i in enumerate(prompt) if i in engine.media_token_ids))
+            best = max(best, common)
+        total += min(best, len(prompt) - 1) // block * block
+    return total
+
+
+@pytest.mark.parametrize("family", ["qwen2-vl", "llava"])
+def test_a_burst_sharing_a_system_prompt_and_an_image_computes_their_blocks_once_with_each_cold_runs_tokens(
+    family, tiny_model, serve, monkeypatch
+):
+    images = [PHOTO, PHOTO, OTHER, PHOTO]
+    jobs = [
+        job(image, q, new_tokens=n) for image, q, n in zip(images, ("What?", "Where?", "What?", "Why?"), (12, 8, 8, 20))
+    ]
+    cold = serve(tiny_model(family), VLM_PREFIX_CACHING="false")
+    expected = one_by_one(cold, jobs)
+    engine = serve(tiny_model(family), VLM_PREFIX_CACHING="true")
+    decoder, computed = engine._current_decoder(), []
+    through = decoder._through_language_model
+    monkeypatch.setattr(
+        decoder,
+        "_through_language_model",
+        lambda step, embeds, *a: computed.append(embeds.shape[1]) or through(step, embeds, *a),
+    )
+    assert generate_all(engine, items(engine, jobs)) == expected
+    shared = shared_tokens(engine, jobs, images)
+    assert len(computed) == 1 and shared > 3 * engine._current_decoder().block_size  # one prefill of the four
+    assert cached_tokens(engine) == shared and computed[0] == sum(a.prompt_tokens for a in expected) - shared
+    pool = engine._current_decoder().pool
+    assert pool.free == pool.capacity

@@ -217,3 +217,21 @@ def test_fail_all_keeps_the_queue_when_asked(keep_queue):
     scheduler.add([queued])
     scheduler.fail_all(RequestError("generation_failed", "x"), queued=not keep_queue, release=lambda row: None)
     assert (scheduler.waiting == [queued]) == keep_queue
+
+
+def test_prompts_of_one_prefill_that_start_alike_read_the_earliest_ones_blocks_or_the_longer_cached_run():
+    scheduler = planner()
+    system = list(range(1000, 1064))  # four full blocks shared by the burst
+    prompts = [system + [1, 2, 3], system[:40] + [7] * 30, system + [5] * 20, [8] * 40, system]
+    group = [ticket(len(ids)) for ids in prompts]
+    for made, ids in zip(group, prompts):
+        made.prefix = scheduler.prefix_of(made.item, ids)
+    cached = BLOCK * 2  # an earlier prompt left its first two blocks cached
+    scheduler.pool.grow("done", cached)
+    scheduler.pool.remember("done", group[3].prefix[:2])
+    scheduler.pool.release("done")
+    shared = scheduler.shared_prefixes(group, [len(ids) for ids in prompts])
+    assert [(s.count, s.earlier) for s in shared] == [(0, None), (2, 0), (4, 0), (2, None), (3, 0)]
+    # the first computes its blocks; the second shares the two whole blocks it has in common with it; the fourth
+    # reads its cached run; the last, the system prompt alone, leaves the block of its last token to compute
+    assert shared[3].cached == scheduler.pool.cached_prefix(group[3].prefix[:2])

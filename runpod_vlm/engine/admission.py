@@ -120,7 +120,8 @@ class Admission:
         if self.prefix_caching:
             for ticket, ids in zip(group, self._prompt_ids(inputs)):
                 ticket.prefix = scheduler.prefix_of(ticket.item, ids)
-        # A prompt admitted alone starts from the cached blocks of its prefix (a batched prefill computes all).
+        # A prompt admitted alone starts from the cached blocks of its prefix in chunks (a batched prefill reads them
+        # where its family packs prompts: `shared` below).
         alone = len(group) == 1 and scheduler.chunking is None
         hit = scheduler.cached_prefix(group[0], lengths[0]) if alone else []
         if long or hit or placeholder:
@@ -144,6 +145,8 @@ class Admission:
                 scheduler.chunking = (group[0], chunked)
                 return
         rows = free[: len(group)]
+        # Blocks the group's prompts share (cached, or computed once in this prefill) are read, not computed.
+        shared = scheduler.shared_prefixes(group, lengths) if self.prefix_caching else None
         started = time.perf_counter()
         try:
             with self._images_cached(group, held):
@@ -153,6 +156,7 @@ class Admission:
                     [t.item.params for t in group],
                     self._grammar_masks(group),
                     [len(t.ids) for t in group],
+                    shared,
                 )
         except Exception as error:
             for row in rows:
@@ -168,10 +172,12 @@ class Admission:
             return self._admit_failed(group[0])
         self.timings["prefill_s"] += time.perf_counter() - started
         self.timings["prefills"] += 1
-        for ticket, row, prompt, size, length in zip(group, rows, prompt_tokens, input_sizes, lengths):
+        for ticket, row, prompt, size, length, computed in zip(
+            group, rows, prompt_tokens, input_sizes, lengths, decoder.prefilled
+        ):
             ticket.prompt_tokens, ticket.input_size = prompt, size
             decoder.pool.remember(row, ticket.prefix)
-            self._count_prefix(0, length)
+            self._count_prefix(length - computed, length)
             scheduler.give_row(ticket, row)
         # The first tokens are handed out after the next launch (`_hand_out_launched`): the GPU runs this prefill
         # while the host prepares the next one. A grammar's next mask needs its row's first token now.

@@ -6,6 +6,7 @@ import array
 import collections
 import hashlib
 from collections.abc import Hashable
+from typing import NamedTuple, Optional
 
 BLOCK_SIZE = 16  # tokens per KV block (vLLM's default): a row wastes at most 15 slots
 
@@ -129,6 +130,15 @@ def prefix_digests(ids: list[int], block_size: int, images: list[tuple[int, byte
         chain = digest.digest()
         digests.append(chain)
     return digests
+
+
+class SharedPrefix(NamedTuple):
+    """Where a prompt's first `count` full blocks come from instead of being computed: `cached` blocks of the pool,
+    or (`earlier`) the first `count` blocks of an earlier prompt of the same prefill, computed there."""
+
+    count: int = 0
+    cached: list[int] = []
+    earlier: Optional[int] = None
 
 
 class PoolExhausted(Exception):

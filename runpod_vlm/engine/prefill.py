@@ -87,6 +87,7 @@ class Prefill:
     # A 4-D mask the language model hands on untouched (`_through_language_model`); made with the decoder.
     no_mask = None
     limits = None  # per layer (window, chunk) where some layers attend to fewer keys (`PagedStep.limits`)
+    prefilled: list = []  # the tokens each prompt of the last prefill computed (its shared blocks' not)
 
     def _within_limits(self, tokens: int) -> bool:
         """Whether a prompt of `tokens` may go packed or in chunks: every layer attends to all of them (`limits`: a
@@ -123,14 +124,18 @@ class Prefill:
         """`prefill_launch`, then each row's first token."""
         return [token for (token,) in self.read(self.prefill_launch(inputs, rows, params, allowed, prior))]
 
-    def prefill_launch(self, inputs, rows: list[int], params: list[GenerationParams], allowed=None, prior=None):
+    def prefill_launch(
+        self, inputs, rows: list[int], params: list[GenerationParams], allowed=None, prior=None, shared=None
+    ):
         """Run new items' prompts (a left-padded batch) and place them in `rows`, each with the blocks of its own
         tokens. `prior`: per row, the tokens it had already generated (a preempted row resumed: they end its
         prompt). Returns the rows' first tokens on their way to the host (`read`), without waiting for the GPU.
 
         Where the family's language model takes only embeddings and positions (`packs`), the prompts go through
         it packed into one sequence without their padding, each token's keys and values written straight into
-        its blocks; else the whole model runs the padded batch into a scratch cache copied into the blocks."""
+        its blocks, and each prompt's `shared` leading blocks (`blocks.SharedPrefix`: cached, or an earlier
+        prompt's of this prefill) are read, not computed; else the whole model runs the padded batch into a scratch
+        cache copied into the blocks. `prefilled` then tells how many tokens of each prompt were computed."""
         position_ids = self._positions(inputs)
         kept = inputs["attention_mask"].bool().cpu()  # counted on the host: a count on the GPU waits for it
         inputs = self._on_device(inputs)
@@ -140,8 +145,9 @@ class Prefill:
             self.packs = packed is not None
         if packed is None:
             logits, lengths = self._prefill_padded(inputs, position_ids, rows)
+            self.prefilled = lengths
         else:
-            logits, lengths = self._prefill_packed(kept, *packed, rows)
+            logits, lengths = self._prefill_packed(kept, *packed, rows, shared)
         return self._start(rows, lengths, logits, position_ids[..., -1:], inputs["input_ids"], params, allowed, prior)
 
     def _positions(self, inputs):
@@ -173,36 +179,52 @@ class Prefill:
             output, scratch = beside_fx_traces(forward)
         kept = inputs["attention_mask"].bool()  # left padding is not copied
         lengths = kept.sum(dim=1).tolist()
-        slots = self._grow_rows(rows, lengths)
+        slots, _ = self._grow_rows(rows, lengths)
         for pool_keys, pool_values, layer in zip(self.keys, self.values, scratch.layers):
             pool_keys.index_copy_(0, slots, layer.keys.transpose(1, 2)[kept].to(pool_keys.dtype))
             pool_values.index_copy_(0, slots, layer.values.transpose(1, 2)[kept].to(pool_values.dtype))
         return output.logits[:, -1, :], lengths
 
-    def _prefill_packed(self, kept, embeds, positions, rows: list[int]):
+    def _prefill_packed(self, kept, embeds, positions, rows: list[int], shared=None):
         """The prompts' embeddings [rows, width, hidden] and positions [..., rows, width] (left-padded; `kept`
-        [rows, width] their tokens, on the host) through the language model as one sequence of their tokens only.
-        Nothing here waits for the GPU: a mask indexing a GPU tensor, or a blocking copy to it, would."""
+        [rows, width] their tokens, on the host) through the language model as one sequence of their tokens only,
+        less each one's `shared` blocks, which its tokens attend to in the pool (an earlier prompt's written there
+        by the same layer first). Nothing here waits for the GPU: a mask indexing a GPU tensor, or a blocking copy
+        to it, would."""
         import torch
 
         from runpod_vlm.engine import varlen
 
         lengths = kept.sum(dim=1).tolist()
-        tokens = to_device(kept.flatten().nonzero()[:, 0], embeds.device)
+        skipped = [0] * len(rows) if shared is None else [s.count * self.block_size for s in shared]
+        new = [length - skip for length, skip in zip(lengths, skipped)]
+        computed = kept & (kept.cumsum(dim=1) > torch.tensor(skipped)[:, None])
+        tokens = to_device(computed.flatten().nonzero()[:, 0], embeds.device)
         embeds, positions = embeds.flatten(0, 1)[tokens][None], positions.flatten(-2)[..., tokens].unsqueeze(-2)
-        slots = self._grow_rows(rows, lengths)
-        ends = torch.tensor(lengths).cumsum(0).to(embeds.device, non_blocking=True)
-        if self._graphs_take(embeds, len(slots), len(slots), len(lengths)):
-            hidden = self.prefill_graphs.run(embeds, positions, slots, slots, lengths, lengths)
+        slots, key_slots = self._grow_rows(rows, lengths, shared)
+        self.prefilled = new
+        ends = torch.tensor(new).cumsum(0).to(embeds.device, non_blocking=True)
+        if self._graphs_take(embeds, len(slots), len(key_slots), len(lengths)):
+            hidden = self.prefill_graphs.run(embeds, positions, slots, key_slots, new, lengths)
             return self.model.get_output_embeddings()(hidden[0, ends - 1]), lengths
         if varlen.takes(embeds):
             starts = torch.nn.functional.pad(ends, (1, 0)).to(torch.int32)
-            step = PagedStep(self.keys, self.values, slots, starts=starts, longest=max(lengths))
-        else:  # each token sees the earlier ones of its own prompt, through the gathering path
-            token = torch.arange(len(slots), device=embeds.device)
-            prompt = torch.searchsorted(ends, token, right=True)
-            visible = (prompt[None, :] == prompt[:, None]) & (token[None, :] <= token[:, None])
-            step = PagedStep(self.keys, self.values, slots, slots[None, :], visible[None, None])
+            step = PagedStep(self.keys, self.values, slots, starts=starts, longest=max(new))
+            if any(skipped):
+                key_ends = torch.tensor(lengths).cumsum(0).to(embeds.device, non_blocking=True)
+                step.key_slots, step.longest_keys = key_slots, max(lengths)
+                step.key_starts = torch.nn.functional.pad(key_ends, (1, 0)).to(torch.int32)
+        else:  # each token sees its own prompt's tokens up to its own, through the gathering path
+            prompt = torch.arange(len(rows))
+            query_prompt, key_prompt = (
+                prompt.repeat_interleave(torch.tensor(new)),
+                prompt.repeat_interleave(torch.tensor(lengths)),
+            )
+            query_at = torch.cat([torch.arange(skip, length) for skip, length in zip(skipped, lengths)])
+            key_at = torch.cat([torch.arange(length) for length in lengths])
+            visible = (query_prompt[:, None] == key_prompt[None, :]) & (key_at[None, :] <= query_at[:, None])
+            visible = to_device(visible, embeds.device)
+            step = PagedStep(self.keys, self.values, slots, key_slots[None, :], visible[None, None])
         hidden = self._through_language_model(step, embeds, positions)
         return self.model.get_output_embeddings()(hidden[0, ends - 1]), lengths
 
@@ -225,14 +247,26 @@ class Prefill:
                 use_cache=False,
             ).last_hidden_state
 
-    def _grow_rows(self, rows: list[int], lengths: list[int]):
-        """Blocks for each row's prompt; the pool slots of all their tokens, row after row."""
+    def _grow_rows(self, rows: list[int], lengths: list[int], shared=None):
+        """Blocks for each row's prompt, its `shared` leading ones first (all cached ones before any row grows: a
+        growing row may take a cached block no row holds); the pool slots of the tokens to compute, then of all,
+        row after row."""
         import torch
 
-        for row, length in zip(rows, lengths):
+        shared = shared or [None] * len(rows)
+        for row, reuse in zip(rows, shared):
+            if reuse and reuse.cached:
+                self.share(row, reuse.cached)
+        for row, length, reuse in zip(rows, lengths, shared):
+            if reuse and reuse.earlier is not None:
+                self.share(row, self.pool.table(rows[reuse.earlier])[: reuse.count])
             self.grow(row, length)
-        slots = torch.cat([self._host_slots(row, 0, length) for row, length in zip(rows, lengths)])
-        return to_device(slots, self.offsets.device)
+        skipped = [reuse.count * self.block_size if reuse else 0 for reuse in shared]
+        slots = torch.cat([self._host_slots(row, skip, n) for row, skip, n in zip(rows, skipped, lengths)])
+        key_slots = torch.cat([self._host_slots(row, 0, n) for row, n in zip(rows, lengths)]) if any(skipped) else slots
+        device = self.offsets.device
+        slots = to_device(slots, device)
+        return slots, (slots if key_slots is slots else to_device(key_slots, device))
 
     def _language_model_inputs(self, inputs, position_ids):
         """The embeddings (vision merged in) and positions the family's own forward hands its language model

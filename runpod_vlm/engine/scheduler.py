@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
-from runpod_vlm.engine.blocks import BlockPool, PoolExhausted, prefix_digests
+from runpod_vlm.engine.blocks import BlockPool, PoolExhausted, SharedPrefix, prefix_digests
 from runpod_vlm.engine.gpu_errors import is_out_of_memory
 from runpod_vlm.engine.ticket import Ticket
 from runpod_vlm.vocabulary import GENERATION_FAILED, GenerationRequest, RequestError, join_param
@@ -181,6 +181,27 @@ class Scheduler:
         """The cached blocks a prompt of `length` tokens may start from: every full block but the one holding its
         last token, which a prefill must compute for the first answer token's logits."""
         return self.pool.cached_prefix(ticket.prefix[: (length - 1) // self.pool.block_size])
+
+    def shared_prefixes(self, group: list[Ticket], lengths: list[int]) -> list[SharedPrefix]:
+        """For each prompt of one prefill, the leading full blocks it reads instead of computing: the cached blocks
+        of its prefix, or, where longer, those of an earlier prompt of the group that starts the same way (a system
+        prompt, a chat's earlier turns, an image of a burst), computed once in this prefill. Never the block
+        holding a prompt's last token, whose logits the prefill needs."""
+        holders: dict[bytes, int] = {}  # a digest -> the first prompt of the group holding its block
+        shared = []
+        for n, (ticket, length) in enumerate(zip(group, lengths)):
+            usable = ticket.prefix[: (length - 1) // self.pool.block_size]
+            cached = self.pool.cached_prefix(usable)
+            common = 0
+            while common < len(usable) and usable[common] in holders:  # a hash chain: all before it match too
+                common += 1
+            if common > len(cached):
+                shared.append(SharedPrefix(common, earlier=holders[usable[common - 1]]))
+            else:
+                shared.append(SharedPrefix(len(cached), cached))
+            for digest in ticket.prefix:
+                holders.setdefault(digest, n)
+        return shared
 
     def give_row(self, ticket: Ticket, row: int) -> None:
         ticket.row, ticket.group_limit = row, None
