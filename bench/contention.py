@@ -62,7 +62,7 @@ def child() -> None:
 
     handler.COMPILE_AFTER_FIRST_ANSWER_S = 600
     engine = handler.get_engine()
-    engine._answered = Gate()
+    engine.compiler.answered = Gate()
     jobs = iter(range(10**6))
 
     def one() -> dict:
@@ -99,7 +99,7 @@ def child() -> None:
     started = time.perf_counter()
     compiling.set()
     threading.Thread(target=sample, daemon=True).start()
-    threading.Event.set(engine._answered)
+    threading.Event.set(engine.compiler.answered)
     during, load = [], []
     while not engine.wait_until_compiled(0) and time.perf_counter() - started < 85:
         during.append(one())

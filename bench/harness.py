@@ -342,7 +342,7 @@ def gpu_parity(handler, engine, count: int = 6) -> dict:
     for job, answer in zip(jobs, answers):
         _, item = handler.read_job_item(job["input"], engine.settings, engine.model_id, None)
         inputs, _ = engine.adapter.batch_inputs(engine.processor, [item], engine.model.device, engine.dtype)
-        with torch.inference_mode(), engine._capture_lock:  # no graph recorded beside generate's GPU work
+        with torch.inference_mode(), engine.compiler.capture_lock:  # no graph recorded beside generate's GPU work
             out = engine.model.generate(**inputs, max_new_tokens=24, do_sample=False)
         ids = out[0, inputs["input_ids"].shape[1] :].tolist()
         text = engine.tokenizer.decode(ids[: answered_length(ids, engine.eos_ids)], skip_special_tokens=True)
@@ -450,7 +450,7 @@ def child_cold_start() -> None:
 
     reference = solo_answers()
     out["buckets_compiled_at_reference"] = [
-        b for b, f in engine._current_decoder().forwards.items() if f is engine._compiled_forward
+        b for b, f in engine._current_decoder().forwards.items() if f is engine.compiler.forward
     ]
     out["speed_before_compiled"] = speed(handler)
     traffic = [

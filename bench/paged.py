@@ -139,7 +139,9 @@ def generate_peer(engine, jobs: list[dict]) -> dict:
 
     items = [handler.read_job_item(job["input"], engine.settings, engine.model_id, None)[1] for job in jobs]
     new = max(item.params.max_new_tokens for item in items)
-    with engine._capture_lock:  # no graph recorded by the idle engine thread meanwhile: a synchronize here voids it
+    with (
+        engine.compiler.capture_lock
+    ):  # no graph recorded by the idle engine thread meanwhile: a synchronize here voids it
         torch.cuda.synchronize()
         started = time.perf_counter()
         inputs, _ = engine.adapter.batch_inputs(engine.processor, items, engine.model.device, engine.dtype)
@@ -171,9 +173,7 @@ def child(part: str, args) -> dict:
     import handler
 
     if args.prefill_eager:
-        from runpod_vlm.engine.background_compile import BackgroundCompile
-
-        BackgroundCompile._compiles_prefill = lambda self: False
+        handler.get_engine().compiler.compiles_prefill = False
 
     out_file = Path(args.out) / f"paged-{part}.json"
     results: dict = {"part": part, "shape": shape, "cap_gb": cap_gb, "device": torch.cuda.get_device_name()}

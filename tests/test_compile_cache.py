@@ -559,8 +559,8 @@ def compile_in_background(engine, monkeypatch, buckets: list[int], backend) -> N
     monkeypatch.setattr(background_compile, "COMPILE_AFTER_FIRST_ANSWER_S", 0)
     monkeypatch.setattr(background_compile, "load_compile_artifacts", lambda *args: False)
     monkeypatch.setattr(background_compile, "save_compile_artifacts", lambda *args: None)
-    engine._compile_in_background(buckets)
-    engine._compiler.shutdown(wait=True)
+    engine.compiler.start(buckets)
+    engine.compiler.finish()
 
 
 @pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl"])
@@ -605,11 +605,11 @@ def test_the_step_compiles_one_decoder_layer_per_shape_and_decodes_as_the_plain_
     compile_in_background(
         engine, monkeypatch, [8, 16], backend=lambda graph, example_inputs: traces.append(graph) or graph.forward
     )
-    assert engine._compiled_shapes == {8, 16} and len(engine.model.get_decoder().layers) == 2
+    assert engine.view().compiled_row_buckets == (8, 16) and len(engine.model.get_decoder().layers) == 2
     # Four graphs a shape around the paged attention, which runs eagerly: the layer and its attention, before and after.
     assert len(traces) == 2 * 4 and not any("embed_tokens" in graph.code for graph in traces)
     tokens = []
-    for forward in (engine.model, engine._compiled_forward):
+    for forward in (engine.model, engine.compiler.forward):
         decoder = PagedDecoder(
             engine.model, engine.eos_ids, rows=16, blocks=64, block_size=16, use_graph=False, interval=4
         )
@@ -659,9 +659,9 @@ def test_a_prefill_on_the_engine_thread_during_the_compile_does_not_fail_it(tiny
         return graph.forward
 
     compile_in_background(engine, monkeypatch, [8], prefill_meanwhile)
-    assert engine._compiled_shapes == {8}
+    assert engine.view().compiled_row_buckets == (8,)
     tokens = []
-    for forward in (engine.model, engine._compiled_forward):  # the view's compiled step decodes as the model
+    for forward in (engine.model, engine.compiler.forward):  # the view's compiled step decodes as the model
         decoder = PagedDecoder(
             engine.model, engine.eos_ids, rows=8, blocks=64, block_size=16, use_graph=False, interval=4
         )

@@ -622,7 +622,7 @@ def test_no_cuda_graph_is_recorded_while_a_shape_compiles(tiny_model, serve, mon
     monkeypatch.setattr(PagedDecoder, "_capture", lambda self, bucket, span: recorded.append(bucket))
     engine._current_decoder().use_graph = True
     job = {"messages": [{"role": "user", "content": "Hi."}], "max_new_tokens": 6, "min_new_tokens": 6}
-    with engine._capture_lock:
+    with engine.compiler.capture_lock:
         held = generate_all(engine, items_of(engine, [job]))
     assert not recorded
     assert generate_all(engine, items_of(engine, [job])) == held
@@ -645,17 +645,17 @@ def test_a_step_whose_graph_the_compile_kept_from_recording_is_recorded_before_t
     decoder.use_graph = True
     job = {"messages": [{"role": "user", "content": "Hi."}], "max_new_tokens": 1000, "min_new_tokens": 1000}
     (item,) = items_of(engine, [job])
-    with engine._capture_lock:  # a shape compiling
+    with engine.compiler.capture_lock:  # a shape compiling
         ticket = engine.submit(item, lambda event: None)
         assert wait_for(lambda: decoder.recording_wanted)
     assert not recorded
-    with engine._holding_the_gpu():  # the next shape
+    with engine.compiler.holding_the_gpu():  # the next shape
         assert recorded and engine.view().running
     ticket.cancel()
     assert wait_for(lambda: not engine.view().running)
     decoder.recording_wanted = True  # as a step left it before its rows ended
     started = time.monotonic()
-    with engine._holding_the_gpu():
+    with engine.compiler.holding_the_gpu():
         assert time.monotonic() - started < 0.5
 
 

@@ -56,8 +56,8 @@ def test_prefills_run_one_dynamic_trace_of_the_layers_compiled_in_the_background
     engine = serve(tiny_model("qwen2-vl"), VLM_COMPILE="false", VLM_MAX_BATCH_SIZE="8", VLM_MAX_BATCH_TOKENS="256")
     eager = served()
     assert engine.timings["chunk_s"] > 0 and engine.timings["prefix_cached_tokens"] > 0  # both paths were taken
-    assert not engine._compiles_prefill()  # on the CPU prefills stay eager
-    monkeypatch.setattr(engine, "_compiles_prefill", lambda: True)  # as on the GPU
+    assert not engine.compiler.compiles_prefill  # on the CPU prefills stay eager
+    monkeypatch.setattr(engine.compiler, "compiles_prefill", True)  # as on the GPU
     monkeypatch.setattr(compile_module, "COMPILED_PREFILL_FROM_TOKENS", 0)  # the tiny prompts compiled too
     traces, runs, first_of_prefill = [], collections.Counter(), []
 
@@ -66,9 +66,9 @@ def test_prefills_run_one_dynamic_trace_of_the_layers_compiled_in_the_background
         traces.append(graph)
         return lambda *args: runs.update([number]) or graph.forward(*args)
 
-    compile_prefill = engine._compile_prefill_layers
+    compile_prefill = engine.compiler._compile_prefill_layers
     monkeypatch.setattr(
-        engine,
+        engine.compiler,
         "_compile_prefill_layers",
         lambda options: first_of_prefill.append(len(traces)) or compile_prefill(options),
     )
@@ -118,7 +118,7 @@ def test_a_family_that_prefills_padded_keeps_eager_layers(tiny_model, serve, mon
     monkeypatch.setattr(torch, "compile", lambda fn, dynamic, **options: compile_(fn, dynamic=dynamic, backend=backend))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     try:
-        assert engine._compile_prefill_layers({}) == {} and traces == []
+        assert engine.compiler._compile_prefill_layers({}) == {} and traces == []
     finally:
         torch._dynamo.reset()
     assert not any("forward" in vars(layer) for layer in decoder_layers(engine.model))

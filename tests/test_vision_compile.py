@@ -103,12 +103,14 @@ def test_the_background_compile_compiles_the_vision_blocks_and_the_engine_switch
         return await asyncio.gather(*(handler.local_test_answer({"id": "j", "input": job}) for job in jobs))
 
     eager = asyncio.run(answers())
-    assert not engine._compiles_vision()  # on the CPU the tower attends per image: left eager
-    monkeypatch.setattr(engine, "_compiles_vision", lambda: True)  # as on the GPU
+    assert not engine.compiler.compiles_vision  # on the CPU the tower attends per image: left eager
+    monkeypatch.setattr(engine.compiler, "compiles_vision", True)  # as on the GPU
     blocks = vision_blocks(engine.model)
     try:
         compile_in_background(engine, monkeypatch, [8], lambda graph, inputs: traces.append(graph) or graph.forward)
-        assert engine._compiled_shapes == {8} and any("qkv" in graph.code for graph in traces)  # a vision block
+        assert engine.view().compiled_row_buckets == (8,) and any(
+            "qkv" in graph.code for graph in traces
+        )  # a vision block
         warmed = len(traces)
         engine._notify()  # the engine thread switches to both at its next step (here: at once, being idle)
         assert wait_for(

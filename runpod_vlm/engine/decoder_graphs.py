@@ -19,7 +19,7 @@ class DecoderGraphs:
     def _capture_or_log(self, bucket: int, span: int) -> None:
         started = time.perf_counter()
         try:
-            # Not recorded: the background compile lets it go first before its next shape (`_holding_the_gpu`).
+            # Not recorded: the compile lets it go first before its next shape (`BackgroundCompiler.holding_the_gpu`).
             self.recording_wanted = not self._capture_unless_compiling(bucket, span)
         except Exception as error:  # still correct without the graph, only slower
             if is_out_of_memory(error):  # not tried again: each try would run out again beside the rows' steps

@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import Any, Optional
 
 from runpod_vlm.engine.admission import Admission, InFlight
-from runpod_vlm.engine.background_compile import BackgroundCompile
+from runpod_vlm.engine.background_compile import BackgroundCompiler
 from runpod_vlm.engine.blocks import BLOCK_SIZE
-from runpod_vlm.engine.compile import set_torch_cache_dirs
+from runpod_vlm.engine.compile import decoder_layers, set_torch_cache_dirs, vision_blocks
 from runpod_vlm.engine.decoder import PagedDecoder
 from runpod_vlm.engine.gpu_errors import is_fatal_gpu_error
 from runpod_vlm.engine.grammar import Grammars, answer_error
@@ -70,7 +70,7 @@ def _close_at_exit(engine: weakref.ref) -> None:
         live.close()
 
 
-class Engine(Admission, BackgroundCompile, OneAtATime):
+class Engine(Admission, OneAtATime):
     """The loaded model, its processor and family adapter. One per process."""
 
     def __init__(self, settings: Settings, quantize: Optional[str] = None, on_fatal: Callable[[], None] = lambda: None):
@@ -80,21 +80,28 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         self.on_finished: Optional[Callable[[Ticket, Any], None]] = None  # told of each item's end (metrics)
         self.model_id = settings.model
         self.quantize = quantize or settings.quantize
-        self._compiled_forward = None
-        self._compiler = None  # the compile thread's executor
-        self._capture_lock = threading.Lock()  # no CUDA graph is recorded while a shape compiles
         self.broken = False  # a fatal GPU error happened: nothing more runs here
         self._stop_by: Optional[float] = None  # after SIGTERM: when the items still running fail
         self._closed = False  # close(): the engine thread ends, nothing more runs here
         self._worked_at = time.monotonic()  # when the engine thread last had something to do
-        self._compiled_shapes: set = set()  # row buckets compiled in the background
-        self._newly_compiled: list = []  # ... ready, not yet switched to by the engine thread
-        self._compiled_vision = None  # the vision blocks' compiled forwards, likewise
-        self._compiled_prefill = None  # the prefill's decoder layers' compiled forwards, likewise
-        self._answered = threading.Event()  # set at the first answer; the background compile waits for it
         self._load()
         self.image_cache = ImageEmbeddingCache(settings.image_cache_mb * 2**20) if settings.image_cache_mb else None
         self._wake = threading.Condition()  # guards the scheduler's queue; the engine thread waits on it
+        on_gpu = str(self.model.device).startswith("cuda")
+        self.compiler = BackgroundCompiler(
+            self.model,
+            self.processor,
+            self.adapter,
+            settings,
+            self.dtype,
+            # A packed vision tower's blocks (1.5x for 23 images; on the CPU its attention runs per image, which
+            # dynamo would trace anew for every count) and, for prompts packed, the prefill's decoder layers.
+            compiles_vision=self.packed_vision and on_gpu and bool(vision_blocks(self.model)),
+            compiles_prefill=self.continuous and on_gpu and bool(decoder_layers(self.model)),
+            make_decoder=self._make_decoder,
+            recording_wanted=self._recording_wanted,
+            on_ready=self._notify,
+        )
         # The queue, the rows, the chunking prompt, the row cap and the KV pool's bookkeeping: the plan of each step.
         self.scheduler = Scheduler(settings.max_batch_tokens, self.media_token_ids, self.context_length)
         # Prefills and decode intervals launched, their tokens not yet handed out, in launch order.
@@ -145,9 +152,9 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
             self.scheduler.pool = self._decoder.pool
             # Queued once the decoder is in place: a compile done before, switched to by the engine thread,
             # found no decoder and was dropped (tests/test_handler.py's fake compile on a loaded CPU).
-            missing = [b for b in self._decoder.buckets if b not in self._compiled_shapes]
+            missing = [b for b in self._decoder.buckets if b not in self.compiler.shapes]
             if self.compile and missing:
-                self._compile_in_background(missing)
+                self.compiler.start(missing)
         return self._decoder
 
     @property
@@ -186,7 +193,7 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
             block_size=BLOCK_SIZE,
             row_cap=cap[0] if cap else None,
             decode_graphs=len(decoder.graphs) if decoder is not None else 0,
-            compiled_row_buckets=tuple(sorted(self._compiled_shapes)),
+            compiled_row_buckets=tuple(sorted(self.compiler.shapes)),
             image_cache_hits=self.image_cache.hits if self.image_cache else 0,
             image_cache_misses=self.image_cache.misses if self.image_cache else 0,
             timings=dict(self.timings),
@@ -273,7 +280,7 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         """Nothing to do until woken (call with `_wake` held): no queued call whose items are all prepared, none
         decoding."""
         busy = self.scheduler.busy() or self._launched
-        return not busy and not self.scheduler.has_admissible() and not self._switch_due()
+        return not busy and not self.scheduler.has_admissible() and not self.compiler.switch_due()
 
     def _captures_ahead_due(self, ahead: Optional[bool] = None) -> bool:
         """A graph to record while idle (`ahead` of need too: by default once `_quiet`), and no item queued (call with
@@ -337,9 +344,9 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
                         self._take(waiting[:1])
                         self._run_alone(waiting[0])
                     continue
-                if self._switch_due():
+                if self.compiler.switch_due():
                     self._hand_out_all()  # the switch drops graphs: none may be in flight
-                    self._switch_to_compiled()
+                    self.compiler.switch(self._decoder)
                 earlier = list(self._launched)
                 self._admit(waiting)
                 if self.scheduler.chunking is not None:
@@ -426,7 +433,7 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         if ticket.stream and not ticket.cancelled:
             ticket.emit_delta(self.eos_ids)
         if done:
-            self._answered.set()
+            self.compiler.answered.set()
             self._current_decoder().release(ticket.row)
             self.scheduler.finished(ticket.row)
             if not ticket.cancelled:
@@ -473,9 +480,7 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
     def _new_decoder(self) -> PagedDecoder:
         set_torch_cache_dirs(self.settings)  # before the decode kernel or the compile builds anything
         decoder = self._make_decoder(self.model, self._kv_pool_blocks(), self.use_graphs)
-        for bucket in decoder.buckets:
-            if bucket in self._compiled_shapes:
-                decoder.use_forward(bucket, self._compiled_forward)
+        self.compiler.use_compiled(decoder)
         log.info(
             "KV cache: %d blocks of %d tokens (%d tokens) for up to %d rows",
             decoder.pool.capacity,
@@ -497,8 +502,23 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
             max_row_tokens=self.context_length,
             prefill_tokens=self.scheduler.token_budget,
         )
-        decoder.capture_lock = self._capture_lock
+        decoder.capture_lock = self.compiler.capture_lock
         return decoder
+
+    def _recording_wanted(self) -> bool:
+        """Whether a decode step ran eagerly for want of a graph the compile's GPU work held up (rows decoding)."""
+        decoder = self._decoder
+        return decoder is not None and decoder.recording_wanted and bool(self.scheduler.running)
+
+    def wait_until_compiled(self, timeout: float) -> bool:
+        """Whether every shape of the current decoder decodes compiled (benchmarks, tests); False at once where
+        nothing compiles (compile off, or no CUDA graphs: a CPU)."""
+        deadline = time.monotonic() + timeout
+        while not ((decoder := self._decoder) and decoder.steps_only_with(self.compiler.forward)):
+            if not self.compile or time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def _images_on_gpu(self) -> bool:
         """Whether the intake finishes the images on the model's GPU (VLM_PREPROCESS_ON_GPU, where the family can)."""
@@ -537,8 +557,7 @@ class Engine(Admission, BackgroundCompile, OneAtATime):
         self._fail_all(WORKER_STOPPING, queued=True)
         if self._intake is not None:
             self._intake.close()
-        if self._compiler is not None:
-            self._compiler.shutdown(wait=False, cancel_futures=True)
+        self.compiler.close()
         if self.grammars is not None:
             self.grammars.close()
         self._decoder = None

@@ -88,6 +88,7 @@ class FakePagedDecoder(PagedDecoder):
             self.lengths[row] = length + len(done)
             self.answers[row] = dict(script=HUB.script(prompt), tokens=list(done), params=p, seen=set(ids) | set(done))
             first.append(self._next(row))
+        self.prefilled = [self.lengths[row] for row in rows]
         self.any_sample = any(a["params"].do_sample for a in self.answers.values())
         return first
 
@@ -159,8 +160,8 @@ class FakePagedDecoder(PagedDecoder):
     def read(self, launched):
         return launched.tokens
 
-    def prefill_launch(self, inputs, rows, params, allowed=None, prior=None):
-        first = self.prefill(inputs, rows, params, allowed, prior)
+    def prefill_launch(self, inputs, rows, params, allowed=None, prior=None, shared=None):
+        first = self.prefill(inputs, rows, params, allowed, prior)  # computed whole, as a padded prefill
         return Launched(1, [[token] for token in first], (), None, tuple(rows))
 
     def step(self, steps):
