@@ -44,6 +44,7 @@ the engine knows nothing of RunPod jobs or request JSON; the scheduler never tou
     background_compile  the compile thread: row buckets compiled one after the other, then switched to
     compile      the regionally compiled decode step and vision blocks, and the compile-artifact cache
     loading      weights source (RunPod's cache), dtype, quantization, model and processor
+    fp8          FP8 weights for the language model's linear layers (VLM_QUANTIZE=fp8)
     gpu_errors   what a failed CUDA call means
   families/      prompts and processor inputs as each model card writes them
     base         the cards' generic recipe (FamilyAdapter), chat templates with tools

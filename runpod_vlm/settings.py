@@ -48,7 +48,7 @@ CURATED_MODELS: dict[str, CuratedModel] = {
     "OpenGVLab/InternVL2-8B": CuratedModel("internvl", 20, "MIT"),
 }
 
-QUANTIZE_CHOICES = ("none", "4bit", "8bit")
+QUANTIZE_CHOICES = ("none", "4bit", "8bit", "fp8")
 DTYPE_CHOICES = ("auto", "fp16", "bf16", "fp32")
 
 

@@ -203,7 +203,7 @@ class Engine(Admission, OneAtATime):
         import torch
 
         on_cuda = torch.cuda.is_available() and str(self.model.device).startswith("cuda")
-        return bool(self.quantize == "none" and self.adapter.native and on_cuda)
+        return bool(self.quantize in ("none", "fp8") and self.adapter.native and on_cuda)
 
     # ---- generation: the engine thread ------------------------------------------------------
 

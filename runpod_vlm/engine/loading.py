@@ -91,8 +91,9 @@ def torch_dtype(choice: str):
 
 
 def quantization_config(quantize: str, adapter: FamilyAdapter, dtype):
-    """bitsandbytes settings that keep the vision tower and projector in full precision."""
-    if quantize == "none":
+    """bitsandbytes settings that keep the vision tower and projector in full precision (none for fp8: `engine.fp8`
+    quantizes the loaded model)."""
+    if quantize in ("none", "fp8"):
         return None
     from transformers import BitsAndBytesConfig
 
@@ -128,6 +129,8 @@ def load_model(settings: Settings, quantize: str) -> LoadedModel:
             f"{settings.model} ({adapter.name}) needs its repository's code: set VLM_TRUST_REMOTE_CODE=true"
         )
     dtype = torch_dtype(settings.dtype)
+    if quantize == "fp8":
+        check_fp8(settings, adapter)
     if _on_cuda(settings):
         import torch
 
@@ -150,4 +153,26 @@ def load_model(settings: Settings, quantize: str) -> LoadedModel:
     else:
         model, processor = adapter.load(source, load_kwargs)
     adapter.after_load(model, processor, source)
+    if quantize == "fp8":
+        from runpod_vlm.engine.fp8 import quantize_language_model
+
+        quantize_language_model(model)
     return LoadedModel(model, processor, adapter, config.model_type, dtype)
+
+
+def check_fp8(settings: Settings, adapter: FamilyAdapter) -> None:
+    """FP8 weights need a native family (its decoder layers in the batch) on a GPU that multiplies float8."""
+    if not adapter.native:
+        raise SettingsError(f"VLM_QUANTIZE=fp8 is for the native families, not {adapter.name} (remote code)")
+    if not _on_cuda(settings):
+        raise SettingsError("VLM_QUANTIZE=fp8 needs a CUDA GPU; use none, 4bit or 8bit elsewhere")
+    from runpod_vlm.engine.fp8 import MIN_CAPABILITY, fp8_supported
+
+    if not fp8_supported("cuda"):
+        import torch
+
+        name, capability = torch.cuda.get_device_name(), torch.cuda.get_device_capability()
+        raise SettingsError(
+            f"VLM_QUANTIZE=fp8 needs a GPU that multiplies float8 (compute capability {MIN_CAPABILITY[0]}."
+            f"{MIN_CAPABILITY[1]}+: L40S, RTX 4090, H100, H200); this {name} is {capability[0]}.{capability[1]}"
+        )

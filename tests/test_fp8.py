@@ -1,0 +1,63 @@
+"""FP8 weights (`VLM_QUANTIZE=fp8`, engine/fp8.py) on the CPU: a layer's product is exactly that of its float8
+operands (the CPU computes it dequantized, the GPU through `torch._scaled_mm`), within e4m3's error of the original;
+only the decoder layers' linear layers are quantized; cards without FP8 are refused naming the setting. Greedy
+agreement with the unquantized model is not asserted: the tiny models are built to be sensitive to any change, and
+their greedy tokens part within a few steps under fp8 (tokens/s and agreement on real shapes: bench/README.md)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from runpod_vlm.engine import loading
+from runpod_vlm.engine.fp8 import E4M3_MAX, Fp8Linear, quantize_language_model
+from runpod_vlm.settings import Settings, SettingsError
+
+
+def dequantized_rows(values):
+    scale = values.abs().amax(dim=1, keepdim=True) / E4M3_MAX
+    return (values / scale).to(torch.float8_e4m3fn).float() * scale
+
+
+def test_an_fp8_layer_multiplies_its_float8_operands_and_stays_within_e4m3s_error_of_the_original():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48)
+    layer = Fp8Linear(linear)
+    assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.shape == (1, 48)
+    x = torch.randn(3, 5, 64)
+    expected = dequantized_rows(x.reshape(-1, 64)) @ dequantized_rows(linear.weight.detach()).t() + linear.bias
+    out = layer(x)
+    assert torch.allclose(out, expected.reshape(3, 5, 48), atol=1e-5)
+    with torch.no_grad():
+        exact = linear(x)
+    assert 0 < float((out - exact).norm() / exact.norm()) < 0.05  # e4m3 keeps 3 bits of mantissa
+
+
+def linears(module) -> int:
+    return sum(type(m) is torch.nn.Linear for m in module.modules())
+
+
+def test_only_the_decoder_layers_linear_layers_take_fp8_weights(tiny_model):
+    model = transformers.AutoModelForImageTextToText.from_pretrained(tiny_model("qwen2-vl"), dtype=torch.float32)
+    layers = model.get_decoder().layers
+    vision, before = linears(model.model.visual), linears(layers)
+    ids = torch.tensor([[5, 9, 40, 41, 42, 7]])
+    with torch.no_grad():
+        reference = model(input_ids=ids).logits
+    assert quantize_language_model(model) == before > 0
+    assert linears(layers) == 0 and linears(model.model.visual) == vision and type(model.lm_head) is torch.nn.Linear
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert torch.nn.functional.cosine_similarity(logits.flatten(), reference.flatten(), dim=0) > 0.9
+
+
+def test_fp8_is_refused_off_a_gpu_that_multiplies_float8(tiny_model, monkeypatch):
+    settings = Settings(model=str(tiny_model("qwen2-vl")), quantize="fp8", device_map="cpu", allow_any=True)
+    with pytest.raises(SettingsError, match="VLM_QUANTIZE=fp8 needs a CUDA GPU"):
+        loading.load_model(settings, "fp8")
+    monkeypatch.setattr(loading, "_on_cuda", lambda settings: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *device: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *device: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(SettingsError, match=r"compute capability 8.9\+.*A100-SXM4-80GB is 8.0"):
+        loading.load_model(settings, "fp8")
