@@ -7,7 +7,8 @@ A tree is a checkout of the worker (`git archive REV | tar -x -C PATH`); each wo
 drift of the machine falls on every one. Each worker, Qwen2-VL-2B shapes at DEFAULT settings, waits for its
 background compile, then runs on new images each time: 64 mixed jobs (warm-up, not counted), then three times 32
 short mixed jobs (bench/paged.py's short_32_alone), 64 uniform (448x448 x 128), 64 mixed jobs and 64 one-token jobs
-of a new 448x448 image (their tokens/s: images a second), all at once (`--runs` picks among them; `open_RATE` adds 128
+of a new 448x448 image (their tokens/s: images a second), all at once, and `batch1`: four uniform jobs one after
+another (`--runs` picks among them; `open_RATE` adds 128
 mixed jobs arriving at RATE a second, Poisson, and 16 mixed jobs one by one first, once: the p95 latency's divisor,
 as bench/paged.py's open loop, and the fit of their latency in their tokens that `p95_latency_vs_alone` divides
 by). A variant `TREE:gc_freeze` freezes the garbage collector's objects after the warm-up; `TREE:after_mixed_256`
@@ -33,7 +34,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-BURSTS = ("short_32", "uniform_64", "mixed_64", "images_64")
+BURSTS = ("short_32", "uniform_64", "mixed_64", "images_64", "batch1")
 
 
 def child(tree: str, variant: str, models: str, runs: list[str]) -> dict:
@@ -90,6 +91,8 @@ def child(tree: str, variant: str, models: str, runs: list[str]) -> dict:
             if name.startswith("open_"):
                 jobs = mixed_jobs(128, seed=17 + n, first_image=base + 4000)
                 result = asyncio.run(open_loop(handler, jobs, float(name[5:]), unloaded=unloaded))
+            elif name == "batch1":
+                result = asyncio.run(sequential(handler, burst(name, base)))
             else:
                 result = asyncio.run(concurrent(handler, burst(name, base)))
             result["phases"] = counted_since(engine, before)
@@ -144,8 +147,11 @@ def burst(name: str, base: int) -> list[dict]:
         return mixed_jobs(32, seed=5, first_image=base)
     if name == "mixed_64":
         return mixed_jobs(64, seed=7, first_image=base + 2000)
-    first, tokens = {"uniform_64": (base + 1000, 128), "images_64": (base + 3000, 1)}[name]
-    return [vqa(f"{name}-{i}", [data_uri(448, 448, first + i)], tokens) for i in range(64)]
+    first, tokens, count = {"uniform_64": (base + 1000, 128, 64), "images_64": (base + 3000, 1, 64)}.get(
+        name,
+        (base + 5000, 128, 4),  # batch1: four such jobs one after another
+    )
+    return [vqa(f"{name}-{i}", [data_uri(448, 448, first + i)], tokens) for i in range(count)]
 
 
 def figure(run: str, result: dict) -> float:
