@@ -235,3 +235,11 @@ def test_prompts_of_one_prefill_that_start_alike_read_the_earliest_ones_blocks_o
     # the first computes its blocks; the second shares the two whole blocks it has in common with it; the fourth
     # reads its cached run; the last, the system prompt alone, leaves the block of its last token to compute
     assert shared[3].cached == scheduler.pool.cached_prefix(group[3].prefix[:2])
+
+
+def test_a_family_whose_prompts_prefill_alone_gets_one_a_prefill():
+    scheduler = Scheduler(256, media_token_ids={99}, prefills_alone=True)
+    scheduler.pool = BlockPool(65, BLOCK)
+    scheduler.add([ticket(10), ticket(10)])
+    group, _ = scheduler.next_group(list(scheduler.waiting), free=list(range(8)), packs=True)
+    assert len(group) == 1 and len(scheduler.waiting) == 1

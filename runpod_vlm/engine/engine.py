@@ -103,7 +103,9 @@ class Engine(Admission, OneAtATime):
             on_ready=self._notify,
         )
         # The queue, the rows, the chunking prompt, the row cap and the KV pool's bookkeeping: the plan of each step.
-        self.scheduler = Scheduler(settings.max_batch_tokens, self.media_token_ids, self.context_length)
+        self.scheduler = Scheduler(
+            settings.max_batch_tokens, self.media_token_ids, self.context_length, self.adapter.prefills_alone
+        )
         # Prefills and decode intervals launched, their tokens not yet handed out, in launch order.
         self._launched: collections.deque[InFlight] = collections.deque()
         self._prefix_logged = time.monotonic()  # when the prefix cache's counts were last logged

@@ -1,5 +1,5 @@
-"""The one-at-a-time path: the items of families outside continuous batching (remote code, Phi-4-multimodal) and
-prompts past a family's batch bound (LongRoPE's original context), answered by the model's own `generate()` or its
+"""The one-at-a-time path: the items of the remote-code families and prompts past a family's batch bound (LongRoPE's
+original context), answered by the model's own `generate()` or its
 repository's `chat()`."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ class OneAtATime:
     """Part of Engine (its base): an item run alone on the engine thread."""
 
     def _run_alone(self, ticket: Ticket) -> None:
-        """Families outside continuous batching (remote code, Phi-4-multimodal): one at a time."""
+        """The remote-code families, and a request past the batch bound: one at a time."""
         item = ticket.item
         try:
             if item.params.do_sample and item.params.seed is not None:  # one item at a time: the global generator

@@ -153,7 +153,10 @@ def use_paged_attention(model) -> bool:
     AttentionInterface.register(NAME, torch.compiler.disable(_attention))
     ALL_MASK_ATTENTION_FUNCTIONS.register(NAME, _mask)
     try:
-        model.set_attn_implementation({"text_config": NAME})
+        # A flat config (Phi-4-multimodal's) is its own text config: set on the whole model, where the vision
+        # tower's attention, never inside a paged step, stays transformers' SDPA.
+        flat = model.config.get_text_config(decoder=True) is model.config
+        model.set_attn_implementation(NAME if flat else {"text_config": NAME})
     except Exception:
         return False
     return model.config.get_text_config(decoder=True)._attn_implementation == NAME

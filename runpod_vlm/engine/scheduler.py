@@ -41,10 +41,18 @@ def out_of_memory(item: GenerationRequest, prompt_tokens: int, where="the GPU's 
 class Scheduler:
     """The engine's queue, rows and KV blocks, and the rules that move items between them (the module's doc)."""
 
-    def __init__(self, token_budget: int, media_token_ids: set, context_length: Optional[int] = None):
+    def __init__(
+        self,
+        token_budget: int,
+        media_token_ids: set,
+        context_length: Optional[int] = None,
+        prefills_alone: bool = False,
+    ):
         """`token_budget`: prompt tokens one prefill takes at most (VLM_MAX_BATCH_TOKENS); `media_token_ids`: the
-        model's image and video placeholders; `context_length`: the most tokens a row holds (None: no bound)."""
+        model's image and video placeholders; `context_length`: the most tokens a row holds (None: no bound);
+        `prefills_alone`: one prompt a prefill (a family whose batched forward is not each prompt's alone)."""
         self.token_budget, self.media_token_ids, self.context_length = token_budget, media_token_ids, context_length
+        self.prefills_alone = prefills_alone
         self.pool: Optional[BlockPool] = None  # given with the decoder (its size follows GPU memory)
         self.waiting: list[Ticket] = []  # submitted, not yet given a row, in arrival order
         self.running: dict[int, Ticket] = {}  # decoder row -> the item decoding there
@@ -122,7 +130,7 @@ class Scheduler:
                 break  # one prompt enters in chunks at a time: this one waits its turn, ahead of those behind it
             lengths = [length, *(p[0]["input_ids"].shape[1] for p in prepared)]
             tokens = sum(lengths) if packs else len(lengths) * max(lengths)
-            if group and (tokens > self.token_budget or ticket.ids or group[0].ids):
+            if group and (tokens > self.token_budget or ticket.ids or group[0].ids or self.prefills_alone):
                 break  # a prefill within the token budget; a preempted item resumes alone
             group.append(ticket)
             prepared.append((inputs, size, held))

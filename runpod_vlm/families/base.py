@@ -40,6 +40,9 @@ class FamilyAdapter:
     # Whether the vision tower packs its images into one sequence marked by `cu_seqlens` (Qwen-style): then it
     # attends through engine.vision_attention's one variable-length call per layer.
     packed_vision = False
+    # Whether its prompts prefill one at a time (decoding together): its own batched forward gives a prompt other
+    # values than alone (Phi-4-multimodal's image embedding beside another request's images).
+    prefills_alone = False
     # What a generated token is in the processor's per-token tensors other than the ids and the mask (0, text,
     # where not named): a preempted request's prompt is prefilled again followed by the tokens it had.
     generated_token_types: dict = {}
