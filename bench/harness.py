@@ -213,7 +213,7 @@ async def run_job(handler, job: dict) -> dict:
         raise RuntimeError(f"job {job['id']} failed: {result.to_dict()}")
     end = time.perf_counter()
     return {
-        "ttft_s": first - started,
+        "ttft_s": (first or end) - started,  # a path that streams no deltas (one at a time): its whole answer
         "latency_s": end - started,
         "tokens": result.completion_tokens,
         "longest_gap_s": gap,

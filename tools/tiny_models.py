@@ -32,7 +32,7 @@ FAMILIES = (
     "glm4v",
     "phi4-multimodal",
 )
-SHAPES = ("tiny", "qwen2-vl-2b", "qwen2-vl-7b")
+SHAPES = ("tiny", "qwen2-vl-2b", "qwen2-vl-7b", "gemma3-4b")
 
 
 def _make_sensitive(model) -> None:
@@ -80,8 +80,8 @@ def build(
         raise ValueError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}")
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; use one of {', '.join(SHAPES)}")
-    if shape != "tiny" and family != "qwen2-vl":
-        raise ValueError(f"shape {shape!r} is for the qwen2-vl family")
+    if shape != "tiny" and family != shape.rsplit("-", 1)[0]:
+        raise ValueError(f"shape {shape!r} is for the {shape.rsplit('-', 1)[0]} family")
     if vision_lora and family != "phi4-multimodal":
         raise ValueError("vision_lora is for the phi4-multimodal family")
     config, model_class, processor, token_ids = PARTS[family](family, shape)

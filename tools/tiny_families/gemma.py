@@ -38,6 +38,35 @@ GEMMA3_TEMPLATE = (
 )
 
 
+GEMMA3_TEXT = {
+    "tiny": lambda vocab: dict(
+        vocab_size=vocab,
+        **TINY_TEXT,
+        head_dim=16,
+        query_pre_attn_scalar=16,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    # google/gemma-3-4b-it's config.json: 34 layers, five of sliding window (1,024) to one global.
+    "gemma3-4b": lambda vocab: dict(
+        vocab_size=262208,
+        hidden_size=2560,
+        intermediate_size=10240,
+        num_hidden_layers=34,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        head_dim=256,
+        query_pre_attn_scalar=256,
+        sliding_window=1024,
+        layer_types=["full_attention" if (n + 1) % 6 == 0 else "sliding_attention" for n in range(34)],
+    ),
+}
+GEMMA3_VISION = {  # SigLIP so400m at 896x896, patches of 14
+    "tiny": TINY_VISION,
+    "gemma3-4b": dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=27, num_attention_heads=16),
+}
+
+
 def gemma3_parts(family: str, shape: str):
     import transformers as tf
 
@@ -54,31 +83,27 @@ def gemma3_parts(family: str, shape: str):
     )
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in GEMMA_SPECIAL}
     text = tf.Gemma3TextConfig(
-        vocab_size=len(tokenizer),
-        **TINY_TEXT,
-        head_dim=16,
-        query_pre_attn_scalar=16,
-        sliding_window=64,
-        layer_types=["sliding_attention", "full_attention"],
-        max_position_embeddings=4096,
+        **GEMMA3_TEXT[shape](len(tokenizer)),
+        max_position_embeddings=4096 if shape == "tiny" else 131072,
         bos_token_id=ids["<bos>"],
         eos_token_id=ids["<eos>"],
         pad_token_id=ids["<pad>"],
     )
-    vision = tf.SiglipVisionConfig(**TINY_VISION, image_size=32, patch_size=8)
+    side, image_tokens = (32, 4) if shape == "tiny" else (896, 256)
+    vision = tf.SiglipVisionConfig(**GEMMA3_VISION[shape], image_size=side, patch_size=8 if shape == "tiny" else 14)
     config = tf.Gemma3Config(
         text_config=text,
         vision_config=vision,
-        mm_tokens_per_image=4,
+        mm_tokens_per_image=image_tokens,
         boi_token_index=ids["<start_of_image>"],
         eoi_token_index=ids["<end_of_image>"],
         image_token_index=ids["<image_soft_token>"],
     )
     processor = tf.Gemma3Processor(
-        image_processor=tf.Gemma3ImageProcessor(size={"height": 32, "width": 32}),
+        image_processor=tf.Gemma3ImageProcessor(size={"height": side, "width": side}),
         tokenizer=tokenizer,
         chat_template=GEMMA3_TEMPLATE,
-        image_seq_length=4,
+        image_seq_length=image_tokens,
     )
     return (
         config,

@@ -1,0 +1,138 @@
+"""Gemma 3 in the batch, and prompts of one burst sharing their blocks, on the GPU (random weights, bf16, default
+settings, separate jobs through the handler's path):
+
+    python -m bench.families --out OUT [--parts gemma3,shared_prompt]
+
+  gemma3         Gemma-3-4B shapes: 64 mixed jobs at once (1 to 2 images of 896x896, 8 of them past the 1,024-token
+                 sliding window), batched, against the first 8 through the one-at-a-time path (`generate()`, as every
+                 Gemma 3 request past its window was answered before it joined the batch) in the same process; and
+                 greedy parity of 4 jobs (2 past the window) with eager `generate`.
+  shared_prompt  Qwen2-VL-2B shapes: 64 jobs at once with one 1,000-token system prompt, each its own 448x448 image
+                 and question, against 64 whose system prompts differ from their first word: prompt tokens computed
+                 and tokens a second. Each burst runs twice (the first warms its shapes), each time with prompts no
+                 earlier burst sent.
+
+Results: OUT/families.json."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import time
+from pathlib import Path
+
+from bench.harness import QUESTIONS, bench_parser, concurrent, data_uri, mixed_jobs
+
+RULES = " ".join(f"Rule {n}: answer in plain words and name what you see." for n in range(20))  # ~1,000 tokens
+
+
+def long_job(index: int, rng: random.Random) -> dict:
+    """Two new images and a long question: past Gemma 3's 1,024-token window before its answer starts."""
+    images = [{"type": "image_url", "image_url": {"url": data_uri(640, 480, 9000 + 2 * index + n)}} for n in (0, 1)]
+    text = {"type": "text", "text": f"Compare these. {RULES[:700]}"}
+    tokens = rng.randint(64, 256)
+    request = {"messages": [{"role": "user", "content": [*images, text]}], "max_new_tokens": tokens}
+    return {"id": f"long-{index}", "input": {**request, "min_new_tokens": tokens, "stream": True}}
+
+
+def gemma3(models: Path, tiny: bool) -> dict:
+    import torch
+
+    import tools.tiny_models as tiny_models
+
+    folder = models / ("gemma3-tiny" if tiny else "gemma3-4b")
+    if not (folder / "config.json").exists():
+        if tiny:
+            tiny_models.build("gemma3", folder)
+        else:
+            tiny_models.build("gemma3", folder, "gemma3-4b", device="cuda", dtype="bf16")
+            torch.cuda.empty_cache()
+    os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true")
+    os.environ.update(VLM_DEVICE_MAP="cpu", VLM_DTYPE="fp32") if tiny else os.environ.update(VLM_DTYPE="bf16")
+    import handler
+
+    engine = handler.get_engine()
+    rng = random.Random(3)
+    jobs = mixed_jobs(56, seed=11) + [long_job(n, rng) for n in range(8)]
+    rng.shuffle(jobs)
+    asyncio.run(concurrent(handler, mixed_jobs(16, seed=12)))  # warm: graphs and kernels
+    before = dict(engine.timings)
+    batched = asyncio.run(concurrent(handler, jobs))
+    batched["prompt_tokens"] = engine.timings["prompt_tokens"] - before.get("prompt_tokens", 0)
+    parity_jobs = [mixed_jobs(2, seed=13)[0], mixed_jobs(2, seed=14)[0], long_job(20, rng), long_job(21, rng)]
+    items = [handler.read_job_item(job["input"], engine.settings, engine.model_id)[1] for job in parity_jobs]
+    from runpod_vlm.answers import generate_all
+
+    served = generate_all(engine, items)
+    alone_answers = [engine._generate_with_generate(item) for item in items]
+    engine.continuous = False  # the one-at-a-time path: each item through generate()
+    alone = asyncio.run(concurrent(handler, jobs[:8]))
+    return {
+        "device": "cpu" if tiny else torch.cuda.get_device_name(),
+        "batched_64": batched,
+        "one_at_a_time_8": alone,
+        "speedup": batched["tokens_per_s"] / alone["tokens_per_s"],
+        "parity": [a.text == b.text for a, b in zip(served, alone_answers)],
+        "parity_prompt_tokens": [a.prompt_tokens for a in alone_answers],
+    }
+
+
+def shared_prompt_jobs(burst: int, shared: bool) -> list[dict]:
+    jobs = []
+    for n in range(64):
+        system = f"Variant {burst}{'' if shared else f'-{n}'}. {RULES}"
+        image = {"type": "image_url", "image_url": {"url": data_uri(448, 448, 20000 + 100 * burst + n)}}
+        user = [image, {"type": "text", "text": QUESTIONS[n % len(QUESTIONS)]}]
+        request = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": user}]}
+        jobs.append({"id": f"p{n}", "input": {**request, "max_new_tokens": 64, "min_new_tokens": 64, "stream": True}})
+    return jobs
+
+
+def shared_prompt(models: Path, tiny: bool) -> dict:
+    import torch
+
+    from bench.harness import bench_model
+
+    bench_model(str(models), tiny)
+    import handler
+
+    engine = handler.get_engine()
+    results = {"device": "cpu" if tiny else torch.cuda.get_device_name()}
+    for burst, (name, shared) in enumerate([("distinct", False), ("shared", True)] * 2):
+        before = dict(engine.timings)
+        run = asyncio.run(concurrent(handler, shared_prompt_jobs(burst, shared)))
+        counted = {k: engine.timings[k] - before.get(k, 0) for k in ("prompt_tokens", "prefix_cached_tokens")}
+        run.update(counted, computed_tokens=counted["prompt_tokens"] - counted["prefix_cached_tokens"])
+        run["prefill_s"] = engine.timings["prefill_s"] - before.get("prefill_s", 0)
+        results[name] = run  # the second of each, warm
+        print(name, json.dumps(run), flush=True)
+    return results
+
+
+def main() -> None:
+    parser = bench_parser(__doc__)
+    parser.add_argument("--parts", default="gemma3,shared_prompt")
+    parser.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke run of the script")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    part = args.parts
+    if "," in part:  # each part in a process of its own: one model loaded a process
+        import subprocess
+        import sys
+
+        for one in part.split(","):
+            command = [sys.executable, "-m", "bench.families", "--out", str(out / one), "--parts", one]
+            subprocess.run([*command, "--models", args.models, *(["--tiny"] if args.tiny else [])], check=False)
+        return
+    started = time.perf_counter()
+    result = {"gemma3": gemma3, "shared_prompt": shared_prompt}[part](Path(args.models), args.tiny)
+    result["seconds"] = time.perf_counter() - started
+    (out / "families.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
