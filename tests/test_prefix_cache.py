@@ -140,3 +140,17 @@ def test_a_burst_sharing_a_system_prompt_and_an_image_computes_their_blocks_once
     assert cached_tokens(engine) == shared and computed[0] == sum(a.prompt_tokens for a in expected) - shared
     pool = engine._current_decoder().pool
     assert pool.free == pool.capacity
+
+
+def test_a_burst_counts_its_prompts_without_the_blocks_they_share_and_fits_one_prefill(tiny_model, serve, monkeypatch):
+    jobs = [job(PHOTO, question) for question in ("What?", "Where?", "Why?", "How?")]
+    cold = serve(tiny_model("qwen2-vl"), VLM_PREFIX_CACHING="false")
+    expected = one_by_one(cold, jobs)
+    budget = 2 * expected[0].prompt_tokens  # two whole prompts: four fit only counted without their shared blocks
+    engine = serve(tiny_model("qwen2-vl"), VLM_PREFIX_CACHING="true", VLM_MAX_BATCH_TOKENS=str(budget))
+    one_by_one(engine, [{"messages": [{"role": "user", "content": "Hi."}], "max_new_tokens": 2}])  # packs, now known
+    decoder, prefills = engine._current_decoder(), []
+    through = decoder._through_language_model
+    monkeypatch.setattr(decoder, "_through_language_model", lambda step, *a: prefills.append(step) or through(step, *a))
+    assert generate_all(engine, items(engine, jobs)) == expected
+    assert len(prefills) == 1

@@ -243,3 +243,16 @@ def test_a_family_whose_prompts_prefill_alone_gets_one_a_prefill():
     scheduler.add([ticket(10), ticket(10)])
     group, _ = scheduler.next_group(list(scheduler.waiting), free=list(range(8)), packs=True)
     assert len(group) == 1 and len(scheduler.waiting) == 1
+
+
+def test_a_packed_prefill_counts_a_prompt_without_the_blocks_it_shares_with_the_ones_before_it():
+    system = list(range(1000, 1080))  # five whole blocks
+    prompts = [system + [n] * 20 for n in range(4)]  # 100 tokens each, 80 of them shared
+    for packs, expected in ((True, 4), (False, 2)):
+        scheduler = planner(budget=256)
+        queue = [ticket(len(ids)) for ids in prompts]
+        for made, ids in zip(queue, prompts):
+            made.prefix = scheduler.prefix_of(made.item, ids)
+        scheduler.add(queue)
+        group, _ = scheduler.next_group(list(scheduler.waiting), free=list(range(8)), packs=packs)
+        assert len(group) == expected  # packed: 100 + 3 x 20 tokens computed; padded: 100 each

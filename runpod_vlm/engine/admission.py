@@ -14,6 +14,7 @@ from runpod_vlm.engine.decoder import Launched, PagedDecoder
 from runpod_vlm.engine.gpu_errors import is_fatal_gpu_error, is_out_of_memory
 from runpod_vlm.engine.intake import on_device, with_generated
 from runpod_vlm.engine.prefill import ChunkedPrefill
+from runpod_vlm.engine.scheduler import admissible
 from runpod_vlm.engine.ticket import Ticket
 from runpod_vlm.vocabulary import GENERATION_FAILED, GPU_FAILURE
 
@@ -49,6 +50,8 @@ class Admission:
         """Prefill the items the scheduler admits now (`Scheduler.next_group`) and give them rows."""
         decoder = self._current_decoder()
         free = self.scheduler.free_rows(decoder.free_rows())
+        if self.prefix_caching and decoder.packs:
+            self._digest_prepared(admissible(waiting)[: len(free)])
         with self._wake:
             group, prepared = self.scheduler.next_group(waiting, free, bool(decoder.packs))
         if not group:
@@ -65,6 +68,15 @@ class Admission:
                 lost = [t for t in group if t.row is None and t not in self.scheduler.waiting and not t.done]
             for ticket in lost:
                 ticket.fail(GPU_FAILURE if fatal else GENERATION_FAILED)
+
+    def _digest_prepared(self, tickets: list[Ticket]) -> None:
+        """The prefix digests of prepared prompts not digested yet, for the scheduler to count a prefill's tokens
+        without the blocks its prompts share (`_place` digests each placed prompt again, as it goes in)."""
+        for ticket in tickets:
+            if ticket.prefix or not ticket.prepared.done() or ticket.prepared.exception() is not None:
+                continue
+            inputs = ticket.prepared.result()[0]
+            ticket.prefix = self.scheduler.prefix_of(ticket.item, inputs["input_ids"][0].tolist())
 
     def _place(self, group: list[Ticket], free: list[int], prepared: list) -> None:
         import torch

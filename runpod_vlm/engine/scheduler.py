@@ -106,8 +106,11 @@ class Scheduler:
         prompts go in packed, else padded to the longest), the `free` rows and each item's group limit, in arrival
         order (a long request is never passed over); a preempted item resumes alone. Returns them with their
         prepared (inputs, input size, held cache entries); an item whose preparation failed is answered here.
-        `packs` is false until the first prefill tells (a padded count is the safe one)."""
-        group, prepared = [], []
+        `packs` is false until the first prefill tells (a padded count is the safe one). Packed, a prompt counts
+        without the blocks it shares (`shared_prefixes`, where its digests are known): a burst sharing a system
+        prompt fits more prompts in one prefill."""
+        group, prepared, computed = [], [], []
+        holders: dict[bytes, int] = {}
         for ticket in admissible(waiting)[: len(free)]:
             if len(group) == (ticket.group_limit or len(free)):
                 break
@@ -129,11 +132,17 @@ class Scheduler:
             ):
                 break  # one prompt enters in chunks at a time: this one waits its turn, ahead of those behind it
             lengths = [length, *(p[0]["input_ids"].shape[1] for p in prepared)]
-            tokens = sum(lengths) if packs else len(lengths) * max(lengths)
+            new = length
+            if packs and ticket.prefix and self.pool is not None:
+                new -= self._shared_prefix(ticket, length, holders).count * self.pool.block_size
+            tokens = sum(computed) + new if packs else len(lengths) * max(lengths)
             if group and (tokens > self.token_budget or ticket.ids or group[0].ids or self.prefills_alone):
                 break  # a prefill within the token budget; a preempted item resumes alone
+            for digest in ticket.prefix:
+                holders.setdefault(digest, len(group))
             group.append(ticket)
             prepared.append((inputs, size, held))
+            computed.append(new)
         self.take(group)
         return group, prepared
 
@@ -198,18 +207,21 @@ class Scheduler:
         holders: dict[bytes, int] = {}  # a digest -> the first prompt of the group holding its block
         shared = []
         for n, (ticket, length) in enumerate(zip(group, lengths)):
-            usable = ticket.prefix[: (length - 1) // self.pool.block_size]
-            cached = self.pool.cached_prefix(usable)
-            common = 0
-            while common < len(usable) and usable[common] in holders:  # a hash chain: all before it match too
-                common += 1
-            if common > len(cached):
-                shared.append(SharedPrefix(common, earlier=holders[usable[common - 1]]))
-            else:
-                shared.append(SharedPrefix(len(cached), cached))
+            shared.append(self._shared_prefix(ticket, length, holders))
             for digest in ticket.prefix:
                 holders.setdefault(digest, n)
         return shared
+
+    def _shared_prefix(self, ticket: Ticket, length: int, holders: dict) -> SharedPrefix:
+        """`shared_prefixes`' choice for one prompt of `length` tokens after those whose digests `holders` has."""
+        usable = ticket.prefix[: (length - 1) // self.pool.block_size]
+        cached = self.pool.cached_prefix(usable)
+        common = 0
+        while common < len(usable) and usable[common] in holders:  # a hash chain: all before it match too
+            common += 1
+        if common > len(cached):
+            return SharedPrefix(common, earlier=holders[usable[common - 1]])
+        return SharedPrefix(len(cached), cached)
 
     def give_row(self, ticket: Ticket, row: int) -> None:
         ticket.row, ticket.group_limit = row, None
