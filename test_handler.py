@@ -1774,27 +1774,27 @@ def test_the_kv_pool_takes_what_the_weights_and_a_measured_step_leave_of_the_gpu
     serve(monkeypatch, QWEN, VLM_COMPILE="false")
     images = 512 * 2**20 + 256 * 2**20  # VLM_IMAGE_CACHE_MB's default, the pixels waiting on the GPU (intake's)
     left = 0.9 * 80 * 2**30 - 16 * 2**30 - 4 * 2**30 - images  # VLM_GPU_MEMORY_UTILIZATION 0.9
-    tokens = handler.get_engine()._current_decoder().pool.capacity_tokens
+    tokens = handler.get_engine().start_decoder().pool.capacity_tokens
     assert tokens == int(left // hub.kv_bytes_per_token) // 16 * 16
     handler.reset_engine()
     hub.memory_fraction = 0.3  # a process capped to 24 GB of the 80 (torch.cuda.set_per_process_memory_fraction)
-    capped = handler.get_engine()._current_decoder().pool.capacity_tokens
+    capped = handler.get_engine().start_decoder().pool.capacity_tokens
     # Of the cap too, as of a 24 GB card: the rest is the headroom a large request's vision pass needs.
     assert capped == int((0.9 * 0.3 * 80 * 2**30 - 20 * 2**30 - images) // hub.kv_bytes_per_token) // 16 * 16
     on_host = int((0.9 * 0.3 * 80 * 2**30 - 20 * 2**30 - images + 256 * 2**20) // hub.kv_bytes_per_token) // 16 * 16
     handler.reset_engine()
     hub.torchvision_images = False  # a processor that cannot finish its images on the GPU: nothing of theirs waits
-    assert handler.get_engine()._current_decoder().pool.capacity_tokens == on_host
+    assert handler.get_engine().start_decoder().pool.capacity_tokens == on_host
     handler.reset_engine()
     hub.torchvision_images = True
     monkeypatch.setenv("VLM_PREPROCESS_ON_GPU", "false")  # nor where the images are processed on the host
-    assert handler.get_engine()._current_decoder().pool.capacity_tokens == on_host
+    assert handler.get_engine().start_decoder().pool.capacity_tokens == on_host
     handler.reset_engine()
     serve(monkeypatch, "llava-hf/llava-1.5-7b-hf", VLM_COMPILE="false", VLM_PREPROCESS_ON_GPU="true")
-    assert handler.get_engine()._current_decoder().pool.capacity_tokens == on_host  # nor where the family cannot
+    assert handler.get_engine().start_decoder().pool.capacity_tokens == on_host  # nor where the family cannot
     handler.reset_engine()
     monkeypatch.setenv("VLM_KV_CACHE_TOKENS", "1000")
-    assert handler.get_engine()._current_decoder().pool.capacity_tokens == 992  # whole blocks
+    assert handler.get_engine().start_decoder().pool.capacity_tokens == 992  # whole blocks
     assert handler.get_engine().describe()["kv_cache_tokens"] == 992
 
 
@@ -1829,7 +1829,7 @@ def test_on_a_gpu_the_engine_leaves_cudnn_attention_out_and_on_the_cpu_leaves_it
 
 
 def pool_of(engine):
-    return engine._current_decoder().pool
+    return engine.start_decoder().pool
 
 
 def test_a_full_kv_cache_preempts_the_newest_row_which_resumes_with_its_tokens(monkeypatch, hub):
@@ -2062,14 +2062,14 @@ def test_compiled_path_answers_like_the_eager_one(monkeypatch, hub):
     # Internal, on purpose: which forward ran shows in no output; the fake decoder records it.
     assert hub.steps and all(compiled for _, _, compiled in hub.steps)
     # Each bucket's CUDA graphs are recorded ahead of its first step, while the engine is idle.
-    buckets = handler.get_engine()._decoder.buckets
+    buckets = handler.get_engine().decoder.buckets
     assert wait_for(lambda: len(hub.captured_ahead) == len(buckets))
     assert sorted(hub.captured_ahead) == [(bucket, True, False) for bucket in buckets]
 
 
 def test_a_ready_worker_records_its_graphs_ahead_before_any_request_and_never_while_rows_decode(monkeypatch, hub):
     engine = compiled_and_ready(monkeypatch, hub)
-    buckets = engine._decoder.buckets
+    buckets = engine.decoder.buckets
     # The KV pool is made with the decoder: a worker idle after its compile has its steps' graphs before any request.
     assert wait_for(lambda: len(hub.captured_ahead) == len(buckets))
     assert engine.timings["recording_ahead_s"] > 0  # the benchmarks' count of the time a job arriving may wait for
@@ -2094,7 +2094,7 @@ def test_a_ready_worker_records_its_graphs_ahead_before_any_request_and_never_wh
 def test_graphs_are_recorded_ahead_only_after_a_quiet_moment(monkeypatch, hub):
     monkeypatch.setattr(engine_module, "RECORD_AHEAD_AFTER_IDLE_S", 1.0)
     engine = compiled_and_ready(monkeypatch, hub)
-    decoder = engine._decoder
+    decoder = engine.decoder
     assert wait_for(lambda: not decoder.ahead)
     recorded = len(hub.captured_ahead)
     decoder.ahead.append(decoder.buckets[0])
@@ -2107,7 +2107,7 @@ def test_graphs_are_recorded_ahead_only_after_a_quiet_moment(monkeypatch, hub):
 def test_no_graph_is_recorded_ahead_while_an_item_is_in_the_intake(monkeypatch, hub):
     monkeypatch.setattr(engine_module, "RECORD_AHEAD_AFTER_IDLE_S", 0.0)
     engine = compiled_and_ready(monkeypatch, hub)
-    decoder = engine._decoder
+    decoder = engine.decoder
     assert wait_for(lambda: not decoder.ahead)
     recorded = len(hub.captured_ahead)
     prepared, real_inputs = threading.Event(), engine.adapter.batch_inputs
@@ -2155,7 +2155,7 @@ def test_the_forward_is_compiled_once_per_decode_shape_in_the_background(monkeyp
     assert set(shapes) == {8, 16}  # each row bucket traced once, on a shadow decoder
     out = [call(chat("a")), batch(*[chat(str(n)) for n in range(12)])]
     assert out[0]["response"] == "echo:a" and len(out[1]["results"]) == 12
-    assert len(hub.compiles) == 1 and len([d for d in hub.decoders if d is not engine._current_decoder()]) == 2
+    assert len(hub.compiles) == 1 and len([d for d in hub.decoders if d is not engine.start_decoder()]) == 2
     # The saved compile artifacts are looked for before compiling and written after, once.
     assert [action for action, _ in hub.artifacts] == ["load", "save"]
 
@@ -2387,7 +2387,7 @@ def test_reset_engine_ends_its_thread_and_fails_what_it_held_with_worker_stoppin
     handler.reset_engine()  # a benchmark loading another engine in the same process
     running.join(10)
     assert outcome[0]["code"] == "worker_stopping" and len(hub.steps) < 400
-    assert not engine._thread.is_alive() and engine._decoder is None
+    assert not engine._thread.is_alive() and engine.decoder is None
     late, (settings, model_id) = [], handler.served_model()
     engine.submit(handler.read_job_item(chat("late"), settings, model_id, None)[1], late.append)  # none lost
     assert [error.code for error in late] == ["worker_stopping"]

@@ -97,7 +97,7 @@ def child(tree: str, variant: str, models: str, runs: list[str]) -> dict:
                 result = asyncio.run(concurrent(handler, burst(name, base)))
             result["phases"] = counted_since(engine, before)
             results[name].append(result)
-    pool = engine._current_decoder().pool
+    pool = engine.start_decoder().pool
     kv = {"blocks": pool.capacity, "free": pool.free, "cached": pool.cached}
     wait_for_recordings(engine)  # the bursts' new shapes: a synchronize here would void a recording
     try:
@@ -114,7 +114,7 @@ def graph_replay_ms(engine) -> dict:
     prefill's over its padding alone (block 0's slot), a vision pass's over its last pixels."""
     import torch
 
-    decoder = engine._current_decoder()
+    decoder = engine.start_decoder()
     found: dict = {}
     for name, graphs, smallest in (
         ("prefill_graph_replay_ms", decoder.prefill_graphs, 3072),

@@ -154,7 +154,7 @@ def wait_for_recordings(engine, seconds: float = 60) -> None:
     `seconds`): a job arriving meanwhile waits for one recording, which is not the steady state, and a synchronize
     from another thread (a profiler's exit) voids it. A recording holds the capture lock (as the background compile
     does), taken before the last one asked for is no longer due."""
-    decoder, deadline = engine._current_decoder(), time.monotonic() + seconds
+    decoder, deadline = engine.start_decoder(), time.monotonic() + seconds
     quiet = 0
     while quiet < 2 and time.monotonic() < deadline:  # twice in a row: a decode step's is asked for before its lock
         busy = decoder.captures_ahead_due() or (decoder.capture_lock is not None and decoder.capture_lock.locked())
@@ -302,7 +302,7 @@ def decode_step_ms(handler, engine, rows: int, steps: int = 80) -> float:
     import torch
     from PIL import Image
 
-    decoder = engine._current_decoder()
+    decoder = engine.start_decoder()
     image = Image.new("RGB", (448, 448), (90, 120, 150))
     params = GenerationParams(
         max_new_tokens=steps + 8, temperature=0.0, top_p=1.0, do_sample=False, min_new_tokens=steps + 8
@@ -450,7 +450,7 @@ def child_cold_start() -> None:
 
     reference = solo_answers()
     out["buckets_compiled_at_reference"] = [
-        b for b, f in engine._current_decoder().forwards.items() if f is engine.compiler.forward
+        b for b, f in engine.start_decoder().forwards.items() if f is engine.compiler.forward
     ]
     out["speed_before_compiled"] = speed(handler)
     traffic = [

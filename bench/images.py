@@ -83,7 +83,7 @@ def main() -> None:
         asyncio.run(concurrent_records(handler, jobs))
         seconds = time.perf_counter() - started
         phases = counted_since(engine, before)
-        decoder = engine._current_decoder()
+        decoder = engine.start_decoder()
         kinds = {"prefill_graphs": decoder.prefill_graphs, "vision_graphs": decoder.vision_graphs}
         recorded = {kind: len(graphs.graphs) for kind, graphs in kinds.items() if graphs is not None}  # so far
         return {"jobs": count, "seconds": seconds, "images_per_s": count / seconds, "phases": phases, **recorded}
@@ -121,7 +121,7 @@ def main() -> None:
     results["repeated_image_1280x720"] = repeated_image(5100, *((96, 64) if args.tiny else (1280, 720)))
     results["chat_4_turns"] = chat(7000)
     save()
-    decoder = engine._current_decoder()
+    decoder = engine.start_decoder()
     graphs = decoder.prefill_graphs
     if graphs is not None:  # (tokens, keys, starts) recorded, and the seconds recording them took the engine
         results["prefill_graphs"] = {"shapes": sorted(graphs.graphs), "capture_s": graphs.capture_s}

@@ -86,7 +86,7 @@ class BlocksInUse:
     def __enter__(self):
         def watch():
             while not self._stop.wait(0.01):
-                decoder = self.engine._decoder
+                decoder = self.engine.decoder
                 if decoder is not None:
                     self.most = max(self.most, decoder.pool.capacity - decoder.pool.free)
 
@@ -188,7 +188,7 @@ def child(part: str, args) -> dict:
     results["load_s"] = time.perf_counter() - started
     engine.warm_up()
     results["compiled_s"] = time.perf_counter() - started if engine.wait_until_compiled(600) else None
-    decoder = engine._current_decoder()
+    decoder = engine.start_decoder()
     results["engine"] = engine.describe()
     save()
     quick = args.quick
@@ -299,7 +299,7 @@ def child(part: str, args) -> dict:
 
         measure("sampled_256_at_once", all_sampling)
     results["peak_memory_gb"] = torch.cuda.max_memory_allocated() / 1e9
-    graphs = engine._current_decoder().prefill_graphs
+    graphs = engine.start_decoder().prefill_graphs
     results["prefill_graphs"] = None if graphs is None else sorted(graphs.graphs)  # (tokens, keys, starts) recorded
     results["pool"] = {
         "blocks": decoder.pool.capacity,

@@ -67,7 +67,7 @@ def main() -> None:
     engine = handler.get_engine()
     engine.warm_up()
     engine.wait_until_compiled(300)
-    decoder = engine._current_decoder()
+    decoder = engine.start_decoder()
     out: dict = {}
     image = Image.new("RGB", (448, 448), (90, 120, 150))
     params = GenerationParams(max_new_tokens=200, temperature=0.0, top_p=1.0, do_sample=False, min_new_tokens=200)

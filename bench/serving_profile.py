@@ -121,7 +121,7 @@ def spans_of(engine):
     from bench.timeline import Spans
 
     spans = Spans()
-    for owner, names in ((engine, ENGINE_SPANS), (engine._current_decoder(), DECODER_SPANS)):
+    for owner, names in ((engine, ENGINE_SPANS), (engine.start_decoder(), DECODER_SPANS)):
         for name in names:
             spans.wrap(owner, name)
     spans.wrap(engine._intake_of(), "_prepare")

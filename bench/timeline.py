@@ -221,7 +221,7 @@ def gpu_busy(prof) -> dict:
 @contextlib.contextmanager
 def captures_held(engine, held: bool):
     """The engine records no graph ahead (while idle) inside the block."""
-    decoder = engine._current_decoder()
+    decoder = engine.start_decoder()
     if held:
         decoder.captures_ahead_due = lambda: False
     try:
@@ -294,7 +294,7 @@ def main() -> None:
     first_image = 2_000_000
     for run in args.runs.split(","):
         spans = Spans()
-        decoder = engine._current_decoder()
+        decoder = engine.start_decoder()
         for name in (*ENGINE_TOP, "_place", "_make_room", "_hand_out", "_accept", "_next_grammar_masks", "_requeue"):
             spans.wrap(engine, name)
         for name in ("prefill_launch", "launch", "read", "begin_chunks", "prefill_chunk"):
@@ -348,7 +348,7 @@ def main() -> None:
 
 def graphs_recorded(engine) -> dict:
     """The prefill's and the vision tower's graphs recorded so far: their shapes, failures, and the passes replayed."""
-    decoder = engine._current_decoder()
+    decoder = engine.start_decoder()
     found = {}
     for kind, graphs in (("prefill", decoder.prefill_graphs), ("vision", decoder.vision_graphs)):
         if graphs is not None:

@@ -49,7 +49,7 @@ def main() -> None:
     from tools.sample_images import striped
 
     engine = handler.get_engine()
-    decoder = engine._current_decoder()  # the engine thread is not started: nothing else runs on the GPU
+    decoder = engine.start_decoder()  # the engine thread is not started: nothing else runs on the GPU
     graphs = decoder.vision_graphs
     results: dict = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "sets": {}}
     results["graphs"] = graphs is not None

@@ -711,7 +711,7 @@ def test_jobs_answered_while_the_step_compiles_and_after_get_their_eager_tokens(
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(background_compile, "COMPILE_AFTER_FIRST_ANSWER_S", 0)
-    engine.compile, engine._decoder = True, None  # the next decoder compiles its step in the background
+    engine.compile, engine.decoder = True, None  # the next decoder compiles its step in the background
     rounds = []
     while not engine.wait_until_compiled(0) and len(rounds) < 200:
         rounds.append(asyncio.run(together()))

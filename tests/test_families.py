@@ -753,7 +753,7 @@ def test_phi4_multimodal_prefills_each_request_alone_and_decodes_them_together(t
     # other values than alone (512 of its 562 embeddings differed; with the vision LoRA its answer changed).
     folder = tiny_model("phi4-multimodal", vision_lora=True)
     engine = serve(folder, VLM_SYNC_INTERVAL="2")
-    decoder, prefills, widths = engine._current_decoder(), [], []
+    decoder, prefills, widths = engine.start_decoder(), [], []
     prefill, launch = decoder.prefill_launch, decoder.launch
     monkeypatch.setattr(
         decoder, "prefill_launch", lambda inputs, rows, *a: prefills.append(len(rows)) or prefill(inputs, rows, *a)

@@ -145,7 +145,7 @@ def test_a_prompt_out_of_memory_at_once_reads_its_cached_images_before_encoding_
     expected = generate_all(cold, items(cold, [chat(2, (PHOTO, OTHER))]))[0]
     engine = serve(tiny_model("qwen2-vl"), VLM_IMAGE_CACHE_MB="64")
     generate_all(engine, items(engine, [chat(1, (PHOTO, OTHER))]))
-    decoder, failed = engine._current_decoder(), []
+    decoder, failed = engine.start_decoder(), []
     whole = decoder.begin_chunks
 
     def out_of_memory_once(*args, **kwargs):  # the next turn reads its prefix's blocks: it begins in chunks

@@ -82,7 +82,7 @@ def test_jobs_beyond_the_pool_preempt_and_resume_with_their_solo_tokens(family, 
     spy(monkeypatch, engine.scheduler, "preempt", events, "preempt")
     assert generate_all(engine, items) == solo
     assert "preempt" in events  # the pool was too small for all of them at once
-    pool = engine._current_decoder().pool
+    pool = engine.start_decoder().pool
     assert pool.free == pool.capacity and not engine.view().running
 
 
@@ -94,7 +94,7 @@ def test_a_resumed_row_can_enter_in_chunks_its_tokens_following_as_text(family, 
     solo = solo_generate(engine, items)
     events: list = []
     monkeypatch.setattr(engine.scheduler, "resumes_in_chunks", lambda ticket: bool(ticket.ids))
-    spy(monkeypatch, engine._current_decoder(), "follow_with", events, "follow")
+    spy(monkeypatch, engine.start_decoder(), "follow_with", events, "follow")
     assert generate_all(engine, items) == solo
     assert "follow" in events
 
@@ -124,9 +124,9 @@ def test_requests_past_a_sliding_window_or_an_attention_chunk_decode_in_the_batc
     solo = solo_generate(engine, items)
     assert max(a.prompt_tokens for a in solo) > 64 and min(a.prompt_tokens for a in solo) < 64
     widths, alone = [], []
-    real_launch = engine._current_decoder().launch
+    real_launch = engine.start_decoder().launch
     monkeypatch.setattr(
-        engine._current_decoder(), "launch", lambda n: widths.append(engine.view().running) or real_launch(n)
+        engine.start_decoder(), "launch", lambda n: widths.append(engine.view().running) or real_launch(n)
     )
     spy(monkeypatch, engine, "_run_alone", alone, "alone")
     batched = generate_all(engine, items)
@@ -163,7 +163,7 @@ def test_handing_out_an_interval_copies_nothing_into_the_decoders_tensors(tiny_m
     items = items_of(engine, short_jobs(3))
     solo = solo_generate(engine, items)
     recorder, handed_out, released = HostCopies(), [], []
-    real_hand_out, real_release = engine._hand_out, engine._current_decoder().release
+    real_hand_out, real_release = engine._hand_out, engine.start_decoder().release
 
     def hand_out(*args):
         handed_out.append(args)
@@ -171,7 +171,7 @@ def test_handing_out_an_interval_copies_nothing_into_the_decoders_tensors(tiny_m
             return real_hand_out(*args)
 
     monkeypatch.setattr(engine, "_hand_out", hand_out)
-    monkeypatch.setattr(engine._current_decoder(), "release", lambda row: released.append(row) or real_release(row))
+    monkeypatch.setattr(engine.start_decoder(), "release", lambda row: released.append(row) or real_release(row))
     assert generate_all(engine, items) == solo
     assert len(handed_out) >= 4 and len(released) == 3 and recorder.copies == []
 
@@ -184,7 +184,7 @@ def test_a_decode_graphs_recording_that_fails_midway_leaves_the_rows_where_they_
     engine = serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="4")
     items = items_of(engine, mixed_jobs(2))
     solo = solo_generate(engine, items)
-    decoder = engine._current_decoder()
+    decoder = engine.start_decoder()
     decoder.use_graph = True
     calls, real_advance = [], decoder._advance
 
@@ -235,7 +235,7 @@ def test_a_decode_step_out_of_memory_preempts_the_rows_past_a_smaller_bucket(tin
     engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_SIZE="16", VLM_SYNC_INTERVAL="4")
     items = items_of(engine, short_jobs(12))
     solo = solo_generate(engine, items)
-    decoder = engine._current_decoder()
+    decoder = engine.start_decoder()
     met = out_of_memory_above(monkeypatch, decoder, 8)
     preempted = []
     real_preempt = engine.scheduler.preempt
@@ -256,7 +256,7 @@ def test_under_unbroken_load_the_rows_come_back_after_a_while(tiny_model, serve,
     engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_SIZE="16", VLM_SYNC_INTERVAL="4")
     items = items_of(engine, short_jobs(12))
     solo = solo_generate(engine, items)
-    decoder = engine._current_decoder()
+    decoder = engine.start_decoder()
     met, real_advance = [], decoder._advance
 
     def advance(bucket, span):  # the second 16-row step runs out of memory, once
@@ -278,7 +278,7 @@ def test_a_decode_step_of_the_fewest_rows_out_of_memory_fails_its_items_and_the_
     engine = serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="4")
     items = items_of(engine, short_jobs(2))
     solo = solo_generate(engine, items)
-    decoder = engine._current_decoder()
+    decoder = engine.start_decoder()
     real_advance = decoder._advance
     out_of_memory_above(monkeypatch, decoder, 0)
     failed = generate_all(engine, items)
@@ -303,7 +303,7 @@ def long_among_short(tiny_model, serve):
 def test_a_long_prompt_enters_in_chunks_while_the_others_decode(tiny_model, serve, monkeypatch):
     engine, items, solo = long_among_short(tiny_model, serve)
     assert solo[-1].prompt_tokens > 2 * 256  # three chunks at least
-    decoder = engine._current_decoder()
+    decoder = engine.start_decoder()
     events: list = []
     spy(monkeypatch, decoder, "prefill_chunk", events, "chunk")
     spy(monkeypatch, decoder, "launch", events, "step")
@@ -319,7 +319,7 @@ def test_a_chunked_prompts_first_token_is_read_after_the_next_launch(tiny_model,
     interval before it reads that token, so it does not wait for the GPU there (under open load most prompts,
     starting with a cached system prompt, enter through chunks)."""
     engine, items, solo = long_among_short(tiny_model, serve)
-    decoder = engine._current_decoder()
+    decoder = engine.start_decoder()
     events: list = []
     real_chunk, real_read = decoder.prefill_chunk, decoder.read
 
@@ -356,7 +356,7 @@ def test_a_prompt_over_the_token_budget_gets_its_solo_tokens_in_chunks_where_its
     assert solo[0].prompt_tokens > 2 * 256
     events: list = []
     if engine.continuous:
-        spy(monkeypatch, engine._current_decoder(), "prefill_chunk", events, "chunk")
+        spy(monkeypatch, engine.start_decoder(), "prefill_chunk", events, "chunk")
     assert generate_all(engine, items) == solo
     assert bool(events) == (family not in WHOLE)
 
@@ -368,7 +368,7 @@ def test_a_family_that_hands_its_language_model_masks_of_its_own_is_not_chunked(
     item = items_of(engine, [{"task": "vqa", "image_url": data_uri(striped((64, 48))), "question": "What?"}])[0]
     inputs, _ = engine.adapter.batch_inputs(engine.processor, [item], "cpu", engine.dtype)
     with torch.inference_mode():
-        chunked = engine._current_decoder().begin_chunks(inputs, 0, item.params)
+        chunked = engine.start_decoder().begin_chunks(inputs, 0, item.params)
     assert (chunked is not None) == chunkable
 
 
@@ -411,7 +411,7 @@ def test_prompts_prefilled_together_go_through_the_language_model_packed_with_th
     solo = solo_generate(engine, items)
     prompts = [outcome.prompt_tokens for outcome in solo]
     assert sum(prompts) <= 1024 < len(prompts) * max(prompts)  # one prefill packed, two or more padded
-    decoder = engine._current_decoder()
+    decoder = engine.start_decoder()
     prefills: list = []
     spy(monkeypatch, decoder, "prefill_launch", prefills, "prefill")
     shapes = language_model_inputs(monkeypatch, engine)
@@ -437,7 +437,7 @@ def test_the_gpu_path_hands_varlen_the_packed_prompts_causal_in_their_own_spans(
 
     monkeypatch.setattr(varlen, "takes", lambda query: True)
     monkeypatch.setattr(varlen, "kernel", lambda: kernel)
-    engine._current_decoder().packs = True
+    engine.start_decoder().packs = True
     assert generate_all(engine, items) == solo
     layers = engine.model.config.get_text_config(decoder=True).num_hidden_layers
     assert causal == [sum(outcome.prompt_tokens for outcome in solo)] * layers
@@ -449,7 +449,7 @@ def test_a_family_whose_language_model_takes_more_prefills_padded_with_its_solo_
     solo = solo_generate(engine, items)
     shapes = language_model_inputs(monkeypatch, engine)
     assert generate_all(engine, items) == solo
-    assert engine._current_decoder().packs is False
+    assert engine.start_decoder().packs is False
     assert shapes[0][0] > 1  # the padded batch, its deepstack features beside it
 
 
@@ -505,7 +505,7 @@ def test_a_request_the_whole_pool_cannot_hold_fails_alone_with_out_of_memory(tin
     assert failed["code"] == "out_of_memory" and "the KV cache, which holds 256 tokens" in failed["error"]
     assert failed["param"] == "requests[1]"
     assert first == last and "error" not in first
-    pool = engine._current_decoder().pool
+    pool = engine.start_decoder().pool
     assert pool.free == pool.capacity
 
 
@@ -541,7 +541,7 @@ def test_running_out_of_memory_in_a_long_prompts_vision_pass_fails_it_alone(tiny
     # On the H200 capped to 24 GB, the vision pass of a 16-image request (the first step of its chunked
     # prefill) ran out of memory outside the out-of-memory path: generation_failed. Its neighbours go on.
     engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_TOKENS="256")
-    decoder = engine._current_decoder()
+    decoder = engine.start_decoder()
 
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 208.00 MiB")
@@ -622,7 +622,7 @@ def test_no_cuda_graph_is_recorded_while_a_shape_compiles(tiny_model, serve, mon
 
     recorded: list = []
     monkeypatch.setattr(PagedDecoder, "_capture", lambda self, bucket, span: recorded.append(bucket))
-    engine._current_decoder().use_graph = True
+    engine.start_decoder().use_graph = True
     job = {"messages": [{"role": "user", "content": "Hi."}], "max_new_tokens": 6, "min_new_tokens": 6}
     with engine.compiler.capture_lock:
         held = generate_all(engine, items_of(engine, [job]))
@@ -643,7 +643,7 @@ def test_a_step_whose_graph_the_compile_kept_from_recording_is_recorded_before_t
     recorded: list = []
     monkeypatch.setattr(PagedDecoder, "_capture", lambda self, bucket, span: recorded.append(bucket))
     monkeypatch.setattr(PagedDecoder, "_capture_pass", lambda self: None)  # the prefills' graphs: not here
-    decoder = engine._current_decoder()
+    decoder = engine.start_decoder()
     decoder.use_graph = True
     job = {"messages": [{"role": "user", "content": "Hi."}], "max_new_tokens": 1000, "min_new_tokens": 1000}
     (item,) = items_of(engine, [job])
@@ -671,7 +671,7 @@ def test_an_idle_worker_records_its_decode_graphs_before_any_request(family, tin
 
     recorded: list = []
     monkeypatch.setattr(PagedDecoder, "_capture", lambda self, bucket, span: recorded.append(bucket))
-    decoder = engine._current_decoder()
+    decoder = engine.start_decoder()
     decoder.use_graph = decoder.decode_kernel = True  # as on a GPU
     decoder.capture_ahead(decoder.buckets[0])
     with engine._wake:
@@ -712,7 +712,7 @@ def test_image_placeholders_are_counted_on_the_host(family, tiny_model, serve):
     engine = serve(tiny_model(family))
     (item,) = items_of(engine, packed_prefill_jobs()[:1])
     inputs, _ = engine.adapter.batch_inputs(engine.processor, [item], "cpu", engine.dtype)
-    decoder = engine._current_decoder()
+    decoder = engine.start_decoder()
     assert decoder.vision_graphs_unit
     decoder._check_placeholders(inputs)
     inner, ids, embeds = engine.model.model, inputs["input_ids"], torch.zeros((*inputs["input_ids"].shape, 4))

@@ -128,7 +128,7 @@ def test_the_language_models_inputs_are_caught_on_their_own_thread_only(tiny_mod
     """While the engine thread catches a prompt's inputs at the language model (a hook on the module), the compile
     thread's shadow decoder runs the same module: its forward goes through, as the engine's own does after."""
     engine = serve(tiny_model("qwen2-vl"))
-    decoder = engine._current_decoder()
+    decoder = engine.start_decoder()
     language_model = engine.model.get_decoder()
     embedding = language_model.get_input_embeddings()
     real = embedding.forward

@@ -64,7 +64,7 @@ def graphs_on_cpu(monkeypatch):
 
 
 def with_graphs(engine) -> PrefillGraphs:
-    decoder = engine._current_decoder()
+    decoder = engine.start_decoder()
     decoder.use_graph = decoder.packs = True
     return decoder.prefill_graphs
 
@@ -87,7 +87,7 @@ def test_new_prompts_padded_to_a_graphs_shape_get_their_solo_tokens_run_eagerly_
     reordered = items_of(engine, packed_prefill_jobs()[::-1])  # the same prompts in another order: the same shape
     assert generate_all(engine, reordered) == solo[::-1]
     assert graphs_on_cpu == [shape]
-    decoder = engine._current_decoder()
+    decoder = engine.start_decoder()
     assert decoder.pool.free == decoder.pool.capacity
 
 
@@ -184,13 +184,13 @@ def test_no_prefill_graph_is_recorded_while_a_shape_compiles_and_the_shapes_aske
     wanted = list(graphs.wanted)
     items = items_of(engine, [vqa((64, 48), "What?", 2)])
     tries: list = []
-    real = engine._current_decoder().capture_one_ahead
-    monkeypatch.setattr(engine._current_decoder(), "capture_one_ahead", lambda *a: tries.append(1) or real(*a))
+    real = engine.start_decoder().capture_one_ahead
+    monkeypatch.setattr(engine.start_decoder(), "capture_one_ahead", lambda *a: tries.append(1) or real(*a))
     with engine.compiler.capture_lock:
         assert generate_all(engine, items) == solo_generate(engine, items)
         time.sleep(0.3)
         assert not graphs.graphs and set(wanted) <= set(graphs.wanted) and len(tries) < 5
-        engine._current_decoder()._capture_pass()  # the compile took the GPU after the engine thread looked
+        engine.start_decoder()._capture_pass()  # the compile took the GPU after the engine thread looked
         assert set(wanted) <= set(graphs.wanted)
     with engine._wake:
         engine._wake.notify()  # as the compile does when it is done

@@ -52,9 +52,9 @@ def test_a_chats_next_turn_reads_its_earlier_blocks_and_gets_the_tokens_of_a_col
     engine = serve(tiny_model(family), VLM_PREFIX_CACHING="true")
     assert one_by_one(engine, turns) == expected
     prompt_1 = expected[0].prompt_tokens
-    block = engine._current_decoder().block_size
+    block = engine.start_decoder().block_size
     assert cached_tokens(engine) >= (prompt_1 // block - 1) * block  # turn 1's blocks, image included
-    pool = engine._current_decoder().pool
+    pool = engine.start_decoder().pool
     assert pool.free == pool.capacity and pool.cached > 0  # nothing held; turns' blocks kept, as free
 
 
@@ -68,7 +68,7 @@ def test_the_same_words_about_another_image_read_only_the_blocks_before_the_imag
     assert one_by_one(engine, jobs) == expected
     ids = engine.adapter.batch_inputs(engine.processor, items(engine, jobs[:1]), "cpu", engine.dtype)[0]["input_ids"]
     first_image = next(n for n, i in enumerate(ids[0].tolist()) if i in engine.media_token_ids)
-    block = engine._current_decoder().block_size
+    block = engine.start_decoder().block_size
     assert cached_tokens(engine) == first_image // block * block > 0  # the system prompt's whole blocks alone
 
 
@@ -95,7 +95,7 @@ def test_jobs_sharing_a_system_prompt_while_one_decodes_share_its_blocks_with_th
         assert done.acquire(timeout=60)
     assert [answers[n] for n in range(3)] == expected
     assert cached_tokens(engine) > 0
-    pool = engine._current_decoder().pool
+    pool = engine.start_decoder().pool
     assert pool.free == pool.capacity
 
 
@@ -104,7 +104,7 @@ def shared_tokens(engine, jobs: list[dict], images: list[str]) -> int:
     last token) in common with an earlier one, up to the first image where their images differ."""
     ids = [engine.adapter.batch_inputs(engine.processor, [item], "cpu", engine.dtype)[0]["input_ids"][0].tolist()
            for item in items(engine, jobs)]  # fmt: skip
-    block, total = engine._current_decoder().block_size, 0
+    block, total = engine.start_decoder().block_size, 0
     for n, prompt in enumerate(ids):
         best = 0
         for m in range(n):
@@ -127,7 +127,7 @@ def test_a_burst_sharing_a_system_prompt_and_an_image_computes_their_blocks_once
     cold = serve(tiny_model(family), VLM_PREFIX_CACHING="false")
     expected = one_by_one(cold, jobs)
     engine = serve(tiny_model(family), VLM_PREFIX_CACHING="true")
-    decoder, computed = engine._current_decoder(), []
+    decoder, computed = engine.start_decoder(), []
     through = decoder._through_language_model
     monkeypatch.setattr(
         decoder,
@@ -136,9 +136,9 @@ def test_a_burst_sharing_a_system_prompt_and_an_image_computes_their_blocks_once
     )
     assert generate_all(engine, items(engine, jobs)) == expected
     shared = shared_tokens(engine, jobs, images)
-    assert len(computed) == 1 and shared > 3 * engine._current_decoder().block_size  # one prefill of the four
+    assert len(computed) == 1 and shared > 3 * engine.start_decoder().block_size  # one prefill of the four
     assert cached_tokens(engine) == shared and computed[0] == sum(a.prompt_tokens for a in expected) - shared
-    pool = engine._current_decoder().pool
+    pool = engine.start_decoder().pool
     assert pool.free == pool.capacity
 
 
@@ -149,7 +149,7 @@ def test_a_burst_counts_its_prompts_without_the_blocks_they_share_and_fits_one_p
     budget = 2 * expected[0].prompt_tokens  # two whole prompts: four fit only counted without their shared blocks
     engine = serve(tiny_model("qwen2-vl"), VLM_PREFIX_CACHING="true", VLM_MAX_BATCH_TOKENS=str(budget))
     one_by_one(engine, [{"messages": [{"role": "user", "content": "Hi."}], "max_new_tokens": 2}])  # packs, now known
-    decoder, prefills = engine._current_decoder(), []
+    decoder, prefills = engine.start_decoder(), []
     through = decoder._through_language_model
     monkeypatch.setattr(decoder, "_through_language_model", lambda step, *a: prefills.append(step) or through(step, *a))
     assert generate_all(engine, items(engine, jobs)) == expected

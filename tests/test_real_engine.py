@@ -435,8 +435,8 @@ def test_a_cancelled_job_frees_its_row_for_the_next(tiny_model, serve, monkeypat
         return first, await handler.generate_one(engine, handler.read_job_item(short_job, settings, model_id, None)[1])
 
     steps = []
-    real_launch = engine._current_decoder().launch
-    monkeypatch.setattr(engine._current_decoder(), "launch", lambda n: steps.append(n) or real_launch(n))
+    real_launch = engine.start_decoder().launch
+    monkeypatch.setattr(engine.start_decoder(), "launch", lambda n: steps.append(n) or real_launch(n))
     first, short = asyncio.run(cancel_one_then_ask_another())
     assert isinstance(first, StreamDelta)
     assert short.completion_tokens == 3 and short.finish_reason == "length"
@@ -502,8 +502,8 @@ def test_an_item_whose_caller_is_gone_is_dropped_and_its_neighbours_answered(tin
 
 
 def test_a_decoder_that_cannot_be_built_fails_the_waiting_job_instead_of_looping(tiny_model, serve, monkeypatch):
-    # Building the decoder (at the first job, or a longer one) raised before any item had a row: the engine failed
-    # "the items in flight", none, and tried again at once, for as long as the failure lasted, the job waiting.
+    # Building the decoder (at the first job) raised before any item had a row: the engine once failed "the items in
+    # flight", none, and tried again at once, for as long as the failure lasted, the job waiting.
     engine = serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="2")
     job = {"messages": [{"role": "user", "content": "Hi."}], "max_new_tokens": 3}
     alone = ask(job)
@@ -516,7 +516,7 @@ def test_a_decoder_that_cannot_be_built_fails_the_waiting_job_instead_of_looping
         return real_new_decoder()
 
     monkeypatch.setattr(engine, "_new_decoder", new_decoder)
-    engine._decoder = None
+    engine.decoder = None
     answered, results = threading.Event(), []
     engine.submit(
         handler.read_job_item(job, *handler.served_model(), None)[1],
@@ -591,7 +591,7 @@ def test_a_batch_too_long_for_the_pool_together_is_answered_as_each_alone(tiny_m
     solo = [ask(item) for item in items]
     assert solo[0]["usage"]["prompt_tokens"] + 20 + solo[1]["usage"]["prompt_tokens"] + 200 > 320
     assert ask({"requests": items})["results"] == solo
-    assert engine._current_decoder().pool.free == engine._current_decoder().pool.capacity
+    assert engine.start_decoder().pool.free == engine.start_decoder().pool.capacity
 
 
 @pytest.mark.parametrize("cached", ["false", "true"])  # a whole prefill, or the rest of a cached prefix's

@@ -53,7 +53,7 @@ def test_a_groups_weights_share_a_tensor_and_the_compiled_step_computes_one_prod
     # attention, o; then the layer's gate, up and down.
     assert sorted(products) == [(0, 0), (1, 1), (3, 1), (3, 2)]
     engine._notify()  # the engine thread switches to the compiled step at its next step (here: at once)
-    assert wait_for(lambda: engine._decoder is not None and engine._decoder.steps_only_with(engine.compiler.forward))
+    assert wait_for(lambda: engine.decoder is not None and engine.decoder.steps_only_with(engine.compiler.forward))
     assert answers(JOBS) == eager
     assert len(products) == 4  # traced once, on the compile thread
 

@@ -176,7 +176,7 @@ def test_jobs_through_the_engine_get_their_solo_tokens_eagerly_then_replayed(tin
     idle, the same jobs again replayed, each job's tokens its solo `generate()`'s every time."""
     engine = serve(tiny_model("qwen2-vl"), VLM_PREFIX_CACHING="false", VLM_IMAGE_CACHE_MB="0")  # every pass encodes
     with_graphs(engine)
-    decoder = engine._current_decoder()
+    decoder = engine.start_decoder()
     graphs = decoder.vision_graphs = graphed(engine)
     graphs.record = True
     jobs = [vqa((64, 48), "What?", 6), vqa((96, 64), "What is in the picture, and why is it there?", 10)]

@@ -48,7 +48,7 @@ class Admission:
 
     def _admit(self, waiting: list[Ticket]) -> None:
         """Prefill the items the scheduler admits now (`Scheduler.next_group`) and give them rows."""
-        decoder = self._current_decoder()
+        decoder = self.decoder
         free = self.scheduler.free_rows(decoder.free_rows())
         if self.prefix_caching and decoder.packs:
             self._digest_prepared(admissible(waiting)[: len(free)])
@@ -81,7 +81,7 @@ class Admission:
     def _place(self, group: list[Ticket], free: list[int], prepared: list) -> None:
         import torch
 
-        decoder, scheduler = self._current_decoder(), self.scheduler
+        decoder, scheduler = self.decoder, self.scheduler
         kept = self._with_grammars(group)
         if not kept:
             return
@@ -244,7 +244,7 @@ class Admission:
                 "prefix cache: %d of %d prompt tokens read from cached blocks; %d blocks cached",
                 self.timings["prefix_cached_tokens"],
                 self.timings["prompt_tokens"],
-                self._current_decoder().pool.cached,
+                self.decoder.pool.cached,
             )
 
     def _prefill_next_chunk(self) -> None:
@@ -253,7 +253,7 @@ class Admission:
 
         scheduler = self.scheduler
         ticket, chunked = scheduler.chunking
-        decoder = self._current_decoder()
+        decoder = self.decoder
         if ticket.cancelled:
             scheduler.chunking = None
             return decoder.release(chunked.row)
@@ -293,7 +293,7 @@ class Admission:
         (`_hand_out_launched`), while the GPU runs it: the GPU does not wait while the host streams tokens, ends rows
         and admits new ones (as vLLM's async scheduling). So a row that ended in the interval before runs one more,
         its tokens dropped."""
-        decoder = self._current_decoder()
+        decoder = self.decoder
         if decoder.any_constrained:  # a grammar's next mask needs the token just chosen
             self._hand_out_all()
         launched = self._launch(decoder)
@@ -312,12 +312,12 @@ class Admission:
         if self._launched and before(self._launched[-1]):
             return self._hand_out_all()
         while self._launched and before(self._launched[0]):
-            self._hand_out(self._current_decoder(), self._launched.popleft())
+            self._hand_out(self.decoder, self._launched.popleft())
 
     def _hand_out_all(self) -> None:
         """Hand out the tokens of every prefill and interval in flight."""
         while self._launched:
-            self._hand_out(self._current_decoder(), self._launched.popleft())
+            self._hand_out(self.decoder, self._launched.popleft())
 
     def _launch(self, decoder: PagedDecoder) -> Optional[InFlight]:
         """The next interval of the rows that may still take tokens beyond those in flight, with each row's item
@@ -382,4 +382,4 @@ class Admission:
 
     def _preempt(self, row: int) -> None:
         with self._wake:
-            self.scheduler.preempt(row, self._current_decoder().release)
+            self.scheduler.preempt(row, self.decoder.release)

@@ -112,7 +112,9 @@ class Engine(Admission, OneAtATime):
         self._thread: Optional[threading.Thread] = None
         self._intake: Optional[Intake] = None
         self.timings: collections.Counter = collections.Counter()  # seconds and counts by phase (benchmarks)
-        self._decoder: Optional[PagedDecoder] = None
+        # The decoder and its KV pool, made at boot (`warm_up`) or at the first submit (`start_decoder`).
+        self.decoder: Optional[PagedDecoder] = None
+        self._decoder_lock = threading.Lock()
         self.grammars: Optional[Grammars] = None  # made at boot (warm_up) or the first request for structured output
 
     # ---- loading ----------------------------------------------------------------------------
@@ -147,17 +149,20 @@ class Engine(Admission, OneAtATime):
         self.media_token_ids = {v for v in (getattr(config, n, None) for n in names) if isinstance(v, int)}
         log.info("loaded %s (%s) in %.1fs", self.model_id, self.adapter.name, time.perf_counter() - started)
 
-    def _current_decoder(self) -> PagedDecoder:
-        """The decoder, made at first use (which queues the background compile of its shapes)."""
-        if self._decoder is None:
-            self._decoder = self._new_decoder()
-            self.scheduler.pool = self._decoder.pool
-            # Queued once the decoder is in place: a compile done before, switched to by the engine thread,
-            # found no decoder and was dropped (tests/test_handler.py's fake compile on a loaded CPU).
-            missing = [b for b in self._decoder.buckets if b not in self.compiler.shapes]
-            if self.compile and missing:
-                self.compiler.start(missing)
-        return self._decoder
+    def start_decoder(self) -> PagedDecoder:
+        """The decoder and its KV pool, made once (at boot, else at the first submit; tests and benchmarks that look
+        at it before any job), and the background compile of its shapes queued. Raises SettingsError where the GPU
+        cannot hold the KV pool VLM_KV_CACHE_TOKENS asks for."""
+        with self._decoder_lock:
+            if self.decoder is not None:
+                return self.decoder
+            decoder = self._new_decoder()
+            self.scheduler.pool = decoder.pool
+            self.decoder = decoder
+        missing = [b for b in decoder.buckets if b not in self.compiler.shapes]
+        if self.compile and missing:
+            self.compiler.start(missing)
+        return decoder
 
     @property
     def tokenizer(self):
@@ -173,7 +178,7 @@ class Engine(Admission, OneAtATime):
             "quantize": self.quantize,
             "batching": "continuous" if self.continuous else "one request at a time",
             "rows": self.settings.max_batch_size,
-            "kv_cache_tokens": self._decoder.pool.capacity_tokens if self._decoder else None,
+            "kv_cache_tokens": self.decoder.pool.capacity_tokens if self.decoder else None,
             "kv_block_size": BLOCK_SIZE,
             "max_batch_tokens": self.scheduler.token_budget,
             "compiled_decode": self.compile,
@@ -182,7 +187,7 @@ class Engine(Admission, OneAtATime):
 
     def view(self) -> EngineView:
         """What the engine holds now (callable from any thread)."""
-        decoder, scheduler = self._decoder, self.scheduler
+        decoder, scheduler = self.decoder, self.scheduler
         chunking, cap = scheduler.chunking, scheduler.row_cap
         pool = decoder.pool if decoder is not None else None
         return EngineView(
@@ -241,6 +246,19 @@ class Engine(Admission, OneAtATime):
         if not queued:
             return tickets
         if self.continuous:
+            try:
+                self.start_decoder()
+            except SettingsError as error:  # a KV pool the GPU cannot hold (no warm-up at boot)
+                for ticket in queued:
+                    ticket.finish(as_request_error(error))
+                return tickets
+            except Exception as error:  # the next submit tries again
+                if is_fatal_gpu_error(error):
+                    self._gpu_failed()
+                log.exception("the decoder could not be made; failing the items submitted")
+                for ticket in queued:
+                    ticket.fail(GPU_FAILURE if self.broken else GENERATION_FAILED)
+                return tickets
             call = object()  # the items of one call are admitted together
             for ticket in queued:
                 ticket.call = call
@@ -288,7 +306,7 @@ class Engine(Admission, OneAtATime):
         """A graph to record while idle (`ahead` of need too: by default once `_quiet`), and no item queued (call with
         `_wake` held): one still in the intake would wait for the whole recording when it is ready a few ms later."""
         ahead = self._quiet() if ahead is None else ahead
-        return not self.scheduler.waiting and self._decoder is not None and self._decoder.captures_ahead_due(ahead)
+        return not self.scheduler.waiting and self.decoder is not None and self.decoder.captures_ahead_due(ahead)
 
     def _quiet(self) -> bool:
         return self._quiet_in_s() <= 0
@@ -338,7 +356,7 @@ class Engine(Admission, OneAtATime):
                     self._fail_all(WORKER_STOPPING, queued=True)  # on every path: one at a time too
                     continue
                 if idle:  # the GPU has nothing else to do
-                    self._decoder.capture_one_ahead(self._quiet())
+                    self.decoder.capture_one_ahead(self._quiet())
                     self.timings["recording_ahead_s"] += time.perf_counter() - started  # a job arriving waits for it
                     continue
                 if not self.continuous:
@@ -348,7 +366,7 @@ class Engine(Admission, OneAtATime):
                     continue
                 if self.compiler.switch_due():
                     self._hand_out_all()  # the switch drops graphs: none may be in flight
-                    self.compiler.switch(self._decoder)
+                    self.compiler.switch(self.decoder)
                 earlier = list(self._launched)
                 self._admit(waiting)
                 if self.scheduler.chunking is not None:
@@ -356,8 +374,6 @@ class Engine(Admission, OneAtATime):
                 if self.scheduler.running:
                     self._decode_interval()
                 self._hand_out_launched(earlier)
-            except SettingsError as error:  # a KV pool the GPU cannot hold, made at the first request (no warm-up)
-                self._fail_all(as_request_error(error), queued=True)
             except Exception as error:
                 if is_fatal_gpu_error(error):
                     self._gpu_failed()
@@ -407,7 +423,7 @@ class Engine(Admission, OneAtATime):
         constrained = [(row, t) for row, t in self.scheduler.running.items() if t.matcher is not None]
         if constrained:
             rows, tickets = zip(*constrained)
-            self._current_decoder().set_allowed(list(rows), self._grammar_masks(list(tickets)))
+            self.decoder.set_allowed(list(rows), self._grammar_masks(list(tickets)))
 
     def _accept(self, ticket: Ticket, tokens: list[int], logprobs: Optional[list] = None) -> None:
         """New tokens for a row (and their log-probabilities when it asked): stream them, and finish the row
@@ -436,7 +452,7 @@ class Engine(Admission, OneAtATime):
             ticket.emit_delta(self.eos_ids)
         if done:
             self.compiler.answered.set()
-            self._current_decoder().release(ticket.row)
+            self.decoder.release(ticket.row)
             self.scheduler.finished(ticket.row)
             if not ticket.cancelled:
                 ticket.finish(
@@ -448,7 +464,7 @@ class Engine(Admission, OneAtATime):
         """Fail the items in flight (and the queued ones too when `queued`)."""
         self._launched.clear()
         with self._wake:
-            self.scheduler.fail_all(error, queued, lambda row: self._current_decoder().release(row))
+            self.scheduler.fail_all(error, queued, lambda row: self.decoder.release(row))
 
     def _gpu_failed(self) -> None:
         """A fatal CUDA error (illegal access, device-side assert, ECC): the context is unusable. Every
@@ -509,14 +525,14 @@ class Engine(Admission, OneAtATime):
 
     def _recording_wanted(self) -> bool:
         """Whether a decode step ran eagerly for want of a graph the compile's GPU work held up (rows decoding)."""
-        decoder = self._decoder
+        decoder = self.decoder
         return decoder is not None and decoder.recording_wanted and bool(self.scheduler.running)
 
     def wait_until_compiled(self, timeout: float) -> bool:
         """Whether every shape of the current decoder decodes compiled (benchmarks, tests); False at once where
         nothing compiles (compile off, or no CUDA graphs: a CPU)."""
         deadline = time.monotonic() + timeout
-        while not ((decoder := self._decoder) and decoder.steps_only_with(self.compiler.forward)):
+        while not ((decoder := self.decoder) and decoder.steps_only_with(self.compiler.forward)):
             if not self.compile or time.monotonic() >= deadline:
                 return False
             time.sleep(0.05)
@@ -541,7 +557,7 @@ class Engine(Admission, OneAtATime):
         if self.compile:
             with self._wake:
                 self._start_thread()
-        self._current_decoder()
+        self.start_decoder()
 
     def close(self) -> None:
         """End the engine thread, failing what is queued or running with `worker_stopping`, and let go of the
@@ -562,7 +578,7 @@ class Engine(Admission, OneAtATime):
         self.compiler.close()
         if self.grammars is not None:
             self.grammars.close()
-        self._decoder = None
+        self.decoder = None
 
     def stop_after(self, grace: float) -> None:
         """Items still running `grace` seconds from now fail with `worker_stopping` (on SIGTERM)."""

@@ -93,7 +93,7 @@ def engine_answers(folder: str) -> dict:
         for one, alone in zip(batched, solo)
     ]
     return {
-        "kernel_used": engine._current_decoder().decode_kernel,
+        "kernel_used": engine.start_decoder().decode_kernel,
         "equal": [b.raw_text == s.raw_text for b, s in zip(batched, solo)],
         "logprob_drift": drift,
         "tokens": [b.completion_tokens for b in batched],
