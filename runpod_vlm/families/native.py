@@ -267,7 +267,7 @@ class Phi4MultimodalAdapter(FamilyAdapter):
     name, model_class = "phi4-multimodal", "AutoModelForCausalLM"
     skip_modules = ("model.embed_tokens_extend.image_embed", "lm_head")
     # Batched beside a two-image request, a one-image request's image tokens took other embeddings than alone (512
-    # of its 562 differed, max 11.8, on the tiny model: tests/test_families.py).
+    # of its 562 differed, by up to 11.8, on the tiny model), which changed its answer (tests/test_families.py).
     prefills_alone = True
 
     def chat_messages(self, turns: list[Turn]) -> list[dict]:
