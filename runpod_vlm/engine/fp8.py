@@ -39,20 +39,24 @@ class Fp8Linear(torch.nn.Module):
         weight, scale = quantized_rows(linear.weight.detach())
         self.register_buffer("weight", weight)  # [out, in]: its transpose is the column-major operand _scaled_mm takes
         self.register_buffer("weight_scale", scale.t().contiguous())  # [1, out]
+        self.register_buffer("unit", torch.ones((), device=weight.device))
         bias = linear.bias
         self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+        # Hopper's _scaled_mm scales rows and columns in its epilogue; Ada's takes one scale a tensor (PyTorch's
+        # row-wise kernel is written for sm_90), so there the scales multiply its output.
+        self.rowwise = weight.is_cuda and torch.cuda.get_device_capability(weight.device) >= (9, 0)
 
     def forward(self, x):
         flat = x.reshape(-1, self.in_features)
         quantized, scale = quantized_rows(flat)
-        if flat.is_cuda:
+        if self.rowwise:
             out = torch._scaled_mm(
                 quantized, self.weight.t(), scale_a=scale, scale_b=self.weight_scale, out_dtype=x.dtype
             )
-            out = out if self.bias is None else out + self.bias  # added here: row-wise scales take no bias in some
-        else:  # the same product of the dequantized operands (the CPU has no float8 product): the tests' reference
-            out = (quantized.float() * scale) @ (self.weight.float() * self.weight_scale.t()).t()
-            out = (out if self.bias is None else out + self.bias.float()).to(x.dtype)
+        else:
+            out = torch._scaled_mm(quantized, self.weight.t(), scale_a=self.unit, scale_b=self.unit, out_dtype=x.dtype)
+            out = (out * scale * self.weight_scale).to(x.dtype)
+        out = out if self.bias is None else out + self.bias  # added here: some row-wise kernels take no bias
         return out.reshape(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
