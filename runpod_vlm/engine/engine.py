@@ -112,7 +112,7 @@ class Engine(Admission, OneAtATime):
         self._thread: Optional[threading.Thread] = None
         self._intake: Optional[Intake] = None
         self.timings: collections.Counter = collections.Counter()  # seconds and counts by phase (benchmarks)
-        # The decoder and its KV pool, made at boot (`warm_up`) or at the first submit (`start_decoder`).
+        # The decoder and its KV pool, made at boot (`warm_up`) or at the engine thread's first step (`start_decoder`).
         self.decoder: Optional[PagedDecoder] = None
         self._decoder_lock = threading.Lock()
         self.grammars: Optional[Grammars] = None  # made at boot (warm_up) or the first request for structured output
@@ -150,9 +150,9 @@ class Engine(Admission, OneAtATime):
         log.info("loaded %s (%s) in %.1fs", self.model_id, self.adapter.name, time.perf_counter() - started)
 
     def start_decoder(self) -> PagedDecoder:
-        """The decoder and its KV pool, made once (at boot, else at the first submit; tests and benchmarks that look
-        at it before any job), and the background compile of its shapes queued. Raises SettingsError where the GPU
-        cannot hold the KV pool VLM_KV_CACHE_TOKENS asks for."""
+        """The decoder and its KV pool, made once (at boot, else at the engine thread's first step; tests and
+        benchmarks that look at it before any job), and the background compile of its shapes queued. Raises
+        SettingsError where the GPU cannot hold the KV pool VLM_KV_CACHE_TOKENS asks for."""
         with self._decoder_lock:
             if self.decoder is not None:
                 return self.decoder
@@ -246,19 +246,6 @@ class Engine(Admission, OneAtATime):
         if not queued:
             return tickets
         if self.continuous:
-            try:
-                self.start_decoder()
-            except SettingsError as error:  # a KV pool the GPU cannot hold (no warm-up at boot)
-                for ticket in queued:
-                    ticket.finish(as_request_error(error))
-                return tickets
-            except Exception as error:  # the next submit tries again
-                if is_fatal_gpu_error(error):
-                    self._gpu_failed()
-                log.exception("the decoder could not be made; failing the items submitted")
-                for ticket in queued:
-                    ticket.fail(GPU_FAILURE if self.broken else GENERATION_FAILED)
-                return tickets
             call = object()  # the items of one call are admitted together
             for ticket in queued:
                 ticket.call = call
@@ -364,6 +351,7 @@ class Engine(Admission, OneAtATime):
                         self._take(waiting[:1])
                         self._run_alone(waiting[0])
                     continue
+                self.start_decoder()  # at the first step, unless made at boot
                 if self.compiler.switch_due():
                     self._hand_out_all()  # the switch drops graphs: none may be in flight
                     self.compiler.switch(self.decoder)
@@ -374,6 +362,8 @@ class Engine(Admission, OneAtATime):
                 if self.scheduler.running:
                     self._decode_interval()
                 self._hand_out_launched(earlier)
+            except SettingsError as error:  # a KV pool the GPU cannot hold, made at the first step (no warm-up)
+                self._fail_all(as_request_error(error), queued=True)
             except Exception as error:
                 if is_fatal_gpu_error(error):
                     self._gpu_failed()
