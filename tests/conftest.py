@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import http.server
+import os
 import socket
 import subprocess
 import sys
@@ -135,6 +136,19 @@ def running_server(command: list, env: dict, port: int, probe: str, log_path: Pa
         except subprocess.TimeoutExpired:
             process.kill()
         log.close()
+
+
+@contextlib.contextmanager
+def openai_server(model_folder, log_path: Path, **env: str):
+    """scripts/openai_server.py serving `model_folder` on the CPU, offline and on loopback (`env` adds variables);
+    yields its base URL."""
+    port = free_port()
+    variables = {k: v for k, v in os.environ.items() if not k.startswith(("VLM_", "RUNPOD_"))}
+    variables.update(VLM_MODEL=str(model_folder), VLM_ALLOW_ANY="true", VLM_DEVICE_MAP="cpu", HF_HUB_OFFLINE="1")
+    variables.update(TRANSFORMERS_OFFLINE="1", **env)
+    command = [sys.executable, "scripts/openai_server.py", "--port", str(port)]
+    with running_server(command, variables, port, "/v1/models", log_path) as base:
+        yield base
 
 
 class ImageServer:

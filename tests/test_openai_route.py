@@ -10,7 +10,6 @@ import dataclasses
 import inspect
 import json
 import os
-import sys
 import typing
 import urllib.error
 import urllib.request
@@ -22,7 +21,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from openai.types.chat.completion_create_params import CompletionCreateParamsBase
 
 import handler
-from conftest import free_port, running_server
+from conftest import openai_server
 from runpod_vlm.families.native import QwenVLAdapter
 from runpod_vlm.openai_route import OPENAI_IGNORED, OPENAI_UNSUPPORTED, ChatCompletionBody, openai_answers
 from runpod_vlm.settings import Settings
@@ -407,19 +406,8 @@ def test_every_openai_field_is_known_to_the_route():
 def server(tiny_model, tmp_path_factory):
     """Base URL of scripts/openai_server.py serving the tiny Qwen2-VL (loopback only). It may fetch
     from loopback (VLM_ALLOW_INTERNAL_URLS=true) for the http image test."""
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLM_", "RUNPOD_"))}
-    env.update(
-        VLM_MODEL=str(tiny_model("qwen2-vl")),
-        VLM_ALLOW_ANY="true",
-        VLM_DEVICE_MAP="cpu",
-        VLM_ALLOW_INTERNAL_URLS="true",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-    )
-    command = [sys.executable, "scripts/openai_server.py", "--port", str(port)]
     log_path = tmp_path_factory.mktemp("openai-server") / "server.log"
-    with running_server(command, env, port, "/v1/models", log_path) as base:
+    with openai_server(tiny_model("qwen2-vl"), log_path, VLM_ALLOW_INTERNAL_URLS="true") as base:
         yield base
 
 

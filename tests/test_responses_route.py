@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import sys
 
 import openai
 import pytest
@@ -15,7 +13,7 @@ from openai.types.responses import Response, ResponseCreateParams
 from pydantic import TypeAdapter
 
 import handler
-from conftest import free_port, running_server
+from conftest import openai_server
 from runpod_vlm.responses_route import RESPONSES_IGNORED, RESPONSES_UNSUPPORTED, ResponsesBody
 from tools.sample_images import data_uri, striped
 
@@ -206,12 +204,7 @@ def test_every_responses_field_is_known_to_the_route():
 
 @pytest.fixture(scope="module")
 def client(tiny_model, tmp_path_factory):
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLM_", "RUNPOD_"))}
-    env.update(VLM_MODEL=str(tiny_model("qwen2-vl")), VLM_ALLOW_ANY="true", VLM_DEVICE_MAP="cpu", HF_HUB_OFFLINE="1")
-    command = [sys.executable, "scripts/openai_server.py", "--port", str(port)]
-    log_path = tmp_path_factory.mktemp("responses-server") / "server.log"
-    with running_server(command, env, port, "/v1/models", log_path) as base:
+    with openai_server(tiny_model("qwen2-vl"), tmp_path_factory.mktemp("responses-server") / "server.log") as base:
         yield openai.OpenAI(base_url=base + "/v1", api_key="x", max_retries=0)
 
 

@@ -7,15 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import sys
 
 import jsonschema
 import openai
 import pytest
 
 import handler
-from conftest import free_port, running_server
+from conftest import openai_server
 from runpod_vlm.tools import read_calls
 from runpod_vlm.vocabulary import ToolUse
 from tools.sample_images import data_uri, striped
@@ -65,11 +63,7 @@ def with_image(text: str) -> list:
 
 @pytest.fixture(scope="module")
 def server(tiny_model, tmp_path_factory):
-    port = free_port()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("VLM_", "RUNPOD_"))}
-    env.update(VLM_MODEL=str(tiny_model("qwen3-vl")), VLM_ALLOW_ANY="true", VLM_DEVICE_MAP="cpu", HF_HUB_OFFLINE="1")
-    command = [sys.executable, "scripts/openai_server.py", "--port", str(port)]
-    with running_server(command, env, port, "/v1/models", tmp_path_factory.mktemp("tools") / "server.log") as base:
+    with openai_server(tiny_model("qwen3-vl"), tmp_path_factory.mktemp("tools") / "server.log") as base:
         yield base
 
 
