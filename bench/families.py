@@ -49,8 +49,8 @@ def gemma3(models: Path, tiny: bool) -> dict:
         else:
             tiny_models.build("gemma3", folder, "gemma3-4b", device="cuda", dtype="bf16")
             torch.cuda.empty_cache()
-    os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true")
-    os.environ.update(VLM_DEVICE_MAP="cpu", VLM_DTYPE="fp32") if tiny else os.environ.update(VLM_DTYPE="bf16")
+    placement = dict(VLM_DEVICE_MAP="cpu", VLM_DTYPE="fp32") if tiny else dict(VLM_DTYPE="bf16")
+    os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", **placement)
     import handler
 
     engine = handler.get_engine()
