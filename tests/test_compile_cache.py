@@ -28,13 +28,14 @@ from runpod_vlm.engine.compile import (
     COMPILE_ARTIFACTS_SUFFIX,
     compile_artifact_dirs,
     compile_cache_key,
+    decoder_layers,
     load_compile_artifacts,
     model_view,
     runtime_fingerprint,
     save_compile_artifacts,
     set_torch_cache_dirs,
 )
-from runpod_vlm.engine.decoder import PagedDecoder
+from runpod_vlm.engine.decoder import PagedDecoder, row_buckets
 from runpod_vlm.engine.loading import missing_model_files, weights_source
 from runpod_vlm.engine.projections import share_weights
 from runpod_vlm.settings import Settings
@@ -597,17 +598,26 @@ def test_a_compiled_decode_step_is_traced_once_whatever_the_prefills(tiny_model,
     assert traced >= 1 and len(traces) == traced  # the shadow's trace served every later step
 
 
-def test_the_step_compiles_one_decoder_layer_per_shape_and_decodes_as_the_plain_forward(tiny_model, serve, monkeypatch):
+@pytest.mark.parametrize("family", ["qwen2-vl", "gemma3", "llama4"])
+def test_the_step_compiles_one_decoder_layer_per_shape_and_decodes_as_the_plain_forward(
+    tiny_model, serve, monkeypatch, family
+):
     # Compiling the whole unrolled model took 35-40 s a shape on the H200; one layer, run for all, is traced and
     # compiled once per shape (a layer's cache index, read by dynamo, would have made every layer a trace of its own).
-    engine = serve(tiny_model("qwen2-vl"), VLM_COMPILE="false", VLM_MAX_BATCH_SIZE="16")
+    # Gemma 3's sliding and full layers traced twice a shape (past dynamo's recompile limit at 256 rows), and Llama 4,
+    # whose layers sit inside its causal LM, compiled whole.
+    engine = serve(tiny_model(family), VLM_COMPILE="false", VLM_MAX_BATCH_SIZE="16")
+    windows = [getattr(layer.self_attn, "sliding_window", None) for layer in decoder_layers(engine.model)]
     traces = []
     compile_in_background(
         engine, monkeypatch, [8, 16], backend=lambda graph, example_inputs: traces.append(graph) or graph.forward
     )
-    assert engine.view().compiled_row_buckets == (8, 16) and len(engine.model.get_decoder().layers) == 2
-    # Four graphs a shape around the paged attention, which runs eagerly: the layer and its attention, before and after.
-    assert len(traces) == 2 * 4 and not any("embed_tokens" in graph.code for graph in traces)
+    assert engine.view().compiled_row_buckets == (8, 16) and len(windows) == 2
+    assert [getattr(layer.self_attn, "sliding_window", None) for layer in decoder_layers(engine.model)] == windows
+    # Four graphs a shape around the paged attention, which runs eagerly: the layer and its attention, before and after;
+    # Llama 4's attention once more for its full layers, which skip RoPE.
+    graphs = 5 if family == "llama4" else 4
+    assert len(traces) == 2 * graphs and not any("embed_tokens" in graph.code for graph in traces)
     tokens = []
     for forward in (engine.model, engine.compiler.forward):
         decoder = PagedDecoder(
@@ -616,11 +626,24 @@ def test_the_step_compiles_one_decoder_layer_per_shape_and_decodes_as_the_plain_
         for bucket in decoder.buckets:
             decoder.use_forward(bucket, forward)
         with torch.inference_mode():
-            prefill(engine, decoder, ["Say hi."], new_tokens=16)  # row 0: 8-row steps
+            prefill(engine, decoder, ["Say hi. " * 6], new_tokens=16)  # row 0: 8-row steps
+            assert family != "gemma3" or decoder.lengths[0] < windows[0] < decoder.lengths[0] + 12  # decodes past it
             tokens.append(step(decoder, 4))
             prefill(engine, decoder, ["Count."], count=2, first_row=8, new_tokens=8)  # rows 8-9: 16-row steps
             tokens.append(step(decoder, 4) + step(decoder, 4))
-    assert tokens[:2] == tokens[2:] and len(traces) == 2 * 4
+    assert tokens[:2] == tokens[2:] and len(traces) == 2 * graphs
+
+
+def test_every_bucket_of_256_rows_compiles_where_a_layer_class_traces_twice_a_shape(tiny_model, serve, monkeypatch):
+    # Six buckets of two traces each passed dynamo's default limit of 8 traces a function: the largest buckets decoded
+    # with their attention eager.
+    engine = serve(tiny_model("llama4"), VLM_COMPILE="false", VLM_MAX_BATCH_SIZE="256")
+    traces = []
+    buckets = row_buckets(256)
+    compile_in_background(
+        engine, monkeypatch, buckets, backend=lambda graph, example: traces.append(graph) or graph.forward
+    )
+    assert len(buckets) == 6 and len(traces) == 6 * 5
 
 
 def test_a_failed_cuda_graph_capture_is_tried_again_at_a_later_step(tiny_model, serve, monkeypatch):

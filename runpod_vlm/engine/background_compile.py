@@ -35,6 +35,9 @@ COMPILE_AFTER_FIRST_ANSWER_S = 10.0  # a new worker's first job is answered befo
 # could not record while the compile held it: those steps run eagerly meanwhile, beside the compile on the GIL. 16 jobs
 # at once ran at 125-190 tokens/s through a fresh worker's compile, 2,354 where nothing compiled.
 RECORDING_FIRST_S = 2.0
+# Traces one layer class's forward may keep: one a decode bucket (six at 256 rows) for each kind of layer it has
+# (Llama 4's full layers skip RoPE: two), and the prefill's dynamic ones. Past dynamo's default 8 the rest ran eagerly.
+TRACES_PER_LAYER_CLASS = 32
 
 
 class BackgroundCompiler:
@@ -134,6 +137,8 @@ class BackgroundCompiler:
         return self.capture_lock
 
     def _compile_shapes(self, buckets: list[int]) -> None:
+        import torch
+
         self.answered.wait(COMPILE_AFTER_FIRST_ANSWER_S)
         if self.closed:
             return
@@ -161,11 +166,12 @@ class BackgroundCompiler:
             },
         )  # older artifacts hold other shapes
         loaded = load_compile_artifacts(self.settings, key)  # never raises: a bad file is skipped
-        done = [
-            bucket
-            for bucket in buckets  # a second try: a CUDA graph capture may void the first
-            if not self.closed and (self._compile_shape(bucket) or self._compile_shape(bucket))
-        ]
+        with torch._dynamo.config.patch(recompile_limit=TRACES_PER_LAYER_CLASS):
+            done = [
+                bucket
+                for bucket in buckets  # a second try: a CUDA graph capture may void the first
+                if not self.closed and (self._compile_shape(bucket) or self._compile_shape(bucket))
+            ]
         vision = self._compile_vision_blocks(options) if self.compiles_vision and not self.closed else None
         prefill = self._compile_prefill_layers(options) if self.compiles_prefill and not self.closed else None
         whole = (vision is not None or not self.compiles_vision) and (prefill is not None or not self.compiles_prefill)
@@ -218,8 +224,8 @@ class BackgroundCompiler:
         texts = ["Describe the picture.", "What is written on the sign, and in which language is it written?"]
         items = [GenerationRequest("chat", [Turn("user", [text])], params) for text in texts]
         try:
-            # Each decode bucket left a trace of these layers: room for a prefill's beside them.
-            with self.holding_the_gpu(), torch.inference_mode(), torch._dynamo.config.patch(recompile_limit=16):
+            limit = torch._dynamo.config.patch(recompile_limit=TRACES_PER_LAYER_CLASS)
+            with self.holding_the_gpu(), torch.inference_mode(), limit:
                 inputs, _ = self.adapter.batch_inputs(self.processor, items, self.model.device, self.dtype)
                 blocks = 3 * -(-inputs["input_ids"].shape[1] // BLOCK_SIZE) + 1
                 shadow = self.make_decoder(view, blocks=blocks, use_graph=False)

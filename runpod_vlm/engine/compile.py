@@ -13,6 +13,7 @@ import tempfile
 from typing import Any, Optional
 
 from runpod_vlm.engine.loading import RUNPOD_VOLUME
+from runpod_vlm.engine.memory import text_model
 from runpod_vlm.settings import Settings
 
 log = logging.getLogger("runpod-vlm")
@@ -181,8 +182,8 @@ def _run_layer(compiled_forward, layer, index: int, *args, past_key_values=None,
 
 
 def decoder_layers(model) -> list:
-    """The language model's decoder layers (`get_decoder().layers`), or []."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    """The language model's decoder layers (`text_model(model).layers`: Llama 4's are inside its causal LM), or []."""
+    decoder = text_model(model) if hasattr(model, "get_decoder") else None
     return list(getattr(decoder, "layers", None) or ())
 
 
@@ -194,6 +195,11 @@ def with_compiled_layers(view, **options):
     layers = decoder_layers(view)
     if not layers:
         return torch.compile(view.__call__, dynamic=False, **options)
+    for layer in layers:
+        # The paged attention reads each layer's window from its step (`PagedStep.limits`); one value on every layer
+        # of the view keeps Gemma 3's sliding and full layers one trace a shape (each its own past the recompile limit).
+        if getattr(getattr(layer, "self_attn", None), "sliding_window", None) is not None:
+            layer.self_attn.sliding_window = None
     # One compiled function per layer class: dynamo reuses a trace within one function only.
     compiled = {kind: torch.compile(kind.forward, dynamic=False, **options) for kind in set(map(type, layers))}
     for index, layer in enumerate(layers):

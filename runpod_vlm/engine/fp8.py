@@ -12,6 +12,8 @@ import logging
 
 import torch
 
+from runpod_vlm.engine.memory import text_model
+
 log = logging.getLogger("runpod-vlm")
 
 E4M3_MAX = 448.0  # the largest float8 e4m3 (fn) value
@@ -67,7 +69,7 @@ def quantize_language_model(model) -> int:
     """Every `nn.Linear` of the decoder layers as an `Fp8Linear`, but those of sizes `_scaled_mm` does not take (not
     multiples of 16); returns how many."""
     replaced = 0
-    for layer in model.get_decoder().layers:
+    for layer in text_model(model).layers:
         for parent in list(layer.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is torch.nn.Linear and child.in_features % 16 == 0 and child.out_features % 16 == 0:

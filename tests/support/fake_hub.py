@@ -27,6 +27,7 @@ from support.fake_torch import (
     cuda_memory_reserved,
     cuda_stream,
     cuda_synchronize,
+    dynamo_config_patch,
     enable_cudnn_sdp,
     torch_arange,
     torch_cat,
@@ -847,6 +848,9 @@ def build_stub_modules() -> dict:
     backends = StubModule(
         "torch.backends", {}, {"cuda": StubModule("torch.backends.cuda", {"enable_cudnn_sdp": enable_cudnn_sdp})}
     )
+    dynamo = StubModule(
+        "torch._dynamo", {}, {"config": StubModule("torch._dynamo.config", {"patch": dynamo_config_patch})}
+    )
     torch = StubModule(
         "torch",
         {
@@ -870,7 +874,7 @@ def build_stub_modules() -> dict:
             "compile": torch_compile,
             "device": torch_device,
         },
-        {"cuda": cuda, "Tensor": FakeTensor, "backends": backends},
+        {"cuda": cuda, "Tensor": FakeTensor, "backends": backends, "_dynamo": dynamo},
     )
     functional = StubModule("torchvision.transforms.functional", {"to_tensor": tv_to_tensor, "normalize": tv_normalize})
     transforms = StubModule("torchvision.transforms", {}, {"functional": functional})

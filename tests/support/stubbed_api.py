@@ -41,6 +41,7 @@ STUBBED_API = frozenset(
         "torch.cuda.Stream.synchronize",
         # torch: the compiled path and the GPU's memory (torch.compile, synchronize, empty_cache)
         "torch.compile",
+        "torch._dynamo.config.patch",
         "torch.cuda.synchronize",
         "torch.cuda.empty_cache",
         # torch: sizing the KV pool from GPU memory

@@ -129,6 +129,7 @@ def llama4_parts(family: str, shape: str):
         num_local_experts=2,
         num_experts_per_tok=1,
         attention_chunk_size=64,
+        no_rope_layer_interval=2,  # a chunked layer with RoPE, then a full one without (Scout: 3 and 1)
         bos_token_id=ids["<|begin_of_text|>"],
         eos_token_id=ids["<|eot|>"],
         pad_token_id=ids["<|finetune_right_pad|>"],
