@@ -12,7 +12,8 @@ settings, separate jobs through the handler's path):
                  and tokens a second. Each burst runs twice (the first warms its shapes), each time with prompts no
                  earlier burst sent.
 
-Results: OUT/families.json."""
+Each part first waits for the worker's background compile (at most 240 s), as a worker serves once it is done.
+Results: OUT/families.json, written as each figure comes."""
 
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def long_job(index: int, rng: random.Random) -> dict:
     return {"id": f"long-{index}", "input": {**request, "min_new_tokens": tokens, "stream": True}}
 
 
-def gemma3(models: Path, tiny: bool) -> dict:
+def gemma3(models: Path, tiny: bool, out: Path) -> dict:
     import torch
 
     import tools.tiny_models as tiny_models
@@ -54,6 +55,7 @@ def gemma3(models: Path, tiny: bool) -> dict:
     import handler
 
     engine = handler.get_engine()
+    warm = compiled(engine)
     rng = random.Random(3)
     jobs = mixed_jobs(56, seed=11) + [long_job(n, rng) for n in range(8)]
     rng.shuffle(jobs)
@@ -61,22 +63,20 @@ def gemma3(models: Path, tiny: bool) -> dict:
     before = dict(engine.timings)
     batched = asyncio.run(concurrent(handler, jobs))
     batched["prompt_tokens"] = engine.timings["prompt_tokens"] - before.get("prompt_tokens", 0)
+    result = {"device": "cpu" if tiny else torch.cuda.get_device_name(), **warm, "batched_64": batched}
+    save(out, result)
     parity_jobs = [mixed_jobs(2, seed=13)[0], mixed_jobs(2, seed=14)[0], long_job(20, rng), long_job(21, rng)]
     items = [handler.read_job_item(job["input"], engine.settings, engine.model_id)[1] for job in parity_jobs]
     from runpod_vlm.answers import generate_all
 
     served = generate_all(engine, items)
     alone_answers = [engine._generate_with_generate(item) for item in items]
+    result["parity"] = [a.text == b.text for a, b in zip(served, alone_answers)]
+    result["parity_prompt_tokens"] = [a.prompt_tokens for a in alone_answers]
+    save(out, result)
     engine.continuous = False  # the one-at-a-time path: each item through generate()
     alone = asyncio.run(concurrent(handler, jobs[:8]))
-    return {
-        "device": "cpu" if tiny else torch.cuda.get_device_name(),
-        "batched_64": batched,
-        "one_at_a_time_8": alone,
-        "speedup": batched["tokens_per_s"] / alone["tokens_per_s"],
-        "parity": [a.text == b.text for a, b in zip(served, alone_answers)],
-        "parity_prompt_tokens": [a.prompt_tokens for a in alone_answers],
-    }
+    return {**result, "one_at_a_time_8": alone, "speedup": batched["tokens_per_s"] / alone["tokens_per_s"]}
 
 
 def shared_prompt_jobs(burst: int, shared: bool) -> list[dict]:
@@ -90,7 +90,7 @@ def shared_prompt_jobs(burst: int, shared: bool) -> list[dict]:
     return jobs
 
 
-def shared_prompt(models: Path, tiny: bool) -> dict:
+def shared_prompt(models: Path, tiny: bool, out: Path) -> dict:
     import torch
 
     from bench.harness import bench_model
@@ -99,7 +99,7 @@ def shared_prompt(models: Path, tiny: bool) -> dict:
     import handler
 
     engine = handler.get_engine()
-    results = {"device": "cpu" if tiny else torch.cuda.get_device_name()}
+    results = {"device": "cpu" if tiny else torch.cuda.get_device_name(), **compiled(engine)}
     for burst, (name, shared) in enumerate([("distinct", False), ("shared", True)] * 2):
         before = dict(engine.timings)
         run = asyncio.run(concurrent(handler, shared_prompt_jobs(burst, shared)))
@@ -107,8 +107,21 @@ def shared_prompt(models: Path, tiny: bool) -> dict:
         run.update(counted, computed_tokens=counted["prompt_tokens"] - counted["prefix_cached_tokens"])
         run["prefill_s"] = engine.timings["prefill_s"] - before.get("prefill_s", 0)
         results[name] = run  # the second of each, warm
-        print(name, json.dumps(run), flush=True)
+        save(out, results)
     return results
+
+
+def compiled(engine, seconds: float = 240) -> dict:
+    """Warm the worker up and wait for its background compile, as a worker serves once it is done."""
+    started = time.perf_counter()
+    engine.warm_up()
+    return {"compiled": engine.wait_until_compiled(seconds), "compile_wait_s": time.perf_counter() - started}
+
+
+def save(out: Path, result: dict) -> None:
+    """OUT/families.json as far as the part got (a part stopped by its time limit keeps its earlier figures)."""
+    (out / "families.json").write_text(json.dumps(result, indent=1))
+    print(json.dumps(result), flush=True)
 
 
 def main() -> None:
@@ -128,10 +141,8 @@ def main() -> None:
             subprocess.run([*command, "--models", args.models, *(["--tiny"] if args.tiny else [])], check=False)
         return
     started = time.perf_counter()
-    result = {"gemma3": gemma3, "shared_prompt": shared_prompt}[part](Path(args.models), args.tiny)
-    result["seconds"] = time.perf_counter() - started
-    (out / "families.json").write_text(json.dumps(result, indent=1))
-    print(json.dumps(result, indent=1))
+    result = {"gemma3": gemma3, "shared_prompt": shared_prompt}[part](Path(args.models), args.tiny, out)
+    save(out, {**result, "seconds": time.perf_counter() - started})
 
 
 if __name__ == "__main__":
