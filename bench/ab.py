@@ -97,13 +97,14 @@ def child(tree: str, variant: str, models: str, runs: list[str]) -> dict:
                 result = asyncio.run(concurrent(handler, burst(name, base)))
             result["phases"] = counted_since(engine, before)
             results[name].append(result)
-    pool = engine.start_decoder().pool
-    kv = {"blocks": pool.capacity, "free": pool.free, "cached": pool.cached}
-    wait_for_recordings(engine)  # the bursts' new shapes: a synchronize here would void a recording
-    try:
+    kv, replays = None, {}
+    try:  # the bursts' figures count whatever fails here (an older tree may lack what it reads)
+        decoder = engine.start_decoder() if hasattr(engine, "start_decoder") else engine._current_decoder()
+        kv = {"blocks": decoder.pool.capacity, "free": decoder.pool.free, "cached": decoder.pool.cached}
+        wait_for_recordings(engine)  # the bursts' new shapes: a synchronize here would void a recording
         with torch.inference_mode():  # the graphs' buffers are inference tensors
             replays = graph_replay_ms(engine)
-    except Exception as error:  # the bursts' figures still count
+    except Exception as error:
         replays = {"graph_replay_error": repr(error)[:500]}
     return {"compiled": compiled, "unloaded_sequential_16": unloaded, "runs": results, "pool": kv, **replays}
 
