@@ -38,7 +38,7 @@ the engine knows nothing of RunPod jobs or request JSON; the scheduler never tou
     varlen       variable-length FlashAttention for packed sequences
     vision_attention  one attention call per layer for a vision tower that packs its images
     projections  projections that read the same input computed as one product
-    host_copies  copies from the host to the GPU that never wait for it
+    host_copies  copies between the host and the GPU that never wait for it
     image_cache  vision-encoder outputs kept by image
     memory       the KV pool's size from GPU memory; the text model without its head
     background_compile  the compile thread: row buckets compiled one after the other, then switched to

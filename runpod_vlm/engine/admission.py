@@ -10,8 +10,9 @@ import logging
 import time
 from typing import NamedTuple, Optional
 
-from runpod_vlm.engine.decoder import Launched, PagedDecoder
+from runpod_vlm.engine.decoder import PagedDecoder
 from runpod_vlm.engine.gpu_errors import is_fatal_gpu_error, is_out_of_memory
+from runpod_vlm.engine.host_copies import Launched
 from runpod_vlm.engine.intake import on_device, with_generated
 from runpod_vlm.engine.prefill import ChunkedPrefill
 from runpod_vlm.engine.scheduler import admissible

@@ -6,12 +6,12 @@ import itertools
 import logging
 import threading
 import types
-from typing import Any, NamedTuple, Optional
+from typing import Optional
 
 from runpod_vlm.engine import decode_kernel
 from runpod_vlm.engine.blocks import BlockPool
 from runpod_vlm.engine.decoder_graphs import DecoderGraphs
-from runpod_vlm.engine.host_copies import to_device
+from runpod_vlm.engine.host_copies import Launched, to_device, to_host
 from runpod_vlm.engine.memory import kv_layout
 from runpod_vlm.engine.paged_attention import PagedStep, attention_limits, paged
 from runpod_vlm.engine.prefill import Prefill, beside_fx_traces, placeholder_counts_on_the_host
@@ -23,16 +23,6 @@ log = logging.getLogger("runpod-vlm")
 
 
 SPAN_BUCKETS_FROM = 256  # a decode step gathers each row's slots up to a power-of-two multiple of this
-
-
-class Launched(NamedTuple):
-    """Decode steps launched on the GPU (`PagedDecoder.launch`), their tokens on their way to the host."""
-
-    steps: int
-    tokens: Any  # [bucket, steps] on the host, complete once `done` has passed ([rows, 1] for a prefill's)
-    logprobs: tuple  # the log-probability rings likewise, when a row asked
-    done: Any  # a CUDA event recorded after the copies; None on the CPU
-    rows: tuple = ()  # a prefill's rows, in the order of its first tokens; () for decode steps (row n at n)
 
 
 def row_buckets(rows: int) -> list[int]:
@@ -262,7 +252,7 @@ class PagedDecoder(Prefill, DecoderGraphs):
         self.flags.update((row, (p.do_sample, p.logprobs, p.json_schema is not None)) for row, p in zip(rows, params))
         self._update_any_sample()
         per_row = [part[:, None] for part in logprobs] if wants_logprobs else []  # one step per row, as a launch's
-        return self._to_host(1, token[:, None], per_row, tuple(rows))
+        return to_host(1, token[:, None], per_row, tuple(rows))
 
     def _update_any_sample(self) -> None:
         flags = self.flags.values()
@@ -365,18 +355,7 @@ class PagedDecoder(Prefill, DecoderGraphs):
         state = self.state
         rings = [state.ring_logprob, state.ring_top_id, state.ring_top_logprob] if self.any_logprobs else []
         # Copied now: the next launch writes the rings again.
-        return self._to_host(steps, state.ring[:bucket, :steps], [ring[:bucket, :steps] for ring in rings])
-
-    @staticmethod
-    def _to_host(steps: int, tokens, logprobs, rows: tuple = ()) -> Launched:
-        """`tokens` and `logprobs` copied to the host: on the GPU into page-locked memory, not waiting."""
-        import torch
-
-        done = torch.cuda.Event() if tokens.is_cuda else None
-        tokens, *logprobs = (part.to("cpu", non_blocking=True, copy=True) for part in (tokens, *logprobs))
-        if done is not None:
-            done.record()
-        return Launched(steps, tokens, tuple(logprobs), done, rows)
+        return to_host(steps, state.ring[:bucket, :steps], [ring[:bucket, :steps] for ring in rings])
 
     def read(self, launched: Launched) -> list[list[int]]:
         """The tokens of `launched` steps, per row of their bucket (a prefill's first tokens: per row of

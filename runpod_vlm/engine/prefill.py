@@ -6,16 +6,13 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
-from runpod_vlm.engine.host_copies import to_device
+from runpod_vlm.engine.host_copies import Launched, to_device
 from runpod_vlm.engine.intake import on_device
 from runpod_vlm.engine.memory import text_model
 from runpod_vlm.engine.paged_attention import PagedStep, paged
 from runpod_vlm.vocabulary import GenerationParams
-
-if TYPE_CHECKING:
-    from runpod_vlm.engine.decoder import Launched
 
 
 def beside_fx_traces(forward, rewind=None, **kwargs):

@@ -5,7 +5,8 @@ from __future__ import annotations
 import math
 
 from runpod_vlm.engine.blocks import BlockPool
-from runpod_vlm.engine.decoder import Launched, PagedDecoder, row_buckets
+from runpod_vlm.engine.decoder import PagedDecoder, row_buckets
+from runpod_vlm.engine.host_copies import Launched
 from support.fake_hub import EOS, FILLER, HUB, PAD, VOCAB
 from support.fake_torch import FakeTensor
 from support.stubbed_api import _quiet
