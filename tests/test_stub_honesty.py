@@ -34,6 +34,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from torch.utils._config_module import ConfigModule
 
 import handler
 import runpod_vlm
@@ -61,6 +62,7 @@ REMOTE_CODE = {
 CUDA_ONLY = {
     "torch.cuda.is_bf16_supported": "asked only once torch.cuda.is_available() (dtype 'auto')",
     "torch.compile": "the decode forward is compiled only on a CUDA device",
+    "torch._dynamo.config.patch": "the compile's trace limit, set only where the decode forward compiles",
     "torch.cuda.synchronize": "the background compile waits for its shadow decoder's steps, CUDA only",
     "torch.cuda.empty_cache": "called after a GPU out-of-memory error, CUDA only",
     "torch.cuda.CUDAGraph": "decode steps are captured as CUDA graphs only on a CUDA device",
@@ -198,10 +200,11 @@ class Recorder:
 
     def _hook_module(self, module: types.ModuleType, names: dict) -> None:
         recorder, base = self, type(module)
+        original = base.__getattribute__
 
         def __getattribute__(self, attr):
             try:
-                value = base.__getattribute__(self, attr)
+                value = original(self, attr)
             except AttributeError:
                 fallback = getattr(base, "__getattr__", None)  # transformers' lazy module
                 if fallback is None:
@@ -221,6 +224,9 @@ class Recorder:
             recorder.hits.add(label)  # a class or a constant: reading it is the use
             return value
 
+        if issubclass(base, ConfigModule):  # torch's config modules take no new attribute: their own class is theirs
+            self.patch.setattr(base, "__getattribute__", __getattribute__)
+            return
         recording = type(f"Recording{base.__name__}", (base,), {"__getattribute__": __getattribute__})
         self.patch.setattr(module, "__class__", recording)
 
