@@ -2079,7 +2079,7 @@ def test_a_ready_worker_records_its_graphs_ahead_before_any_request_and_never_wh
     def launch(self, steps):
         if not asked:  # a graph asked for while rows decode
             asked.append(self.buckets[0])
-            self.ahead.append(self.buckets[0])
+            self.step_graphs.ask_ahead(self.buckets[0])
         return real_launch(self, steps)
 
     monkeypatch.setattr(FakePagedDecoder, "launch", launch)
@@ -2095,9 +2095,9 @@ def test_graphs_are_recorded_ahead_only_after_a_quiet_moment(monkeypatch, hub):
     monkeypatch.setattr(engine_module, "RECORD_AHEAD_AFTER_IDLE_S", 1.0)
     engine = compiled_and_ready(monkeypatch, hub)
     decoder = engine.decoder
-    assert wait_for(lambda: not decoder.ahead)
+    assert wait_for(lambda: not decoder.step_graphs.ahead)
     recorded = len(hub.captured_ahead)
-    decoder.ahead.append(decoder.buckets[0])
+    decoder.step_graphs.ahead.append(decoder.buckets[0])
     assert call(chat("first"))["response"] == "echo:first"
     time.sleep(0.3)
     assert len(hub.captured_ahead) == recorded  # a request sent on the answer would not meet a recording
@@ -2108,14 +2108,14 @@ def test_no_graph_is_recorded_ahead_while_an_item_is_in_the_intake(monkeypatch, 
     monkeypatch.setattr(engine_module, "RECORD_AHEAD_AFTER_IDLE_S", 0.0)
     engine = compiled_and_ready(monkeypatch, hub)
     decoder = engine.decoder
-    assert wait_for(lambda: not decoder.ahead)
+    assert wait_for(lambda: not decoder.step_graphs.ahead)
     recorded = len(hub.captured_ahead)
     prepared, real_inputs = threading.Event(), engine.adapter.batch_inputs
     monkeypatch.setattr(engine.adapter, "batch_inputs", lambda *a, **k: prepared.wait(10) and real_inputs(*a, **k))
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
         answer = pool.submit(call, chat("second"))
         assert wait_for(lambda: engine.view().queued)
-        decoder.ahead.append(decoder.buckets[0])  # a graph to record while the engine has nothing ready
+        decoder.step_graphs.ahead.append(decoder.buckets[0])  # a graph to record while the engine has nothing ready
         engine._notify()
         time.sleep(0.2)
         assert len(hub.captured_ahead) == recorded  # the item in the intake would have waited for it
@@ -2172,7 +2172,7 @@ def test_a_failed_background_compile_leaves_decoding_uncompiled_and_right(monkey
     compiled_engine(monkeypatch, hub)
     monkeypatch.setattr(
         FakePagedDecoder,
-        "_advance",
+        "advance",
         lambda self, bucket: (
             (_ for _ in ()).throw(RuntimeError("inductor failed")) if self.forwards[bucket] is not self.model else None
         ),

@@ -57,7 +57,7 @@ def main() -> None:
 
 def voided_recordings() -> None:
     """Each case in a pool of its own: a recording voided midway, then the next recording into the same pool, and
-    into a new one where `prefill_graphs.usable` says the engine would take one (`PagedDecoder._graph_memory`)."""
+    into a new one where `prefill_graphs.usable` says the engine would take one (`StepGraphs.memory`)."""
     value = torch.zeros(16, device="cuda")
 
     def from_another_thread():

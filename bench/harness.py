@@ -154,10 +154,10 @@ def wait_for_recordings(engine, seconds: float = 60) -> None:
     `seconds`): a job arriving meanwhile waits for one recording, which is not the steady state, and a synchronize
     from another thread (a profiler's exit) voids it. A recording holds the capture lock (as the background compile
     does), taken before the last one asked for is no longer due."""
-    decoder, deadline = engine.start_decoder(), time.monotonic() + seconds
+    graphs, deadline = engine.start_decoder().step_graphs, time.monotonic() + seconds
     quiet = 0
     while quiet < 2 and time.monotonic() < deadline:  # twice in a row: a decode step's is asked for before its lock
-        busy = decoder.captures_ahead_due() or (decoder.capture_lock is not None and decoder.capture_lock.locked())
+        busy = graphs.due() or (graphs.capture_lock is not None and graphs.capture_lock.locked())
         quiet = 0 if busy else quiet + 1
         time.sleep(0.05)
 

@@ -274,7 +274,7 @@ def child(part: str, args) -> dict:
         # part measures after those recordings, as a warm worker serves: so here too, after the same burst with other
         # images, kept as the first burst.
         wait_for_recordings(engine)
-        results["decode_graphs_before_any_request"] = len(decoder.graphs)
+        results["decode_graphs_before_any_request"] = len(decoder.step_graphs.graphs)
         first = mixed_jobs(len(short), seed=21, first_image=840_000)
         measure("short_32_first_burst", lambda: asyncio.run(concurrent(handler, first)))
         wait_for_recordings(engine)
@@ -294,7 +294,10 @@ def child(part: str, args) -> dict:
             found = asyncio.run(outcomes(handler, sampled))
             errors = collections.Counter(o["error"] for o in found if "error" in o)
             answered = len(found) - sum(errors.values())
-            graphs = {"capture_failures": decoder.capture_failures, "unrecorded_graphs": len(decoder.unrecorded)}
+            graphs = {
+                "capture_failures": decoder.step_graphs.failures,
+                "unrecorded_graphs": len(decoder.step_graphs.unrecorded),
+            }
             return {"answered": answered, "errors": dict(errors), **graphs}
 
         measure("sampled_256_at_once", all_sampling)

@@ -111,7 +111,7 @@ def main() -> None:
             for row in range(rows):
                 decoder.grow(row, decoder.lengths[row] + 120)
             for name, use_graph in (("eager", False), ("graph", True)):
-                decoder.use_graph = use_graph
+                decoder.step_graphs.enabled = use_graph
                 decoder.step(8)
                 decoder.step(8)
                 torch.cuda.synchronize()
@@ -125,7 +125,7 @@ def main() -> None:
 
                 for name, use_graph in (("eager", False), ("graph", True)):  # a graph's kernels show as launched
                     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                        decoder.use_graph = use_graph
+                        decoder.step_graphs.enabled = use_graph
                         decoder.step(8)
                         torch.cuda.synchronize()
                     (Path(args.out) / f"profile_{name}_step.txt").write_text(
@@ -133,7 +133,7 @@ def main() -> None:
                     )
             for row in range(rows):
                 decoder.release(row)
-            out[f"graphs_{rows}"] = [list(k) for k in decoder.graphs]
+            out[f"graphs_{rows}"] = [list(k) for k in decoder.step_graphs.graphs]
         if "decode" not in parts:
             return print(json.dumps(out, indent=2)), (Path(args.out) / "profile.json").write_text(json.dumps(out))
         inputs, _ = engine.adapter.batch_inputs(engine.processor, items(16), engine.model.device, engine.dtype)

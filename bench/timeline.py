@@ -221,14 +221,14 @@ def gpu_busy(prof) -> dict:
 @contextlib.contextmanager
 def captures_held(engine, held: bool):
     """The engine records no graph ahead (while idle) inside the block."""
-    decoder = engine.start_decoder()
+    graphs = engine.start_decoder().step_graphs
     if held:
-        decoder.captures_ahead_due = lambda: False
+        graphs.due = lambda ahead=True: False
     try:
         yield
     finally:
         if held:
-            del decoder.captures_ahead_due
+            del graphs.due
 
 
 def copies_waiting(trace: Path) -> dict:

@@ -91,7 +91,7 @@ def main() -> None:
             entry["padded_eager_ms"] = timed(pixels, grid, runs=1)
             with torch.inference_mode():
                 while graphs.wanted:
-                    graphs.capture_one(decoder._graph_memory())
+                    graphs.capture_one(decoder.step_graphs.memory())
             replays = graphs.replays
             entry["replayed_ms"] = timed(pixels, grid)
             replayed = features(pixels, grid)

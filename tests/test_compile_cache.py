@@ -592,7 +592,7 @@ def test_a_compiled_decode_step_is_traced_once_whatever_the_prefills(tiny_model,
         for step, (slots, parts, count, first_row) in enumerate(plans):
             prefill(engine, slots, parts, count, first_row)
             slots.use_forward(8, forward)
-            slots._advance(8, 256)
+            slots.advance(8, 256)
             if step == 0:
                 traced = len(traces)
     assert traced >= 1 and len(traces) == traced  # the shadow's trace served every later step
@@ -657,18 +657,18 @@ def test_a_failed_cuda_graph_capture_is_tried_again_at_a_later_step(tiny_model, 
         tries.append(bucket)
         if len(tries) in (1, 3, 4):
             raise RuntimeError("operation not permitted when stream is capturing")
-        decoder.graphs.clear()  # recorded, then dropped again (as a switch of forward does) to see the next try
+        decoder.step_graphs.graphs.clear()  # recorded, then dropped (as a switch of forward does): the next try seen
 
-    monkeypatch.setattr(decoder, "_capture", capture)
+    monkeypatch.setattr(decoder.step_graphs, "_capture", capture)
     with torch.inference_mode():
         prefill(engine, decoder, ["hi"], new_tokens=40)
         step(decoder, 2)
-        assert tries == [8] and decoder.use_graph  # failed once: tried again at the next step
+        assert tries == [8] and decoder.step_graphs.enabled  # failed once: tried again at the next step
         step(decoder, 2)
-        assert tries == [8, 8] and decoder.use_graph
+        assert tries == [8, 8] and decoder.step_graphs.enabled
         for _ in range(4):
             step(decoder, 2)
-    assert tries == [8] * 4 and not decoder.use_graph  # a third failure: no more tries
+    assert tries == [8] * 4 and not decoder.step_graphs.enabled  # a third failure: no more tries
 
 
 def test_a_prefill_on_the_engine_thread_during_the_compile_does_not_fail_it(tiny_model, serve, monkeypatch):

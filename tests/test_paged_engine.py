@@ -185,8 +185,8 @@ def test_a_decode_graphs_recording_that_fails_midway_leaves_the_rows_where_they_
     items = items_of(engine, mixed_jobs(2))
     solo = solo_generate(engine, items)
     decoder = engine.start_decoder()
-    decoder.use_graph = True
-    calls, real_advance = [], decoder._advance
+    decoder.step_graphs.enabled = True
+    calls, real_advance = [], decoder.advance
 
     def advance(bucket, span):
         calls.append(bucket)
@@ -202,8 +202,8 @@ def test_a_decode_graphs_recording_that_fails_midway_leaves_the_rows_where_they_
         def capture_begin(self, *args, **kwargs):
             raise RuntimeError("no CUDA graph on the CPU")
 
-    monkeypatch.setattr(decoder, "_advance", advance)
-    monkeypatch.setattr(decoder, "_graph_memory", lambda: None)
+    monkeypatch.setattr(decoder, "advance", advance)
+    monkeypatch.setattr(decoder.step_graphs, "memory", lambda: None)
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
     monkeypatch.setattr(torch.cuda, "current_stream", Stream)
     monkeypatch.setattr(torch.cuda, "stream", lambda stream: contextlib.nullcontext())
@@ -212,12 +212,13 @@ def test_a_decode_graphs_recording_that_fails_midway_leaves_the_rows_where_they_
     monkeypatch.setattr(prefill_graphs, "_capture_stream", None)  # made from the stand-ins, not kept
     monkeypatch.setattr(prefill_graphs, "_voided", [])
     assert generate_all(engine, items) == solo
-    assert len(decoder.unrecorded) == 1  # the step that ran out of memory is not recorded again; the others fail apart
+    # The step that ran out of memory is not recorded again; the others fail apart.
+    assert len(decoder.step_graphs.unrecorded) == 1
 
 
 def out_of_memory_above(monkeypatch, decoder, rows: int) -> list:
     """Decode steps of more than `rows` rows run out of memory (after the first of them has run); the buckets met."""
-    met, real_advance = [], decoder._advance
+    met, real_advance = [], decoder.advance
 
     def advance(bucket, span):
         met.append(bucket)
@@ -225,7 +226,7 @@ def out_of_memory_above(monkeypatch, decoder, rows: int) -> list:
             raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
         return real_advance(bucket, span)
 
-    monkeypatch.setattr(decoder, "_advance", advance)
+    monkeypatch.setattr(decoder, "advance", advance)
     return met
 
 
@@ -257,7 +258,7 @@ def test_under_unbroken_load_the_rows_come_back_after_a_while(tiny_model, serve,
     items = items_of(engine, short_jobs(12))
     solo = solo_generate(engine, items)
     decoder = engine.start_decoder()
-    met, real_advance = [], decoder._advance
+    met, real_advance = [], decoder.advance
 
     def advance(bucket, span):  # the second 16-row step runs out of memory, once
         met.append(bucket)
@@ -265,7 +266,7 @@ def test_under_unbroken_load_the_rows_come_back_after_a_while(tiny_model, serve,
             raise torch.OutOfMemoryError("CUDA out of memory (a stand-in)")
         return real_advance(bucket, span)
 
-    monkeypatch.setattr(decoder, "_advance", advance)
+    monkeypatch.setattr(decoder, "advance", advance)
     assert generate_all(engine, items) == solo
     after = met[[n for n, bucket in enumerate(met) if bucket == 16][1] + 1 :]
     assert 16 in after  # the four preempted rows came back before the others ended
@@ -279,11 +280,11 @@ def test_a_decode_step_of_the_fewest_rows_out_of_memory_fails_its_items_and_the_
     items = items_of(engine, short_jobs(2))
     solo = solo_generate(engine, items)
     decoder = engine.start_decoder()
-    real_advance = decoder._advance
+    real_advance = decoder.advance
     out_of_memory_above(monkeypatch, decoder, 0)
     failed = generate_all(engine, items)
     assert [getattr(outcome, "code", None) for outcome in failed] == ["out_of_memory"] * 2
-    monkeypatch.setattr(decoder, "_advance", real_advance)  # steps fit again
+    monkeypatch.setattr(decoder, "advance", real_advance)  # steps fit again
     assert generate_all(engine, items) == solo and decoder.pool.free == decoder.pool.capacity
 
 
@@ -618,11 +619,11 @@ def test_no_cuda_graph_is_recorded_while_a_shape_compiles(tiny_model, serve, mon
     """The background compile's synchronizing benchmarks void a capture running beside them (and the
     capture the compile): while the compile holds the lock, steps run without recording; after, they record."""
     engine = serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="2")
-    from runpod_vlm.engine.decoder import PagedDecoder
+    from runpod_vlm.engine.decoder_graphs import StepGraphs
 
     recorded: list = []
-    monkeypatch.setattr(PagedDecoder, "_capture", lambda self, bucket, span: recorded.append(bucket))
-    engine.start_decoder().use_graph = True
+    monkeypatch.setattr(StepGraphs, "_capture", lambda self, bucket, span: recorded.append(bucket))
+    engine.start_decoder().step_graphs.enabled = True
     job = {"messages": [{"role": "user", "content": "Hi."}], "max_new_tokens": 6, "min_new_tokens": 6}
     with engine.compiler.capture_lock:
         held = generate_all(engine, items_of(engine, [job]))
@@ -638,24 +639,24 @@ def test_a_step_whose_graph_the_compile_kept_from_recording_is_recorded_before_t
     tokens/s for 16 jobs on the H200): before the compile takes the GPU for its next shape, the engine thread records
     it. With no rows decoding, nothing is waited for."""
     engine = serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="2")
-    from runpod_vlm.engine.decoder import PagedDecoder
+    from runpod_vlm.engine.decoder_graphs import StepGraphs
 
     recorded: list = []
-    monkeypatch.setattr(PagedDecoder, "_capture", lambda self, bucket, span: recorded.append(bucket))
-    monkeypatch.setattr(PagedDecoder, "_capture_pass", lambda self: None)  # the prefills' graphs: not here
+    monkeypatch.setattr(StepGraphs, "_capture", lambda self, bucket, span: recorded.append(bucket))
+    monkeypatch.setattr(StepGraphs, "_capture_pass", lambda self: None)  # the prefills' graphs: not here
     decoder = engine.start_decoder()
-    decoder.use_graph = True
+    decoder.step_graphs.enabled = True
     job = {"messages": [{"role": "user", "content": "Hi."}], "max_new_tokens": 1000, "min_new_tokens": 1000}
     (item,) = items_of(engine, [job])
     with engine.compiler.capture_lock:  # a shape compiling
         ticket = engine.submit(item, lambda event: None)
-        assert wait_for(lambda: decoder.recording_wanted)
+        assert wait_for(lambda: decoder.step_graphs.recording_wanted)
     assert not recorded
     with engine.compiler.holding_the_gpu():  # the next shape
         assert recorded and engine.view().running
     ticket.cancel()
     assert wait_for(lambda: not engine.view().running)
-    decoder.recording_wanted = True  # as a step left it before its rows ended
+    decoder.step_graphs.recording_wanted = True  # as a step left it before its rows ended
     started = time.monotonic()
     with engine.compiler.holding_the_gpu():
         assert time.monotonic() - started < 0.5
@@ -667,18 +668,18 @@ def test_an_idle_worker_records_its_decode_graphs_before_any_request(family, tin
     first prefill: a worker idle after its compile records its decode steps' graphs ahead, and its first burst meets
     none (0.49 s of 1.82 s for 32 jobs at 24 GB, bench/README.md). The first prefill writes into that same pool."""
     engine = serve(tiny_model(family))
-    from runpod_vlm.engine.decoder import PagedDecoder
+    from runpod_vlm.engine.decoder_graphs import StepGraphs
 
     recorded: list = []
-    monkeypatch.setattr(PagedDecoder, "_capture", lambda self, bucket, span: recorded.append(bucket))
+    monkeypatch.setattr(StepGraphs, "_capture", lambda self, bucket, span: recorded.append(bucket))
     decoder = engine.start_decoder()
-    decoder.use_graph = decoder.decode_kernel = True  # as on a GPU
-    decoder.capture_ahead(decoder.buckets[0])
+    decoder.step_graphs.enabled = decoder.decode_kernel = True  # as on a GPU
+    decoder.step_graphs.ask_ahead(decoder.buckets[0])
     with engine._wake:
         engine._start_thread()
         engine._wake.notify()
     assert wait_for(lambda: recorded == [decoder.buckets[0]] * 2)  # its greedy and sampled steps
-    decoder.use_graph = decoder.decode_kernel = False
+    decoder.step_graphs.enabled = decoder.decode_kernel = False
     keys, position = decoder.keys[0], decoder.position
     assert position.shape[-2:] == (decoder.rows, 1) and position.dim() == (3 if family == "qwen2-vl" else 2)
     job = {"messages": [{"role": "user", "content": "Hi."}], "max_new_tokens": 6, "min_new_tokens": 6}

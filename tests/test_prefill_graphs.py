@@ -16,7 +16,7 @@ from runpod_vlm.answers import generate_all
 from runpod_vlm.engine import engine as engine_module
 from runpod_vlm.engine import prefill_graphs as prefill_graphs_module
 from runpod_vlm.engine import varlen
-from runpod_vlm.engine.decoder import PagedDecoder
+from runpod_vlm.engine.decoder_graphs import StepGraphs
 from runpod_vlm.engine.prefill_graphs import KEY_BUCKETS, PrefillGraphs, bucket, key_bucket
 from test_paged_engine import items_of, language_model_inputs, packed_prefill_jobs, solo_generate
 from test_prefill_compile import vqa
@@ -58,14 +58,14 @@ def graphs_on_cpu(monkeypatch):
     monkeypatch.setattr(varlen, "kernel", lambda: varlen_reference)
     monkeypatch.setattr(PrefillGraphs, "_record", record)
     monkeypatch.setattr(prefill_graphs_module, "BURST_FROM", 10**9)  # a burst's shapes: seconds each on the CPU
-    monkeypatch.setattr(PagedDecoder, "_capture", lambda self, bucket, span: None)
-    monkeypatch.setattr(PagedDecoder, "_graph_memory", lambda self: None)
+    monkeypatch.setattr(StepGraphs, "_capture", lambda self, bucket, span: None)
+    monkeypatch.setattr(StepGraphs, "memory", lambda self: None)
     return replayed
 
 
 def with_graphs(engine) -> PrefillGraphs:
     decoder = engine.start_decoder()
-    decoder.use_graph = decoder.packs = True
+    decoder.step_graphs.enabled = decoder.packs = True
     return decoder.prefill_graphs
 
 
@@ -184,13 +184,13 @@ def test_no_prefill_graph_is_recorded_while_a_shape_compiles_and_the_shapes_aske
     wanted = list(graphs.wanted)
     items = items_of(engine, [vqa((64, 48), "What?", 2)])
     tries: list = []
-    real = engine.start_decoder().capture_one_ahead
-    monkeypatch.setattr(engine.start_decoder(), "capture_one_ahead", lambda *a: tries.append(1) or real(*a))
+    real = engine.start_decoder().step_graphs.capture_one_ahead
+    monkeypatch.setattr(engine.start_decoder().step_graphs, "capture_one_ahead", lambda *a: tries.append(1) or real(*a))
     with engine.compiler.capture_lock:
         assert generate_all(engine, items) == solo_generate(engine, items)
         time.sleep(0.3)
         assert not graphs.graphs and set(wanted) <= set(graphs.wanted) and len(tries) < 5
-        engine.start_decoder()._capture_pass()  # the compile took the GPU after the engine thread looked
+        engine.start_decoder().step_graphs._capture_pass()  # the compile took the GPU after the engine thread looked
         assert set(wanted) <= set(graphs.wanted)
     with engine._wake:
         engine._wake.notify()  # as the compile does when it is done
@@ -318,11 +318,11 @@ def test_a_voided_recording_keeps_its_graph_and_the_next_recordings_go_to_a_new_
     monkeypatch.setattr(prefill_graphs_module, "_capture_stream", None)
     monkeypatch.setattr(prefill_graphs_module, "_voided", [])
     monkeypatch.setattr(prefill_graphs_module, "_stuck_pools", set())
-    decoder = types.SimpleNamespace(graph_pool=None)  # the decoder's memory pool for every graph
-    pool = PagedDecoder._graph_memory(decoder)
+    step_graphs = types.SimpleNamespace(pool=None)  # the memory pool every graph records into
+    pool = StepGraphs.memory(step_graphs)
     graph = torch.cuda.CUDAGraph()
     prefill_graphs_module.record(graph, pool, lambda: None)
-    assert graph.captured and PagedDecoder._graph_memory(decoder) == pool  # recorded: the same pool next
+    assert graph.captured and StepGraphs.memory(step_graphs) == pool  # recorded: the same pool next
     graphs = [torch.cuda.CUDAGraph()]
     with pytest.raises(RuntimeError, match="previous error during capture"):
         prefill_graphs_module.record(graphs[0], pool, lambda: setattr(graphs[0], "voided", True))
@@ -332,23 +332,23 @@ def test_a_voided_recording_keeps_its_graph_and_the_next_recordings_go_to_a_new_
     with pytest.raises(RuntimeError, match="already recording"):  # the page-locked allocator's is taken for good
         prefill_graphs_module.record(torch.cuda.CUDAGraph(), pool, lambda: None)
     assert not allocator.taken  # (here the GPU's allocator takes it first): it holds no pool afterwards
-    new_pool = PagedDecoder._graph_memory(decoder)
+    new_pool = StepGraphs.memory(step_graphs)
     assert new_pool != pool
     graph = torch.cuda.CUDAGraph()
     prefill_graphs_module.record(graph, new_pool, lambda: None)
-    assert graph.captured and PagedDecoder._graph_memory(decoder) == new_pool
+    assert graph.captured and StepGraphs.memory(step_graphs) == new_pool
     allocator.fail_begin = True  # a capture_begin that fails after taking the pool: the same
     with pytest.raises(RuntimeError, match="stream is capturing"):
         prefill_graphs_module.record(torch.cuda.CUDAGraph(), new_pool, lambda: None)
     assert not allocator.taken and len(prefill_graphs_module._voided) == 3
-    assert PagedDecoder._graph_memory(decoder) not in (pool, new_pool)
+    assert StepGraphs.memory(step_graphs) not in (pool, new_pool)
     allocator.fail_begin = False
 
     def fails(message: str):
         raise torch.OutOfMemoryError(message)
 
-    pool = PagedDecoder._graph_memory(decoder)
+    pool = StepGraphs.memory(step_graphs)
     with pytest.raises(torch.OutOfMemoryError):  # a recording that failed but ended: nothing to give back or keep
         prefill_graphs_module.record(torch.cuda.CUDAGraph(), pool, lambda: fails("a stand-in"))
     assert not allocator.taken and len(prefill_graphs_module._voided) == 3
-    assert PagedDecoder._graph_memory(decoder) == pool
+    assert StepGraphs.memory(step_graphs) == pool

@@ -341,7 +341,7 @@ class Admission:
             self.scheduler.make_room(steps, ahead, decoder.lengths, decoder.grow, decoder.release)
         if not running:
             return None
-        started, eager, capturing = time.perf_counter(), decoder.eager_steps, decoder.capture_s
+        started, eager, capturing = time.perf_counter(), decoder.eager_steps, decoder.step_graphs.capture_s
         try:
             launched = decoder.launch(steps)
         except Exception as error:
@@ -354,7 +354,7 @@ class Admission:
         self.timings["decode_s"] += time.perf_counter() - started
         self.timings["decode_steps"] += steps
         self.timings["decode_eager_steps"] += decoder.eager_steps - eager
-        self.timings["graph_capture_s"] += decoder.capture_s - capturing
+        self.timings["graph_capture_s"] += decoder.step_graphs.capture_s - capturing
         return InFlight.of(launched, running)
 
     def _hand_out(self, decoder: PagedDecoder, in_flight: InFlight) -> None:

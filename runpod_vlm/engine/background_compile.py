@@ -118,7 +118,7 @@ class BackgroundCompiler:
         for bucket in ready:
             if decoder is not None:
                 decoder.use_forward(bucket, self.forward)
-                decoder.capture_ahead(bucket)
+                decoder.step_graphs.ask_ahead(bucket)
                 log.info("decoding %d-row steps with the compiled forward from now on", bucket)
 
     def use_compiled(self, decoder) -> None:
@@ -266,7 +266,7 @@ class BackgroundCompiler:
                 for row in range(bucket):
                     shadow.grow(row, shadow.lengths[row] + 2)
                 for _ in range(2):
-                    shadow._advance(bucket, shadow.span(2))
+                    shadow.advance(bucket, shadow.span(2))
                 torch.cuda.synchronize()
         except Exception:
             log.warning("compiling the %d-row decode step failed; it stays uncompiled", bucket, exc_info=True)

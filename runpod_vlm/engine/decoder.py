@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import itertools
 import logging
-import threading
 import types
 from typing import Optional
 
 from runpod_vlm.engine import decode_kernel
 from runpod_vlm.engine.blocks import BlockPool
-from runpod_vlm.engine.decoder_graphs import DecoderGraphs
+from runpod_vlm.engine.decoder_graphs import StepGraphs
 from runpod_vlm.engine.host_copies import Launched, to_device, to_host
 from runpod_vlm.engine.memory import kv_layout
 from runpod_vlm.engine.paged_attention import PagedStep, attention_limits, paged
@@ -30,7 +29,7 @@ def row_buckets(rows: int) -> list[int]:
     return sorted({b for b in (8, 16, 32, 64, 128) if b < rows} | {rows})
 
 
-class PagedDecoder(Prefill, DecoderGraphs):
+class PagedDecoder(Prefill):
     """Continuous-batching decoding state: up to `rows` sequences over a pool of KV blocks.
 
     A row holds the blocks of its own tokens (its block table); a decode step writes each row's new
@@ -42,8 +41,6 @@ class PagedDecoder(Prefill, DecoderGraphs):
     row. Greedy rows give `model.generate(do_sample=False)`'s tokens, alone or beside others."""
 
     pending_logprobs: Optional[dict] = None  # row -> (logprob, top ids, top logprobs) per new token
-    capture_lock: Optional[threading.Lock] = None  # held by the background compile while it runs GPU work
-    recording_wanted = False  # a step found its graph unrecorded and the compile holding the GPU (it runs eagerly)
 
     def __init__(
         self,
@@ -62,21 +59,18 @@ class PagedDecoder(Prefill, DecoderGraphs):
         import torch
 
         with torch.inference_mode():  # like every tensor made later, on the engine or compile thread
-            self._make_state(model, eos_ids, rows, blocks, block_size, use_graph, interval, max_row_tokens)
+            self._make_state(model, eos_ids, rows, blocks, block_size, interval, max_row_tokens)
             self._make_graphs(model, rows, use_graph, prefill_tokens)
 
-    def _make_state(self, model, eos_ids, rows, blocks, block_size, use_graph, interval, max_row_tokens) -> None:
+    def _make_state(self, model, eos_ids, rows, blocks, block_size, interval, max_row_tokens) -> None:
         import torch
 
         device = model.device
-        self.model, self.rows, self.interval, self.use_graph = model, rows, interval, use_graph
+        self.model, self.rows, self.interval = model, rows, interval
         self.pool = BlockPool(blocks, block_size)
         self.block_size = block_size
         self.buckets = row_buckets(rows)
         self.forwards = {bucket: model for bucket in self.buckets}  # `use_forward` swaps in compiled ones
-        self.graphs: dict = {}  # (bucket, span, any sampled row, logprobs, constrained) -> CUDA graph of one step
-        self.unrecorded: set = set()  # keys of graphs whose recording ran out of memory: their steps run eagerly
-        self.ahead: list = []  # (bucket, sampled) graphs to record while the engine is idle
         self.decode_kernel = decode_kernel.usable(model)  # else a step gathers each row's slots (span)
         limits = attention_limits(model.config.get_text_config(decoder=True))
         self.limits = limits if any(window or chunk for window, chunk in limits) else None
@@ -112,10 +106,9 @@ class PagedDecoder(Prefill, DecoderGraphs):
         self.position = self._position_buffer(model, rows)  # each row's next position, as the family's position ids
         self.lengths: dict[int, int] = {}  # busy row -> tokens in its blocks (host copy of state.length)
         self.flags: dict[int, tuple] = {}  # busy row -> whether it samples, wants logprobs, is constrained
-        self.table_writes: list[tuple] = []  # (row, column, block) not yet in `table` (`_write_table`)
+        self.table_writes: list[tuple] = []  # (row, column, block) not yet in `table` (`write_table`)
         self.any_sample = self.any_logprobs = self.any_constrained = False
-        self.capture_failures = 0  # e.g. voided by the background compile's GPU work
-        self.eager_steps, self.capture_s = 0, 0.0  # steps run without a graph, seconds spent recording (benchmarks)
+        self.eager_steps = 0  # steps run without a graph (benchmarks)
 
     def _make_graphs(self, model, rows: int, use_graph: bool, prefill_tokens: int) -> None:
         # Made before the graphs' memory pool, so that they go first at teardown (made after: an abort at exit).
@@ -124,7 +117,7 @@ class PagedDecoder(Prefill, DecoderGraphs):
         self.vision_graphs = VisionGraphs(visual) if visual is not None and use_graph else None
         if visual is not None and placeholder_counts_on_the_host(model):
             self.vision_graphs_unit = visual.spatial_merge_size**2
-        self.graph_pool = None  # the graphs' shared memory pool, the prefills' too (each its own: GBs at 256 rows)
+        self.step_graphs = StepGraphs(self, use_graph)  # after the passes' graphs: its memory pool goes last
 
     # ---- blocks -----------------------------------------------------------------------------
 
@@ -143,7 +136,7 @@ class PagedDecoder(Prefill, DecoderGraphs):
         self.pool.share(row, blocks)
         self.table_writes.extend((row, n, block) for n, block in enumerate(blocks))
 
-    def _write_table(self) -> None:
+    def write_table(self) -> None:
         """The block-table entries given since the last step, in one copy that does not wait for the GPU."""
         import torch
 
@@ -273,7 +266,7 @@ class PagedDecoder(Prefill, DecoderGraphs):
         """The per-row tensors of the first `bucket` rows, as views."""
         return types.SimpleNamespace(**{k: v if v is None else v[:bucket] for k, v in vars(self.state).items()})
 
-    def _advance(self, bucket: int, span: int) -> None:
+    def advance(self, bucket: int, span: int) -> None:
         """One step of the first `bucket` rows, each attending to its first `span` slots at most: their
         last tokens go through the model, the next are chosen."""
         rows = self._rows_of(bucket)
@@ -333,21 +326,17 @@ class PagedDecoder(Prefill, DecoderGraphs):
         """Launch `steps` (at most `interval`) decode steps and the copy of their tokens to the host, without waiting
         for the GPU (`read` waits). Every busy row must hold the blocks for `steps` more tokens (`grow`). A row steps
         until it is released: one that ended in steps not yet read steps on, into block 0 past its blocks."""
-        self._write_table()
+        self.write_table()
         bucket, span = self.bucket(), self.span(steps)
-        key = self._graph_key(bucket, span)
-        self.recording_wanted = False
-        if self.use_graph and key not in self.graphs and key not in self.unrecorded and self.lengths:
-            self._capture_or_log(bucket, span)  # before the steps: an eager step takes several replays' time
+        graph = self.step_graphs.before_step(bucket, span)
         self.ring_index.zero_()
-        graph = self.graphs.get(key)
-        kept = self._kept() if graph is None else None
+        kept = self.keep_rows() if graph is None else None
         try:
             for _ in range(steps):
-                graph.replay() if graph is not None else self._advance(bucket, span)
+                graph.replay() if graph is not None else self.advance(bucket, span)
         except Exception:
             if kept is not None:  # eager steps that failed midway (out of memory): the rows where they were
-                self._put_back(kept)
+                self.put_back(kept)
             raise
         self.eager_steps += 0 if graph is not None else steps
         for row in self.lengths:
@@ -377,6 +366,22 @@ class PagedDecoder(Prefill, DecoderGraphs):
         """The log-probabilities the last prefill or steps recorded (row -> one entry per new token), once."""
         pending, self.pending_logprobs = self.pending_logprobs, None
         return pending
+
+    def use_forward(self, bucket: int, forward) -> None:
+        """Step `bucket` with another forward (the compiled one); its graphs are recorded anew."""
+        self.forwards[bucket] = forward
+        self.step_graphs.drop(bucket)
+
+    def keep_rows(self) -> list:
+        """Copies of what a step advances in the rows' state (its KV slots are written again by the next step)."""
+        state = self.state
+        advanced = (state.token, self.position, state.count, state.length, state.seen)
+        return [(tensor, tensor.clone()) for tensor in advanced if tensor is not None]
+
+    @staticmethod
+    def put_back(kept: list) -> None:
+        for tensor, value in kept:
+            tensor.copy_(value)
 
     def steps_only_with(self, forward) -> bool:
         """Whether every bucket steps with `forward` (the compiled one)."""

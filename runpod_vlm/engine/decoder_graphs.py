@@ -5,7 +5,9 @@ memory pool, none while the background compile holds the GPU."""
 from __future__ import annotations
 
 import logging
+import threading
 import time
+from typing import Optional
 
 from runpod_vlm.engine.gpu_errors import is_out_of_memory
 from runpod_vlm.engine.prefill_graphs import record, usable
@@ -13,8 +15,39 @@ from runpod_vlm.engine.prefill_graphs import record, usable
 log = logging.getLogger("runpod-vlm")
 
 
-class DecoderGraphs:
-    """Part of PagedDecoder (its base): the recording of its graphs."""
+class StepGraphs:
+    """A decoder's recorded graphs and what decides their recording. It records the decoder's steps (`advance`, with
+    the rows' state kept and put back around it) and asks its vision and prefill graphs to record theirs; the decoder
+    replays them."""
+
+    def __init__(self, decoder, enabled: bool):
+        self.decoder = decoder
+        self.enabled = enabled  # off for good after 3 failed recordings, and where CUDA graphs cannot run
+        self.graphs: dict = {}  # (bucket, span, any sampled row, logprobs, constrained) -> CUDA graph of one step
+        self.unrecorded: set = set()  # keys of graphs whose recording ran out of memory: their steps run eagerly
+        self.ahead: list = []  # (bucket, sampled) graphs to record while the engine is idle
+        self.pool = None  # the memory pool every graph records into, the passes' too (each its own: GBs at 256 rows)
+        self.capture_lock: Optional[threading.Lock] = None  # held by the background compile while it runs GPU work
+        self.recording_wanted = False  # a step found its graph unrecorded and the compile holding the GPU
+        self.failures = 0  # e.g. voided by the background compile's GPU work
+        self.capture_s = 0.0  # seconds spent recording (benchmarks)
+
+    def key(self, bucket: int, span: int) -> tuple:
+        decoder = self.decoder
+        return bucket, span, decoder.any_sample, decoder.any_logprobs, decoder.any_constrained
+
+    def before_step(self, bucket: int, span: int):
+        """The graph of the step about to run, recorded first if it can be (an eager step takes several replays'
+        time); None where it runs eagerly."""
+        key = self.key(bucket, span)
+        self.recording_wanted = False
+        if self.enabled and key not in self.graphs and key not in self.unrecorded and self.decoder.lengths:
+            self._capture_or_log(bucket, span)
+        return self.graphs.get(key)
+
+    def drop(self, bucket: int) -> None:
+        """Forget `bucket`'s graphs (its steps run another forward): they are recorded anew."""
+        self.graphs = {key: graph for key, graph in self.graphs.items() if key[0] != bucket}
 
     def _capture_or_log(self, bucket: int, span: int) -> None:
         started = time.perf_counter()
@@ -23,30 +56,22 @@ class DecoderGraphs:
             self.recording_wanted = not self._capture_unless_compiling(bucket, span)
         except Exception as error:  # still correct without the graph, only slower
             if is_out_of_memory(error):  # not tried again: each try would run out again beside the rows' steps
-                self.unrecorded.add(self._graph_key(bucket, span))
+                self.unrecorded.add(self.key(bucket, span))
                 log.warning("a %d-row step's CUDA graph ran out of memory: its steps run eagerly", bucket)
             else:  # tried again at later steps
-                self.capture_failures += 1
-                log.warning("CUDA graph capture failed (%d of 3 tries)", self.capture_failures, exc_info=True)
-                self.use_graph = self.capture_failures < 3
+                self.failures += 1
+                log.warning("CUDA graph capture failed (%d of 3 tries)", self.failures, exc_info=True)
+                self.enabled = self.failures < 3
         self.capture_s += time.perf_counter() - started
 
-    def _graph_key(self, bucket: int, span: int) -> tuple:
-        return bucket, span, self.any_sample, self.any_logprobs, self.any_constrained
-
-    def use_forward(self, bucket: int, forward) -> None:
-        """Step `bucket` with another forward (the compiled one); its graphs are recorded anew."""
-        self.forwards[bucket] = forward
-        self.graphs = {key: graph for key, graph in self.graphs.items() if key[0] != bucket}
-
-    def capture_ahead(self, bucket: int) -> None:
+    def ask_ahead(self, bucket: int) -> None:
         """Have `bucket`'s greedy and sampled steps recorded ahead of need (`capture_one_ahead`, while the
         engine is idle), so that no request waits on their capture; only with the decode kernel, whose graphs
         hold rows of any length."""
-        if self.use_graph and self.decode_kernel:
+        if self.enabled and self.decoder.decode_kernel:
             self.ahead.extend((bucket, sample) for sample in (False, True))
 
-    def captures_ahead_due(self, ahead: bool = True) -> bool:
+    def due(self, ahead: bool = True) -> bool:
         """Whether `capture_one_ahead` has one to record: of a shape a pass met, or (`ahead`) of one asked for ahead
         of need, and the background compile does not hold the GPU (the engine thread would spin; it is woken when a
         shape compiled)."""
@@ -55,30 +80,32 @@ class DecoderGraphs:
             ahead and (self.ahead or any(graphs.recordable() for graphs in passes))
         )
         compiling = self.capture_lock is not None and self.capture_lock.locked()
-        return bool(wanted and self.use_graph and not compiling)
+        return bool(wanted and self.enabled and not compiling)
 
     def capture_one_ahead(self, ahead: bool = True) -> None:
         """Record one graph (one at a time: a request that comes meanwhile waits on one capture at most): of a vision
-        pass's or a prefill's shape met, else (`ahead`) one `capture_ahead` asked for, else one of a shape asked for
+        pass's or a prefill's shape met, else (`ahead`) one `ask_ahead` asked for, else one of a shape asked for
         ahead of need."""
-        if not self.captures_ahead_due(ahead):
+        if not self.due(ahead):
             return
         if not self.ahead or any(graphs.demanded() for graphs in self._pass_graphs()):
             return self._capture_pass()
         bucket, sample = self.ahead.pop(0)
-        flags = self.any_sample, self.any_logprobs, self.any_constrained
-        self.any_sample, self.any_logprobs, self.any_constrained = sample, False, False
+        decoder = self.decoder
+        flags = decoder.any_sample, decoder.any_logprobs, decoder.any_constrained
+        decoder.any_sample, decoder.any_logprobs, decoder.any_constrained = sample, False, False
         try:
-            if self._graph_key(bucket, 0) not in self.graphs and not self._capture_unless_compiling(bucket, 0):
+            if self.key(bucket, 0) not in self.graphs and not self._capture_unless_compiling(bucket, 0):
                 self.ahead.insert(0, (bucket, sample))  # the compile took the GPU meanwhile: later
         except Exception:  # captured again when a step needs it
             log.warning("CUDA graph capture ahead of the %d-row steps failed", bucket, exc_info=True)
         finally:
-            self.any_sample, self.any_logprobs, self.any_constrained = flags
+            decoder.any_sample, decoder.any_logprobs, decoder.any_constrained = flags
 
     def _pass_graphs(self) -> list:
-        """The vision passes' and the prefills' graphs, those this decoder has."""
-        return [graphs for graphs in (self.vision_graphs, self.prefill_graphs) if graphs is not None]
+        """The vision passes' and the prefills' graphs, those the decoder has."""
+        decoder = self.decoder
+        return [graphs for graphs in (decoder.vision_graphs, decoder.prefill_graphs) if graphs is not None]
 
     def _capture_pass(self) -> None:
         """Record a vision pass's or a prefill's graph of a shape met or asked for ahead, unless the background
@@ -87,26 +114,26 @@ class DecoderGraphs:
         passes = [graphs for graphs in self._pass_graphs() if graphs.recordable()]
         graphs = next((graphs for graphs in passes if graphs.demanded()), passes[0])
         try:
-            self._unless_compiling(lambda: graphs.capture_one(self._graph_memory()))
+            self._unless_compiling(lambda: graphs.capture_one(self.memory()))
         except Exception:  # the pass runs eagerly, as before
             log.warning("CUDA graph capture of a %s failed", graphs.kind, exc_info=True)
 
-    def _graph_memory(self):
+    def memory(self):
         """The memory pool every graph records into: they never replay at once. Called before each recording: it
         first gives the caching allocator's free blocks back to the GPU, which a recording cannot do (capped to
         24 GB, a recording ran out of memory beside 1 GB of them)."""
         import torch
 
         torch.cuda.empty_cache()
-        if self.graph_pool is not None and not usable(self.graph_pool.id):
+        if self.pool is not None and not usable(self.pool.id):
             log.warning("a CUDA graph recording was voided: the next ones record into a memory pool of their own")
-            self.graph_pool = None  # its graphs keep their memory
-        if self.graph_pool is None:
+            self.pool = None  # its graphs keep their memory
+        if self.pool is None:
             # A MemPool, not a bare graph_pool_handle(): it holds the pool open, so that capturing into it
             # after every graph in it was dropped (a bucket switching to the compiled forward) does not
             # trip the allocator's `use_count > 0` assert, as it did on a fresh H200.
-            self.graph_pool = torch.cuda.MemPool()
-        return self.graph_pool.id
+            self.pool = torch.cuda.MemPool()
+        return self.pool.id
 
     def _capture_unless_compiling(self, bucket: int, span: int) -> bool:
         """Record a step's graph unless the background compile holds the GPU (tried again at a later step)."""
@@ -130,30 +157,21 @@ class DecoderGraphs:
         again by the real steps before any reads them) or block 0's; what they advance is put back."""
         import torch
 
-        self._write_table()
-        kept = self._kept()
+        decoder = self.decoder
+        decoder.write_table()
+        kept = decoder.keep_rows()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         try:
             with torch.cuda.stream(stream):
                 for _ in range(2):
-                    self.ring_index.zero_()
-                    self._advance(bucket, span)
+                    decoder.ring_index.zero_()
+                    decoder.advance(bucket, span)
         finally:  # also after a step that failed midway (out of memory): else the rows would go on a step ahead
             torch.cuda.current_stream().wait_stream(stream)
-            self._put_back(kept)
-        self.ring_index.zero_()
+            decoder.put_back(kept)
+        decoder.ring_index.zero_()
         graph = torch.cuda.CUDAGraph()
-        record(graph, self._graph_memory(), lambda: self._advance(bucket, span))
-        self._put_back(kept)
-        self.graphs[self._graph_key(bucket, span)] = graph
-
-    def _kept(self) -> list:
-        """Copies of what a step advances in the rows' state (its KV slots are written again by the next step)."""
-        state = self.state
-        advanced = (state.token, self.position, state.count, state.length, state.seen)
-        return [(tensor, tensor.clone()) for tensor in advanced if tensor is not None]
-
-    def _put_back(self, kept: list) -> None:
-        for tensor, value in kept:
-            tensor.copy_(value)
+        record(graph, self.memory(), lambda: decoder.advance(bucket, span))
+        decoder.put_back(kept)
+        self.graphs[self.key(bucket, span)] = graph

@@ -199,7 +199,7 @@ class Engine(Admission, OneAtATime):
             kv_blocks_cached=pool.cached if pool else 0,
             block_size=BLOCK_SIZE,
             row_cap=cap[0] if cap else None,
-            decode_graphs=len(decoder.graphs) if decoder is not None else 0,
+            decode_graphs=len(decoder.step_graphs.graphs) if decoder is not None else 0,
             compiled_row_buckets=tuple(sorted(self.compiler.shapes)),
             image_cache_hits=self.image_cache.hits if self.image_cache else 0,
             image_cache_misses=self.image_cache.misses if self.image_cache else 0,
@@ -293,7 +293,7 @@ class Engine(Admission, OneAtATime):
         """A graph to record while idle (`ahead` of need too: by default once `_quiet`), and no item queued (call with
         `_wake` held): one still in the intake would wait for the whole recording when it is ready a few ms later."""
         ahead = self._quiet() if ahead is None else ahead
-        return not self.scheduler.waiting and self.decoder is not None and self.decoder.captures_ahead_due(ahead)
+        return not self.scheduler.waiting and self.decoder is not None and self.decoder.step_graphs.due(ahead)
 
     def _quiet(self) -> bool:
         return self._quiet_in_s() <= 0
@@ -343,7 +343,7 @@ class Engine(Admission, OneAtATime):
                     self._fail_all(WORKER_STOPPING, queued=True)  # on every path: one at a time too
                     continue
                 if idle:  # the GPU has nothing else to do
-                    self.decoder.capture_one_ahead(self._quiet())
+                    self.decoder.step_graphs.capture_one_ahead(self._quiet())
                     self.timings["recording_ahead_s"] += time.perf_counter() - started  # a job arriving waits for it
                     continue
                 if not self.continuous:
@@ -510,13 +510,13 @@ class Engine(Admission, OneAtATime):
             max_row_tokens=self.context_length,
             prefill_tokens=self.scheduler.token_budget,
         )
-        decoder.capture_lock = self.compiler.capture_lock
+        decoder.step_graphs.capture_lock = self.compiler.capture_lock
         return decoder
 
     def _recording_wanted(self) -> bool:
         """Whether a decode step ran eagerly for want of a graph the compile's GPU work held up (rows decoding)."""
         decoder = self.decoder
-        return decoder is not None and decoder.recording_wanted and bool(self.scheduler.running)
+        return decoder is not None and decoder.step_graphs.recording_wanted and bool(self.scheduler.running)
 
     def wait_until_compiled(self, timeout: float) -> bool:
         """Whether every shape of the current decoder decodes compiled (benchmarks, tests); False at once where

@@ -230,7 +230,9 @@ class Prefill:
         from runpod_vlm.engine import varlen
 
         graphs = self.prefill_graphs
-        return bool(self.use_graph and graphs and graphs.fits(tokens, keys, sequences)) and varlen.takes(embeds)
+        return bool(self.step_graphs.enabled and graphs and graphs.fits(tokens, keys, sequences)) and varlen.takes(
+            embeds
+        )
 
     def _through_language_model(self, step: PagedStep, embeds, positions):
         """The language model's last hidden states for `embeds` at `positions`, attending through `step`."""

@@ -9,7 +9,7 @@ multiple of `TOKEN_STEP` beyond (the padding one more sequence, whose keys and v
 it attends to as many keys as it has tokens), the keys it reads back from the pool to one of `KEY_BUCKETS`, its
 sequences' starts to a power of two (zero-length ones at the end). The first prefill of a shape runs the same padded
 forward eagerly and asks for its graph, which the decoder records while the engine is idle
-(`PagedDecoder.capture_one_ahead`); a single prompt's shapes of up to 1,024 keys are asked for at the first prefill. All
+(`StepGraphs.capture_one_ahead`); a single prompt's shapes of up to 1,024 keys are asked for at the first prefill. All
 graphs share one memory pool: it holds the largest one's work memory, which the KV pool's sizing sets aside
 (`memory.measured_work_memory`)."""
 
@@ -43,7 +43,7 @@ def record(graph, pool, forward) -> None:
     """Record `forward` into `graph`, its memory from `pool` (a pool id, not None): torch.cuda.graph's steps but for
     its release of the page-locked host cache (`torch._C._host_emptyCache`), after which the next copies to the GPU
     each allocate anew (2.3 ms each). The caller gives the GPU's free blocks back
-    first (`_graph_memory`).
+    first (`StepGraphs.memory`).
 
     A voided capture (a synchronize during it, say) makes `capture_end` raise before it tells the allocators that the
     capture is over, which PyTorch 2.11 does not undo: the pool stays taken, so every later recording into it fails
@@ -249,7 +249,7 @@ class PrefillGraphs(ShapeGraphs):
         self._fill(shape, held.slots[:0], held.key_slots[:0], [], [])
         self._forward(shape)
         self.met.add(shape)
-        if held.slots.is_cuda:  # its work memory back to the GPU, as before any recording (`_graph_memory`)
+        if held.slots.is_cuda:  # its work memory back to the GPU, as before any recording (`StepGraphs.memory`)
             torch.cuda.empty_cache()
 
     def _fill(self, shape: tuple, slots, key_slots, lengths: list[int], key_lengths: list[int]) -> None:

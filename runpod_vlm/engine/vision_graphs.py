@@ -9,7 +9,7 @@ computes from its images' grid with host syncs (where each image starts, each pa
 windows, Qwen3-VL's interpolation) is computed for the padded grid by transformers' own helpers, as its exporters
 precompute them, and handed to the tower, so that nothing in the recorded pass reads the grid. The lists of starts
 are padded with empty images to a power of two. The first pass of a shape runs padded, eagerly (or compiled), and
-asks for its graph, recorded while the engine is idle (`PagedDecoder.capture_one_ahead`). Every shape reads its
+asks for its graph, recorded while the engine is idle (`StepGraphs.capture_one_ahead`). Every shape reads its
 pixels from one buffer of MOST_PATCHES rows."""
 
 from __future__ import annotations

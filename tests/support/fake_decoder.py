@@ -24,6 +24,31 @@ class FakeChunked:
         self.length = sum(inputs["attention_mask"]._data[0])
 
 
+class FakeStepGraphs:
+    """StepGraphs' face over the fake decoder: only decode steps' graphs, each asked for ahead of need, recorded into
+    HUB.captured_ahead as (bucket, compiled forward, rows busy)."""
+
+    def __init__(self, decoder, enabled):
+        self.decoder, self.enabled = decoder, enabled
+        self.graphs, self.ahead = {}, []  # the buckets whose graphs are to be recorded while the engine is idle
+        self.capture_lock, self.recording_wanted, self.capture_s = None, False, 0.0
+
+    def ask_ahead(self, bucket):
+        self.ahead.append(bucket)
+
+    def due(self, ahead=True):
+        return bool(self.ahead and ahead)
+
+    def capture_one_ahead(self, ahead=True):
+        if self.due(ahead):
+            bucket = self.ahead.pop(0)
+            decoder = self.decoder
+            HUB.captured_ahead.append((bucket, decoder.forwards[bucket] is not decoder.model, bool(decoder.lengths)))
+
+    def drop(self, bucket):
+        self.graphs = {key: graph for key, graph in self.graphs.items() if key[0] != bucket}
+
+
 class FakePagedDecoder(PagedDecoder):
     """The real decoder's block bookkeeping (its BlockPool, buckets, forwards) with rows that answer HUB's
     script for their prompt: the fake logits are 10 for the script's token, HUB.runner_up_logit for
@@ -37,29 +62,18 @@ class FakePagedDecoder(PagedDecoder):
         self, model, eos_ids, rows, blocks, block_size, use_graph, interval, max_row_tokens=None, prefill_tokens=None
     ):
         self.model, self.eos_ids, self.rows = model, set(eos_ids), rows
-        self.use_graph, self.interval, self.block_size = use_graph, interval, block_size
+        self.interval, self.block_size = interval, block_size
         self.pool = BlockPool(blocks, block_size)
         self.columns = self.pool.capacity + 1
         self.buckets = row_buckets(rows)
         self.forwards = {bucket: model for bucket in self.buckets}
-        self.graphs, self.lengths, self.any_sample = {}, {}, False
+        self.lengths, self.any_sample = {}, False
         self.any_logprobs = self.any_constrained = False  # logprobs and grammars: tested on real tiny models
         self.answers: dict = {}  # row -> its script, tokens so far, params and seen tokens
         self.decode_kernel = False  # as on the CPU
-        self.eager_steps, self.capture_s = 0, 0.0
-        self.ahead = []  # buckets whose graphs are to be recorded while the engine is idle
+        self.eager_steps = 0
+        self.step_graphs = FakeStepGraphs(self, use_graph)
         HUB.decoders.append(self)
-
-    def capture_ahead(self, bucket):
-        self.ahead.append(bucket)
-
-    def captures_ahead_due(self, ahead=True):  # only decode steps' graphs, each asked for ahead of need
-        return bool(self.ahead and ahead)
-
-    def capture_one_ahead(self, ahead=True):
-        if self.captures_ahead_due(ahead):
-            bucket = self.ahead.pop(0)
-            HUB.captured_ahead.append((bucket, self.forwards[bucket] is not self.model, bool(self.lengths)))
 
     def grow(self, row, tokens):
         self.pool.grow(row, tokens)
@@ -150,7 +164,7 @@ class FakePagedDecoder(PagedDecoder):
         self.answers.pop(row, None)
         self.any_sample = any(a["params"].do_sample for a in self.answers.values())
 
-    def _advance(self, bucket, span=None):
+    def advance(self, bucket, span=None):
         HUB.forward_rows.append(bucket)
         if self.forwards[bucket] is not self.model:
             HUB.compiled_steps.append(bucket)
@@ -174,7 +188,7 @@ class FakePagedDecoder(PagedDecoder):
             if self.pool.blocks_for(written) > len(self.pool.table(row)):
                 HUB.protocol_errors.append(f"row {row} stepped past its blocks")
         for _ in range(steps):
-            self._advance(bucket)
+            self.advance(bucket)
         for row in self.lengths:
             self.lengths[row] += steps
         return [
