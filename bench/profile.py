@@ -53,6 +53,7 @@ def main() -> None:
     import tools.tiny_models as tiny_models
 
     logging.basicConfig(level=logging.INFO)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
     folder = Path(args.models) / "qwen2-vl-2b"
     if not (folder / "config.json").exists():
         tiny_models.build("qwen2-vl", folder, "qwen2-vl-2b", device="cuda", dtype="bf16")
