@@ -125,9 +125,8 @@ def save(out: Path, result: dict) -> None:
 
 
 def main() -> None:
-    parser = bench_parser(__doc__)
+    parser = bench_parser(__doc__, tiny=True)
     parser.add_argument("--parts", default="gemma3,shared_prompt")
-    parser.add_argument("--tiny", action="store_true", help="tiny models on the CPU: a smoke run of the script")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -103,12 +103,14 @@ def python_profile(engine, methods, path: Path, sorts=(("cumulative", 60),)):
     path.write_text(text.getvalue())
 
 
-def bench_parser(doc: str) -> argparse.ArgumentParser:
+def bench_parser(doc: str, tiny: bool = False) -> argparse.ArgumentParser:
     """A benchmark's command line: its summary (the first paragraph of `doc`, its module's), where its results go
-    (--out) and where the random-weight models are built (--models)."""
+    (--out), where the random-weight models are built (--models) and, with `tiny`, --tiny: its smoke run."""
     parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
     parser.add_argument("--out", default="bench/results")
     parser.add_argument("--models", default="/tmp/runpod-vlm-bench")
+    if tiny:
+        parser.add_argument("--tiny", action="store_true", help="tiny fp32 models on the CPU (a smoke run)")
     return parser
 
 

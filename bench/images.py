@@ -53,8 +53,7 @@ def job(name: str, images: list[str], tokens: int, history: list | None = None, 
 
 
 def main() -> None:
-    parser = bench_parser(__doc__)
-    parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on the CPU (a smoke run)")
+    parser = bench_parser(__doc__, tiny=True)
     args = parser.parse_args()
     import logging
 

@@ -29,9 +29,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
-    parser = bench_parser(__doc__)
+    parser = bench_parser(__doc__, tiny=True)
     parser.add_argument("--groups", default="1,4,16,23")
-    parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (a smoke run)")
     args = parser.parse_args()
     import torch
     from torch.profiler import ProfilerActivity, profile

@@ -32,8 +32,7 @@ IMAGE_SETS = {
 def main() -> None:
     from bench.harness import bench_parser
 
-    parser = bench_parser(__doc__)
-    parser.add_argument("--tiny", action="store_true", help="a tiny fp32 model on the CPU (a smoke run)")
+    parser = bench_parser(__doc__, tiny=True)
     args = parser.parse_args()
     import logging
 
