@@ -1,6 +1,5 @@
 """The one-at-a-time path: the items of the remote-code families and prompts past a family's batch bound (LongRoPE's
-original context), answered by the model's own `generate()` or its
-repository's `chat()`."""
+original context), answered by the model's own `generate()` or its repository's `chat()`."""
 
 from __future__ import annotations
 

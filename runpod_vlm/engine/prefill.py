@@ -229,10 +229,8 @@ class Prefill:
         """Whether a prefill of this size goes through `prefill_graphs` (on the GPU, through varlen)."""
         from runpod_vlm.engine import varlen
 
-        graphs = self.prefill_graphs
-        return bool(self.step_graphs.enabled and graphs and graphs.fits(tokens, keys, sequences)) and varlen.takes(
-            embeds
-        )
+        graphs = self.prefill_graphs if self.step_graphs.enabled else None
+        return bool(graphs and graphs.fits(tokens, keys, sequences)) and varlen.takes(embeds)
 
     def _through_language_model(self, step: PagedStep, embeds, positions):
         """The language model's last hidden states for `embeds` at `positions`, attending through `step`."""
