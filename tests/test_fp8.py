@@ -7,6 +7,12 @@ their greedy tokens part within a few steps under fp8 (tokens/s and agreement on
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import transformers
@@ -64,3 +70,16 @@ def test_fp8_is_refused_off_a_gpu_that_multiplies_float8(tiny_model, monkeypatch
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *device: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(SettingsError, match=r"compute capability 8.9\+.*A100-SXM4-80GB is 8.0"):
         loading.load_model(settings, "fp8")
+
+
+def test_the_few_rows_kernel_multiplies_the_float8_weight_as_its_dequantized_product_does():
+    """Triton's interpreter runs the kernel on the CPU (tests/support/interpreted_kernel.py), in float32."""
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    script = Path(__file__).with_name("support") / "interpreted_kernel.py"
+    done = subprocess.run([sys.executable, str(script), "fp8"], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    cases = json.loads(done.stdout.strip().splitlines()[-1])
+    assert {case["rows"] for case in cases} >= {1, 16, 17, 64} and any(case["N"] >= 128 for case in cases)
+    for case in cases:
+        assert case["max_abs_diff"] < 1e-3, case

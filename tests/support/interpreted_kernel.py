@@ -1,8 +1,9 @@
-"""The GPU decode kernel on the CPU, through Triton's interpreter: run as a process of its own, with
-TRITON_INTERPRET=1 set before Triton is imported (tests/test_decode_kernel.py starts it). Prints JSON.
+"""The GPU kernels on the CPU, through Triton's interpreter: run as a process of its own, with TRITON_INTERPRET=1
+set before Triton is imported (tests/test_decode_kernel.py and tests/test_fp8.py start it). Prints JSON.
 
-    python tests/interpreted_kernel.py kernel          # the kernel against gather + SDPA
+    python tests/interpreted_kernel.py kernel          # the decode kernel against gather + SDPA
     python tests/interpreted_kernel.py engine FOLDER   # a tiny model's concurrent answers with it
+    python tests/interpreted_kernel.py fp8             # FP8's weight-only product against the dequantized one
 """
 
 from __future__ import annotations
@@ -101,8 +102,28 @@ def engine_answers(folder: str) -> dict:
     }
 
 
+def fp8_cases() -> list[dict]:
+    """The weight-only product at 1 to 64 rows, outputs narrow and wide (over 64 columns a multiprocessor, two
+    here) and not a multiple of their tiles, K not a multiple of its stride; in float32, which the interpreter
+    multiplies exactly (its bf16 products are wrong)."""
+    from runpod_vlm.engine import fp8
+
+    fp8._multiprocessors = lambda device: 2
+    torch.manual_seed(0)
+    found = []
+    for rows, N, K in [(1, 40, 200), (5, 100, 96), (16, 130, 300), (17, 200, 64), (64, 48, 520), (33, 136, 136)]:
+        weight, scale = fp8.quantized_rows(torch.randn(N, K))
+        x = torch.randn(rows, K)
+        out = fp8.weight_only_matmul(x, weight, scale.reshape(-1))
+        expected = x @ (weight.float() * scale).t()
+        found.append({"rows": rows, "N": N, "K": K, "max_abs_diff": float((out - expected).abs().max())})
+    return found
+
+
 if __name__ == "__main__":
     if sys.argv[1] == "kernel":
         print(json.dumps(kernel_cases()))
+    elif sys.argv[1] == "fp8":
+        print(json.dumps(fp8_cases()))
     else:
         print(json.dumps(engine_answers(sys.argv[2])))
