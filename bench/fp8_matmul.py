@@ -1,7 +1,8 @@
 """FP8's few-rows product (engine/fp8.py's `weight_only_matmul`) against bf16's and `_scaled_mm`'s (GPU), at the
 language model's shapes of Qwen2-VL-2B (each projection, and the groups engine/projections.py joins) and 1, 8 and
 64 rows: each product replayed 50 times in a CUDA graph, as a decode step runs it; its weight bytes against the
-copy bandwidth measured in the same run (the floor), and a sweep of the kernel's tiles beside `tiles`' choice.
+copy bandwidth measured in the same run (the floor), and a sweep of the kernel's tiles and splits of K beside
+`tiles`' choice.
 
     python -m bench.fp8_matmul --out OUT [--no-sweep]
 
@@ -80,7 +81,7 @@ def main() -> None:
     bandwidth = copy_bandwidth(torch)
     results: dict = {"device": torch.cuda.get_device_name(), "copy_GBps": round(bandwidth / 1e9), "shapes": []}
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s on {results['device']}")
-    sweep = [(n, k, s) for n in (16, 32, 64, 128) for k in (128, 256, 512) for s in (2, 3, 4)]
+    sweep = [(n, k, s, splits) for n in (16, 32, 64) for k in (128, 256) for s in (3, 4) for splits in (1, 2, 4)]
     for name, (N, K) in SHAPES.items():
         weight_bf16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
         weight, scale = fp8.quantized_rows(weight_bf16)
@@ -100,7 +101,7 @@ def main() -> None:
             row["scaled_mm_us"] = round(
                 replayed_us(torch, functools.partial(scaled_mm, torch, fp8, x, weight, scale)), 2
             )
-            row["tiles"] = list(fp8.tiles(rows, N, x.device))
+            row["tiles"] = list(fp8.tiles(rows, N, K, x.device))
             row["weight_only_us"] = round(replayed_us(torch, weight_only), 2)
             if not args.no_sweep:
                 timed = {}

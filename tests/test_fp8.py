@@ -18,7 +18,9 @@ import torch
 import transformers
 
 from runpod_vlm.engine import loading
+from runpod_vlm.engine.compile import model_view
 from runpod_vlm.engine.fp8 import E4M3_MAX, Fp8Linear, quantize_language_model
+from runpod_vlm.engine.projections import one_product_per_input, share_weights, with_shared_products
 from runpod_vlm.settings import Settings, SettingsError
 
 
@@ -31,7 +33,7 @@ def dequantized_rows(values):
 def test_an_fp8_layer_multiplies_its_float8_operands_and_stays_within_e4m3s_error_of_the_original(rowwise):
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48)
-    layer = Fp8Linear(linear)
+    layer = Fp8Linear.of(linear)
     layer.rowwise = rowwise  # on the CPU torch's _scaled_mm takes both
     assert layer.weight.dtype == torch.float8_e4m3fn and layer.weight_scale.shape == (1, 48)
     x = torch.randn(3, 5, 64)
@@ -81,5 +83,45 @@ def test_the_few_rows_kernel_multiplies_the_float8_weight_as_its_dequantized_pro
     assert done.returncode == 0, done.stderr[-4000:]
     cases = json.loads(done.stdout.strip().splitlines()[-1])
     assert {case["rows"] for case in cases} >= {1, 16, 17, 64} and any(case["N"] >= 128 for case in cases)
+    assert {case["splits"] for case in cases} == {1, 2, 3}
     for case in cases:
         assert case["max_abs_diff"] < 1e-3, case
+
+
+def test_fp8_projections_join_as_bf16s_do_and_the_compiled_step_computes_one_product_a_group(tiny_model):
+    model = transformers.AutoModelForImageTextToText.from_pretrained(tiny_model("qwen2-vl"), dtype=torch.float32)
+    ids = torch.tensor([[5, 9, 40, 41, 42, 7]])
+    quantize_language_model(model)
+    with torch.no_grad():
+        apart = model(input_ids=ids).logits
+    layers = model.get_decoder().layers
+    assert share_weights(model) == 2 * len(layers)
+    attention = layers[0].self_attn
+    q, k = attention.q_proj, attention.k_proj
+    assert k.weight.data_ptr() == q.weight.data_ptr() + q.weight.numel()  # rows of one float8 tensor
+    assert k.weight_scale.data_ptr() == q.weight_scale.data_ptr() + 4 * q.out_features
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, apart)  # eager code reads the same numbers
+
+    view = model_view(model)
+    assert with_shared_products(view) == 2 * len(layers)
+    products = []  # FP8 products traced, then kept by the pass
+    op = torch.ops.runpod_vlm.fp8_linear.default
+
+    def backend(graph, example_inputs):
+        traced = sum(node.target is op for node in graph.graph.nodes)
+        one_product_per_input()(graph.graph)
+        graph.recompile()
+        products.append((traced, sum(node.target is op for node in graph.graph.nodes)))
+        return graph.forward
+
+    hidden = torch.randn(1, 6, model.config.text_config.hidden_size)
+    rotary = model.model.language_model.rotary_emb(hidden, torch.arange(6).expand(3, 1, 6))
+    with torch.no_grad():
+        expected = layers[0](hidden, position_embeddings=rotary)
+        got = torch.compile(view.get_decoder().layers[0], backend=backend, fullgraph=True)(
+            hidden, position_embeddings=rotary
+        )
+    first = lambda out: out[0] if isinstance(out, tuple) else out  # noqa: E731
+    assert products == [(7, 4)]  # q, k, v, o, gate, up, down -> q+k+v, o, gate+up, down
+    assert torch.allclose(first(got), first(expected), atol=1e-5)

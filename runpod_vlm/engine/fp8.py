@@ -40,7 +40,7 @@ def quantized_rows(values):
 
 
 @functools.cache
-def _kernel():
+def _kernels():
     import triton
     import triton.language as tl
 
@@ -49,20 +49,24 @@ def _kernel():
         x,  # [rows, K], rows <= BLOCK_M
         weight,  # [N, K] float8 e4m3
         scale,  # [N] float32
-        out,  # [rows, N]
+        out,  # [rows, N], or with SPLITS > 1 float32 partial sums [SPLITS, rows, N]
         rows,
         N,
         K,
+        per_split,  # K's elements each split reads, a multiple of BLOCK_K
         stride_x,
         stride_out,
         BLOCK_M: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        SPLITS: tl.constexpr,
     ):
+        split = tl.program_id(1)
         row = tl.arange(0, BLOCK_M)
         column = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
+        first = split * per_split
+        for start in range(first, tl.minimum(first + per_split, K), BLOCK_K):
             k = start + tl.arange(0, BLOCK_K)
             held = (row[:, None] < rows) & (k[None, :] < K)
             a = tl.load(x + row[:, None] * stride_x + k[None, :], mask=held, other=0)
@@ -71,22 +75,42 @@ def _kernel():
             acc += tl.dot(a, tl.where(inside, w.to(a.dtype), 0))
         acc *= tl.load(scale + column, mask=column < N, other=0)[None, :]
         mask = (row[:, None] < rows) & (column[None, :] < N)
-        tl.store(out + row[:, None] * stride_out + column[None, :], acc.to(out.dtype.element_ty), mask=mask)
+        if SPLITS == 1:
+            tl.store(out + row[:, None] * stride_out + column[None, :], acc.to(out.dtype.element_ty), mask=mask)
+        else:
+            tl.store(out + split * rows * N + row[:, None] * N + column[None, :], acc, mask=mask)
 
-    return weight_only
+    @triton.jit
+    def sum_splits(partial, out, size, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+        offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        inside = offsets < size
+        acc = tl.zeros((BLOCK,), dtype=tl.float32)
+        for split in tl.static_range(SPLITS):
+            acc += tl.load(partial + split * size + offsets, mask=inside, other=0)
+        tl.store(out + offsets, acc.to(out.dtype.element_ty), mask=inside)
+
+    return weight_only, sum_splits
 
 
 def _multiprocessors(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
 
 
-def tiles(rows: int, N: int, device) -> tuple[int, int, int]:
-    """`weight_only_matmul`'s tiles (columns and K a program reads each step) and pipeline stages for `rows` x `N`.
-    Enough programs to keep every multiprocessor reading: wide outputs (an MLP's gate and up) in 64 columns,
-    narrow ones (attention's projections, the MLP's down) in 16 with longer strides of K each."""
-    if N >= 64 * _multiprocessors(device):
-        return 64, 128, 3
-    return 16, 512 if rows <= 16 else 256, 3
+SPLIT_MIN_K = 1024  # K's elements a split reads at least: fewer would cost more in partial sums than they save
+
+
+def tiles(rows: int, N: int, K: int, device) -> tuple[int, int, int, int]:
+    """`weight_only_matmul`'s tiles (the columns and the stretch of K a program reads each step), pipeline stages and
+    splits of K for `rows` x `N` x `K`: enough programs to keep every multiprocessor reading (four a multiprocessor).
+    Wide outputs (an MLP's gate and up) take 32 or 64 columns a program, narrow ones (attention's projections, the
+    MLP's down) 16, the long K of a narrow one (the down projection's) in splits whose partial sums a second kernel
+    adds. The tiles are the fastest of bench/fp8_matmul.py's sweep on an H100 (results/fp8-matmul-h100-2a5a24c.json)."""
+    multiprocessors = _multiprocessors(device)
+    if N >= 64 * multiprocessors:
+        return (32, 128, 3, 1) if rows <= 16 else (64, 128, 2, 1)
+    programs = -(-N // 16)
+    splits = max(1, min(8, -(-4 * multiprocessors // programs), K // SPLIT_MIN_K))
+    return 16, 256, 4, splits
 
 
 def weight_only_matmul(x, weight, scale, config=None):
@@ -95,54 +119,86 @@ def weight_only_matmul(x, weight, scale, config=None):
     overrides `tiles` (bench/fp8_matmul.py sweeps it)."""
     rows, K = x.shape
     N = weight.shape[0]
-    block_n, block_k, stages = config or tiles(rows, N, x.device)
+    block_n, block_k, stages, splits = config or tiles(rows, N, K, x.device)
     block_m = max(16, 1 << (rows - 1).bit_length())  # tl.dot takes 16 rows at least
+    per_split = -(-K // (splits * block_k)) * block_k
     out = torch.empty((rows, N), dtype=x.dtype, device=x.device)
-    _kernel()[(-(-N // block_n),)](
-        x, weight, scale, out, rows, N, K, x.stride(0), out.stride(0), block_m, block_n, block_k, num_stages=stages
-    )
+    partial = out if splits == 1 else torch.empty((splits, rows, N), dtype=torch.float32, device=x.device)
+    weight_only, sum_splits = _kernels()
+    weight_only[(-(-N // block_n), splits)](
+        x, weight, scale, partial, rows, N, K, per_split, x.stride(0), out.stride(0), block_m, block_n, block_k, splits,
+        num_stages=stages,
+    )  # fmt: skip
+    if splits > 1:
+        sum_splits[(-(-rows * N // 1024),)](partial, out, rows * N, splits, 1024)
     return out
 
 
 @torch.library.custom_op("runpod_vlm::fp8_linear", mutates_args=())
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, rowwise: bool) -> torch.Tensor:
-    """`x` [rows, K] times the float8 `weight` [N, K] with its scales [1, N]: few rows through `weight_only_matmul`,
+    """`x` [..., K] times the float8 `weight` [N, K] with its scales [1, N]: a few rows through `weight_only_matmul`,
     more with `x` quantized per row through `_scaled_mm` (its scales in the product where `rowwise`, after it
-    elsewhere). One opaque op to the compiler: a decode step's shapes are known, so it takes one path."""
-    if x.is_cuda and x.shape[0] <= FEW_ROWS:
-        return weight_only_matmul(x.contiguous(), weight, weight_scale.reshape(-1))
-    quantized, scale = quantized_rows(x)
-    if rowwise:
-        return torch._scaled_mm(quantized, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=x.dtype)
-    unit = torch.ones((), device=x.device)
-    out = torch._scaled_mm(quantized, weight.t(), scale_a=unit, scale_b=unit, out_dtype=x.dtype)
-    return (out * scale * weight_scale).to(x.dtype)
+    elsewhere). One op to the compiler, so that the pass of engine/projections.py finds a group's repeated products."""
+    flat = x.reshape(-1, x.shape[-1])
+    if x.is_cuda and flat.shape[0] <= FEW_ROWS:
+        out = weight_only_matmul(flat.contiguous(), weight, weight_scale.reshape(-1))
+    else:
+        quantized, scale = quantized_rows(flat)
+        if rowwise:
+            out = torch._scaled_mm(quantized, weight.t(), scale_a=scale, scale_b=weight_scale, out_dtype=x.dtype)
+        else:
+            unit = torch.ones((), device=x.device)
+            out = torch._scaled_mm(quantized, weight.t(), scale_a=unit, scale_b=unit, out_dtype=x.dtype)
+            out = (out * scale * weight_scale).to(x.dtype)
+    return out.reshape(*x.shape[:-1], weight.shape[0])
 
 
 @fp8_linear.register_fake
 def _(x, weight, weight_scale, rowwise):
-    return x.new_empty((x.shape[0], weight.shape[0]))
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 class Fp8Linear(torch.nn.Module):
-    """A linear layer whose weight is float8 e4m3 with a scale per output channel."""
+    """A linear layer whose weight is float8 e4m3 [out, in] with a scale per output channel [1, out]."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, weight, weight_scale, bias=None):
         super().__init__()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        weight, scale = quantized_rows(linear.weight.detach())
-        self.register_buffer("weight", weight)  # [out, in]: its transpose is the column-major operand _scaled_mm takes
-        self.register_buffer("weight_scale", scale.t().contiguous())  # [1, out]
-        bias = linear.bias
-        self.bias = None if bias is None else torch.nn.Parameter(bias.detach(), requires_grad=False)
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)  # its transpose is the column-major operand _scaled_mm takes
+        self.register_buffer("weight_scale", weight_scale)
+        self.bias = None if bias is None else torch.nn.Parameter(bias, requires_grad=False)
         # Hopper's _scaled_mm scales rows and columns in its epilogue; Ada's takes one scale a tensor (PyTorch's
         # row-wise kernel is written for sm_90), so there the scales multiply its output.
         self.rowwise = weight.is_cuda and torch.cuda.get_device_capability(weight.device) >= (9, 0)
 
+    @classmethod
+    def of(cls, linear: torch.nn.Linear) -> Fp8Linear:
+        weight, scale = quantized_rows(linear.weight.detach())
+        return cls(weight, scale.t().contiguous(), None if linear.bias is None else linear.bias.detach())
+
+    @classmethod
+    def joined(cls, members: list) -> Fp8Linear | None:
+        """One layer over `members`' weights, one after the other (engine/projections.py's groups), each member's
+        weight, scales and bias becoming views of its rows; None where they do not join (inputs or biases differ)."""
+        first = members[0]
+        if any(m.in_features != first.in_features or (m.bias is None) != (first.bias is None) for m in members):
+            return None
+        with torch.no_grad():
+            weight = torch.cat([m.weight for m in members])
+            scale = torch.cat([m.weight_scale for m in members], dim=1)
+            bias = None if first.bias is None else torch.cat([m.bias for m in members])
+        start = 0
+        for member in members:
+            end = start + member.out_features
+            member.weight, member.weight_scale = weight[start:end], scale[:, start:end]
+            if bias is not None:
+                member.bias = torch.nn.Parameter(bias[start:end], requires_grad=False)
+            start = end
+        return cls(weight, scale, bias)
+
     def forward(self, x):
-        out = fp8_linear(x.reshape(-1, self.in_features), self.weight, self.weight_scale, self.rowwise)
-        out = out if self.bias is None else out + self.bias  # added here: some row-wise kernels take no bias
-        return out.reshape(*x.shape[:-1], self.out_features)
+        out = fp8_linear(x, self.weight, self.weight_scale, self.rowwise)
+        return out if self.bias is None else out + self.bias  # added here: some row-wise kernels take no bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, float8_e4m3fn"
@@ -156,7 +212,7 @@ def quantize_language_model(model) -> int:
         for parent in list(layer.modules()):
             for name, child in list(parent.named_children()):
                 if type(child) is torch.nn.Linear and child.in_features % 16 == 0 and child.out_features % 16 == 0:
-                    setattr(parent, name, Fp8Linear(child))
+                    setattr(parent, name, Fp8Linear.of(child))
                     replaced += 1
     if torch.cuda.is_available():
         torch.cuda.empty_cache()  # the weights in the model's dtype, let go of

@@ -11,6 +11,7 @@ repeated matrix products)."""
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 
 from runpod_vlm.engine.compile import decoder_layers
@@ -21,49 +22,61 @@ GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # the names
 
 
 def share_weights(model) -> int:
-    """Each group of plain linear projections in the decoder layers (same input size, dtype and device; all with a
-    bias or none) takes its weights from one tensor; returns the number of groups joined."""
-    import torch
-
+    """Each group of linear projections in the decoder layers that can join (plain ones of the same input size, dtype
+    and device, all with a bias or none; or FP8's, engine/fp8.py) takes its weights from one tensor, and keeps the
+    layer over all of it beside them; returns the number of groups joined."""
     joined = 0
     for layer in decoder_layers(model):
         for parent in layer.modules():
             for names in GROUPS:
-                linears = [getattr(parent, name, None) for name in names]
-                if not _joinable(linears):
+                members = [getattr(parent, name, None) for name in names]
+                product = _joined(members)
+                if product is None:
                     continue
-                with torch.no_grad():
-                    weight = torch.cat([linear.weight for linear in linears])
-                    bias = torch.cat([linear.bias for linear in linears]) if linears[0].bias is not None else None
-                start, slices = 0, []
-                for linear in linears:
-                    end = start + linear.out_features
-                    linear.weight = torch.nn.Parameter(weight[start:end], requires_grad=False)
-                    if bias is not None:
-                        linear.bias = torch.nn.Parameter(bias[start:end], requires_grad=False)
-                    slices.append(slice(start, end))
-                    start = end
-                # A plain attribute (no parameter): a view of the model shares it, and nothing counts it twice.
-                vars(parent).setdefault("shared_products", []).append((names, weight, bias, slices))
+                ends = list(itertools.accumulate(member.out_features for member in members))
+                slices = [slice(end - member.out_features, end) for member, end in zip(members, ends)]
+                # A plain attribute (no submodule): a view of the model shares it, and nothing counts it twice.
+                vars(parent).setdefault("shared_products", []).append((names, product, slices))
                 joined += 1
     if joined:
         log.info("%d groups of projections share one weight each (one product a group in the compiled step)", joined)
     return joined
 
 
-def _joinable(linears: list) -> bool:
+def _joined(members: list):
+    """The layer over `members`' weights (theirs becoming views of it), or None where they do not join."""
     import torch
 
-    if not all(type(linear) is torch.nn.Linear for linear in linears):  # quantized layers are other classes
-        return False
-    first = linears[0]
-    return all(
-        linear.in_features == first.in_features
-        and linear.weight.dtype == first.weight.dtype
-        and linear.weight.device == first.weight.device
-        and (linear.bias is None) == (first.bias is None)
-        for linear in linears
-    )
+    kind = type(members[0])
+    if any(type(member) is not kind for member in members):
+        return None
+    if kind is not torch.nn.Linear:
+        joined = getattr(kind, "joined", None)  # FP8's layers join themselves; other quantized layers do not
+        return joined(members) if joined is not None else None
+    first = members[0]
+    if not all(
+        member.in_features == first.in_features
+        and member.weight.dtype == first.weight.dtype
+        and member.weight.device == first.weight.device
+        and (member.bias is None) == (first.bias is None)
+        for member in members
+    ):
+        return None
+    with torch.no_grad():
+        weight = torch.cat([member.weight for member in members])
+        bias = torch.cat([member.bias for member in members]) if first.bias is not None else None
+    product = torch.nn.Linear(weight.shape[1], weight.shape[0], bias is not None, device="meta")
+    product.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        product.bias = torch.nn.Parameter(bias, requires_grad=False)
+    start = 0
+    for member in members:
+        end = start + member.out_features
+        member.weight = torch.nn.Parameter(weight[start:end], requires_grad=False)
+        if bias is not None:
+            member.bias = torch.nn.Parameter(bias[start:end], requires_grad=False)
+        start = end
+    return product
 
 
 @functools.cache
@@ -85,17 +98,11 @@ def _slice_of_product():
 
 def with_shared_products(view) -> int:
     """In `view` (a copy of the model's module tree, `compile.model_view`), each group joined by `share_weights`
-    becomes slices of one linear product over the group's whole weight; returns the number of groups."""
-    import torch
-
+    becomes slices of one product over the group's whole weight; returns the number of groups."""
     groups = 0
     for layer in decoder_layers(view):
         for parent in layer.modules():
-            for names, weight, bias, slices in vars(parent).get("shared_products", ()):
-                product = torch.nn.Linear(weight.shape[1], weight.shape[0], bias is not None, device="meta")
-                product.weight = torch.nn.Parameter(weight, requires_grad=False)
-                if bias is not None:
-                    product.bias = torch.nn.Parameter(bias, requires_grad=False)
+            for names, product, slices in vars(parent).get("shared_products", ()):
                 for name, columns in zip(names, slices):
                     parent._modules[name] = _slice_of_product()(product, columns)
                 groups += 1
@@ -105,7 +112,7 @@ def with_shared_products(view) -> int:
 @functools.cache
 def one_product_per_input():
     """The pre-grad graph pass (for torch.compile's `options`) that keeps the first of repeated linear products of
-    the same input, weight and bias: a group's slices each traced its product."""
+    the same input, weight and bias (torch's, or this package's ops: FP8's): a group's slices each traced it."""
     import torch
     from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
 
@@ -115,7 +122,7 @@ def one_product_per_input():
         def __call__(self, graph) -> None:
             first: dict = {}
             for node in list(graph.nodes):
-                if node.op != "call_function" or node.target not in linear:
+                if node.op != "call_function" or not (node.target in linear or _ours(node.target)):
                     continue
                 key = (node.target, node.args, tuple(sorted(node.kwargs.items())))
                 kept = first.setdefault(key, node)
@@ -130,6 +137,11 @@ def one_product_per_input():
     # and a class of a function's own could not be, which left every graph uncached (no compile artifacts).
     OneProductPerInput.__qualname__ = OneProductPerInput.__name__
     return OneProductPerInput()
+
+
+def _ours(target) -> bool:
+    """Whether `target` is one of this package's torch ops (`runpod_vlm::...`, products without side effects)."""
+    return getattr(target, "namespace", None) == "runpod_vlm"
 
 
 def __getattr__(name: str):

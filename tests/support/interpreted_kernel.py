@@ -104,19 +104,25 @@ def engine_answers(folder: str) -> dict:
 
 def fp8_cases() -> list[dict]:
     """The weight-only product at 1 to 64 rows, outputs narrow and wide (over 64 columns a multiprocessor, two
-    here) and not a multiple of their tiles, K not a multiple of its stride; in float32, which the interpreter
-    multiplies exactly (its bf16 products are wrong)."""
+    here) and not a multiple of their tiles, K not a multiple of its stride, in 1 to 3 splits of K (chosen by
+    `tiles` or given); in float32, which the interpreter multiplies exactly (its bf16 products are wrong)."""
     from runpod_vlm.engine import fp8
 
     fp8._multiprocessors = lambda device: 2
+    fp8.SPLIT_MIN_K = 128
     torch.manual_seed(0)
     found = []
-    for rows, N, K in [(1, 40, 200), (5, 100, 96), (16, 130, 300), (17, 200, 64), (64, 48, 520), (33, 136, 136)]:
+    shapes = [(1, 40, 200), (5, 100, 96), (16, 130, 300), (17, 200, 64), (64, 48, 520), (33, 136, 136)]
+    configs = [None] * len(shapes) + [(16, 64, 2, 3), (32, 32, 2, 2)]
+    for (rows, N, K), config in zip(shapes + [(3, 40, 600), (20, 70, 100)], configs):
         weight, scale = fp8.quantized_rows(torch.randn(N, K))
         x = torch.randn(rows, K)
-        out = fp8.weight_only_matmul(x, weight, scale.reshape(-1))
+        out = fp8.weight_only_matmul(x, weight, scale.reshape(-1), config)
         expected = x @ (weight.float() * scale).t()
-        found.append({"rows": rows, "N": N, "K": K, "max_abs_diff": float((out - expected).abs().max())})
+        splits = (config or fp8.tiles(rows, N, K, x.device))[3]
+        found.append(
+            {"rows": rows, "N": N, "K": K, "splits": splits, "max_abs_diff": float((out - expected).abs().max())}
+        )
     return found
 
 
