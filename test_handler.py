@@ -1888,7 +1888,7 @@ def test_a_prefills_first_tokens_are_read_after_the_next_prefill_is_launched(mon
     assert len(hub.prefills) == 4
     assert events == ["launch", "launch", "read", "launch", "read", "launch", "read", "read"]
     engine = handler.get_engine()
-    assert pool_of(engine).free == pool_of(engine).capacity and not engine._launched
+    assert pool_of(engine).free == pool_of(engine).capacity and not engine.runner.launched
 
 
 def test_a_row_ended_while_its_next_interval_runs_gives_a_new_item_only_its_own_tokens(monkeypatch, hub):

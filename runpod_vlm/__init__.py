@@ -20,7 +20,7 @@ the engine knows nothing of RunPod jobs or request JSON; the scheduler never tou
   engine/        the model and its thread; knows nothing of RunPod jobs or request JSON
     engine       the facade and its thread: submit, warm_up, view, stop_after; wires the parts below
     scheduler    the plan of each step in plain Python: queue, rows, chunking, row cap, preemption, KV bookkeeping
-    admission    the engine thread carrying out the plan on the decoder: placing prompts, chunks, decode intervals
+    runner       the engine thread carrying out the plan on the decoder: placing prompts, chunks, decode intervals
     ticket       one item's way through the engine, and the events it sends its job
     view         a read-only snapshot of the engine (metrics, tests, benchmarks)
     intake       each item's processor call on threads (videos on one of their own) while the GPU decodes

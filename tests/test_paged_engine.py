@@ -163,15 +163,16 @@ def test_handing_out_an_interval_copies_nothing_into_the_decoders_tensors(tiny_m
     items = items_of(engine, short_jobs(3))
     solo = solo_generate(engine, items)
     recorder, handed_out, released = HostCopies(), [], []
-    real_hand_out, real_release = engine._hand_out, engine.start_decoder().release
+    decoder = engine.start_decoder()
+    real_hand_out, real_release = engine.runner.hand_out, decoder.release
 
     def hand_out(*args):
         handed_out.append(args)
         with recorder:
             return real_hand_out(*args)
 
-    monkeypatch.setattr(engine, "_hand_out", hand_out)
-    monkeypatch.setattr(engine.start_decoder(), "release", lambda row: released.append(row) or real_release(row))
+    monkeypatch.setattr(engine.runner, "hand_out", hand_out)
+    monkeypatch.setattr(decoder, "release", lambda row: released.append(row) or real_release(row))
     assert generate_all(engine, items) == solo
     assert len(handed_out) >= 4 and len(released) == 3 and recorder.copies == []
 
@@ -596,17 +597,17 @@ def test_running_out_of_memory_while_pixels_move_to_the_gpu_splits_then_fails_th
 ):
     # A 7B worker at a 48 GB cap answered a 16-image request with generation_failed: the OOM was raised while
     # the batch's pixel values moved to the GPU, outside the out-of-memory path.
-    from runpod_vlm.engine import admission
+    from runpod_vlm.engine import runner
 
     serve(tiny_model("qwen2-vl"))
-    real_on_device = admission.on_device
+    real_on_device = runner.on_device
 
     def on_device(inputs, *args, **kwargs):  # the image's pixels, in a batch or alone
         if "pixel_values" in inputs:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real_on_device(inputs, *args, **kwargs)
 
-    monkeypatch.setattr(admission, "on_device", on_device)
+    monkeypatch.setattr(runner, "on_device", on_device)
     image = {"task": "vqa", "image_url": data_uri(striped((64, 48))), "question": "What?", "max_new_tokens": 3}
     short = {"messages": [{"role": "user", "content": "Hi"}], "max_new_tokens": 3}
     out = asyncio.run(handler.local_test_answer({"id": "j", "input": {"requests": [image, short]}}))

@@ -12,7 +12,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any, Optional
 
-from runpod_vlm.engine.admission import Admission, InFlight
 from runpod_vlm.engine.background_compile import BackgroundCompiler
 from runpod_vlm.engine.blocks import BLOCK_SIZE
 from runpod_vlm.engine.compile import decoder_layers, set_torch_cache_dirs, vision_blocks
@@ -27,6 +26,7 @@ from runpod_vlm.engine.one_at_a_time import OneAtATime
 from runpod_vlm.engine.paged_attention import use_paged_attention
 from runpod_vlm.engine.prefill_graphs import GRAPH_TOKENS
 from runpod_vlm.engine.projections import share_weights
+from runpod_vlm.engine.runner import Runner
 from runpod_vlm.engine.scheduler import Scheduler
 from runpod_vlm.engine.ticket import Ticket, logprob_entries
 from runpod_vlm.engine.view import EngineView
@@ -70,7 +70,7 @@ def _close_at_exit(engine: weakref.ref) -> None:
         live.close()
 
 
-class Engine(Admission, OneAtATime):
+class Engine(OneAtATime):
     """The loaded model, its processor and family adapter. One per process."""
 
     def __init__(self, settings: Settings, quantize: Optional[str] = None, on_fatal: Callable[[], None] = lambda: None):
@@ -106,14 +106,13 @@ class Engine(Admission, OneAtATime):
         self.scheduler = Scheduler(
             settings.max_batch_tokens, self.media_token_ids, self.context_length, self.adapter.prefills_alone
         )
-        # Prefills and decode intervals launched, their tokens not yet handed out, in launch order.
-        self._launched: collections.deque[InFlight] = collections.deque()
-        self._prefix_logged = time.monotonic()  # when the prefix cache's counts were last logged
         self._thread: Optional[threading.Thread] = None
         self._intake: Optional[Intake] = None
         self.timings: collections.Counter = collections.Counter()  # seconds and counts by phase (benchmarks)
-        # The decoder and its KV pool, made at boot (`warm_up`) or at the engine thread's first step (`start_decoder`).
+        # The decoder and its KV pool, made at boot (`warm_up`) or at the engine thread's first step (`start_decoder`),
+        # and the runner that carries out the scheduler's plan on it.
         self.decoder: Optional[PagedDecoder] = None
+        self.runner: Optional[Runner] = None
         self._decoder_lock = threading.Lock()
         self.grammars: Optional[Grammars] = None  # made at boot (warm_up) or the first request for structured output
 
@@ -121,7 +120,7 @@ class Engine(Admission, OneAtATime):
 
     def _load(self) -> None:
         started = time.perf_counter()
-        loaded = load_model(self.settings, self.quantize)
+        self.loaded = loaded = load_model(self.settings, self.quantize)
         self.model, self.processor, self.adapter = loaded.model, loaded.processor, loaded.adapter
         self.model_type, self.dtype = loaded.model_type, loaded.dtype
         self.eos_ids = end_tokens(self.model, self.tokenizer)
@@ -158,6 +157,20 @@ class Engine(Admission, OneAtATime):
                 return self.decoder
             decoder = self._new_decoder()
             self.scheduler.pool = decoder.pool
+            self.runner = Runner(
+                decoder,
+                self.scheduler,
+                self.loaded,
+                self._wake,
+                self.timings,
+                image_cache=self.image_cache,
+                prefix_caching=self.prefix_caching,
+                max_slots=self.max_slots,
+                grammars=self._grammars,
+                accept=self._accept,
+                run_alone=self._run_alone,
+                gpu_failed=self._gpu_failed,
+            )
             self.decoder = decoder
         missing = [b for b in decoder.buckets if b not in self.compiler.shapes]
         if self.compile and missing:
@@ -286,7 +299,7 @@ class Engine(Admission, OneAtATime):
     def _idle(self) -> bool:
         """Nothing to do until woken (call with `_wake` held): no queued call whose items are all prepared, none
         decoding."""
-        busy = self.scheduler.busy() or self._launched
+        busy = self.scheduler.busy() or (self.runner is not None and self.runner.launched)
         return not busy and not self.scheduler.has_admissible() and not self.compiler.switch_due()
 
     def _captures_ahead_due(self, ahead: Optional[bool] = None) -> bool:
@@ -353,15 +366,9 @@ class Engine(Admission, OneAtATime):
                     continue
                 self.start_decoder()  # at the first step, unless made at boot
                 if self.compiler.switch_due():
-                    self._hand_out_all()  # the switch drops graphs: none may be in flight
+                    self.runner.hand_out_all()  # the switch drops graphs: none may be in flight
                     self.compiler.switch(self.decoder)
-                earlier = list(self._launched)
-                self._admit(waiting)
-                if self.scheduler.chunking is not None:
-                    self._prefill_next_chunk()
-                if self.scheduler.running:
-                    self._decode_interval()
-                self._hand_out_launched(earlier)
+                self.runner.step(waiting)
             except SettingsError as error:  # a KV pool the GPU cannot hold, made at the first step (no warm-up)
                 self._fail_all(as_request_error(error), queued=True)
             except Exception as error:
@@ -374,27 +381,13 @@ class Engine(Admission, OneAtATime):
                 self.timings["busy_s"] += time.perf_counter() - started  # the engine thread's time not waiting
                 if not idle:
                     self._worked_at = time.monotonic()
-                waiting = earlier = None  # nothing of an answered item held while the thread waits
+                waiting = None  # nothing of an answered item held while the thread waits
 
     def _take(self, tickets: list[Ticket]) -> None:
         with self._wake:
             self.scheduler.take(tickets)
 
     # ---- structured output --------------------------------------------------------------------
-
-    def _with_grammars(self, group: list[Ticket]) -> list[Ticket]:
-        """The group's tickets; each with a schema gets its matcher (built by now), one whose schema failed gets
-        the error."""
-        kept = []
-        for ticket in group:
-            if ticket.grammar is not None and ticket.matcher is None:
-                try:
-                    ticket.matcher = ticket.grammar.result(timeout=0)
-                except RequestError as error:
-                    ticket.finish(error)
-                    continue
-            kept.append(ticket)
-        return kept
 
     def _grammars(self) -> Grammars:
         """The grammar builder (llguidance's view of the tokenizer is made on its thread as it starts)."""
@@ -403,17 +396,6 @@ class Engine(Admission, OneAtATime):
             end = min(i for i in self.eos_ids if i < vocab)
             self.grammars = Grammars(self.tokenizer, vocab, end, self.settings.schema_timeout_s)
         return self.grammars
-
-    def _grammar_masks(self, tickets: list[Ticket]):
-        """Each ticket's allowed next tokens, or None when none has a schema."""
-        matchers = [t.matcher for t in tickets]
-        return self._grammars().masks_for(matchers) if any(matchers) else None
-
-    def _next_grammar_masks(self) -> None:
-        constrained = [(row, t) for row, t in self.scheduler.running.items() if t.matcher is not None]
-        if constrained:
-            rows, tickets = zip(*constrained)
-            self.decoder.set_allowed(list(rows), self._grammar_masks(list(tickets)))
 
     def _accept(self, ticket: Ticket, tokens: list[int], logprobs: Optional[list] = None) -> None:
         """New tokens for a row (and their log-probabilities when it asked): stream them, and finish the row
@@ -452,7 +434,8 @@ class Engine(Admission, OneAtATime):
 
     def _fail_all(self, error: RequestError, queued: bool = False) -> None:
         """Fail the items in flight (and the queued ones too when `queued`)."""
-        self._launched.clear()
+        if self.runner is not None:
+            self.runner.launched.clear()
         with self._wake:
             self.scheduler.fail_all(error, queued, lambda row: self.decoder.release(row))
 
@@ -568,7 +551,7 @@ class Engine(Admission, OneAtATime):
         self.compiler.close()
         if self.grammars is not None:
             self.grammars.close()
-        self.decoder = None
+        self.decoder = self.runner = None
 
     def stop_after(self, grace: float) -> None:
         """Items still running `grace` seconds from now fail with `worker_stopping` (on SIGTERM)."""

@@ -1,23 +1,27 @@
-"""Admission: the prepared items at the queue's head placed into the paged decoder (one prefill
-within the token budget, or a long prompt in chunks), blocks grown before each decode interval, the
-newest row preempted when they run out, and every way a placement runs out of memory."""
+"""The runner: the scheduler's plan carried out on the paged decoder, on the engine thread. The prepared items at the
+queue's head placed into rows (one prefill within the token budget, or a long prompt in chunks), decode intervals
+launched with blocks grown first (the newest row preempted when they run out), their tokens handed out while the GPU
+runs the next launch, and every way a placement runs out of memory."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import logging
 import time
+from collections.abc import Callable
 from typing import NamedTuple, Optional
 
 from runpod_vlm.engine.decoder import PagedDecoder
 from runpod_vlm.engine.gpu_errors import is_fatal_gpu_error, is_out_of_memory
+from runpod_vlm.engine.grammar import Grammars
 from runpod_vlm.engine.host_copies import Launched
 from runpod_vlm.engine.intake import on_device, with_generated
 from runpod_vlm.engine.prefill import ChunkedPrefill
 from runpod_vlm.engine.scheduler import admissible
 from runpod_vlm.engine.ticket import Ticket
-from runpod_vlm.vocabulary import GENERATION_FAILED, GPU_FAILURE
+from runpod_vlm.vocabulary import GENERATION_FAILED, GPU_FAILURE, RequestError
 
 log = logging.getLogger("runpod-vlm")
 
@@ -43,9 +47,50 @@ class InFlight(NamedTuple):
                 yield row, ticket
 
 
-class Admission:
-    """Part of Engine (its base): the engine thread carrying out the scheduler's plan on the decoder (placing the
-    admitted items' prompts, chunks, decode intervals, their tokens handed out) and telling it what happened."""
+class Runner:
+    """The engine thread carrying out the scheduler's plan on one decoder: placing the admitted items' prompts,
+    chunks and decode intervals, handing their tokens to `accept`, and telling the scheduler what happened. Made with
+    the decoder; it holds no ticket between steps but those of its launches in flight."""
+
+    def __init__(
+        self,
+        decoder: PagedDecoder,
+        scheduler,
+        loaded,
+        wake,
+        timings: collections.Counter,
+        *,
+        image_cache,
+        prefix_caching: bool,
+        max_slots: Optional[int],
+        grammars: Callable[[], Grammars],
+        accept: Callable,
+        run_alone: Callable[[Ticket], None],
+        gpu_failed: Callable[[], None],
+    ):
+        """`loaded` is the model, its processor, adapter and dtype (loading.LoadedModel); `wake` the engine's
+        condition, held around each change to the scheduler's queue; `accept(ticket, tokens, logprobs)` takes a row's
+        new tokens; `run_alone(ticket)` answers an item past the batch's length bound (`max_slots`) by itself;
+        `gpu_failed()` is called on a fatal GPU error."""
+        self.decoder, self.scheduler, self.wake, self.timings = decoder, scheduler, wake, timings
+        self.model, self.processor = loaded.model, loaded.processor
+        self.adapter, self.dtype = loaded.adapter, loaded.dtype
+        self.image_cache, self.prefix_caching, self.max_slots = image_cache, prefix_caching, max_slots
+        self.grammars, self.accept, self.run_alone, self.gpu_failed = grammars, accept, run_alone, gpu_failed
+        # Prefills and decode intervals launched, their tokens not yet handed out, in launch order.
+        self.launched: collections.deque[InFlight] = collections.deque()
+        self._prefix_logged = time.monotonic()  # when the prefix cache's counts were last logged
+
+    def step(self, waiting: list[Ticket]) -> None:
+        """One turn of the engine loop: admit what the scheduler lets in, the next chunk of a long prompt, the rows'
+        next decode interval; then hand out what was launched before this turn while the GPU runs this turn's."""
+        earlier = list(self.launched)
+        self._admit(waiting)
+        if self.scheduler.chunking is not None:
+            self._prefill_next_chunk()
+        if self.scheduler.running:
+            self._decode_interval()
+        self._hand_out_launched(earlier)
 
     def _admit(self, waiting: list[Ticket]) -> None:
         """Prefill the items the scheduler admits now (`Scheduler.next_group`) and give them rows."""
@@ -53,7 +98,7 @@ class Admission:
         free = self.scheduler.free_rows(decoder.free_rows())
         if self.prefix_caching and decoder.packs:
             self._digest_prepared(admissible(waiting)[: len(free)])
-        with self._wake:
+        with self.wake:
             group, prepared = self.scheduler.next_group(waiting, free, bool(decoder.packs))
         if not group:
             return
@@ -62,10 +107,10 @@ class Admission:
         except Exception as error:
             fatal = is_fatal_gpu_error(error)
             if fatal:
-                self._gpu_failed()
+                self.gpu_failed()
             else:
                 log.exception("could not admit %d items", len(group))
-            with self._wake:
+            with self.wake:
                 lost = [t for t in group if t.row is None and t not in self.scheduler.waiting and not t.done]
             for ticket in lost:
                 ticket.fail(GPU_FAILURE if fatal else GENERATION_FAILED)
@@ -120,7 +165,7 @@ class Admission:
         window = self.max_slots
         if window is not None and any(n + t.item.params.max_new_tokens > window for t, n in zip(group, prompt_tokens)):
             # past the length the batch answers for this family (Engine.max_slots): generate() handles it alone
-            return self._requeue(group, limit=1) if len(group) > 1 else self._run_alone(group[0])
+            return self._requeue(group, limit=1) if len(group) > 1 else self.run_alone(group[0])
         generated = group[0].ids  # resumed (alone): the tokens it had generated follow its prompt
         placeholder = scheduler.resumes_in_chunks(group[0])
         if generated and not placeholder:
@@ -194,9 +239,9 @@ class Admission:
             scheduler.give_row(ticket, row)
         # The first tokens are handed out after the next launch (`_hand_out_launched`): the GPU runs this prefill
         # while the host prepares the next one. A grammar's next mask needs its row's first token now.
-        self._launched.append(InFlight.of(launched, dict(zip(rows, group))))
+        self.launched.append(InFlight.of(launched, dict(zip(rows, group))))
         if decoder.any_constrained:
-            self._hand_out_all()
+            self.hand_out_all()
 
     def _images_cached(self, group: list[Ticket], held: dict):
         """Where the family can, the group's images already encoded come from the embedding cache, or from the
@@ -281,9 +326,9 @@ class Admission:
             scheduler.chunking = None
             decoder.pool.remember(chunked.row, ticket.prefix)
             scheduler.give_row(ticket, chunked.row)
-            self._launched.append(InFlight.of(launched, {chunked.row: ticket}))
+            self.launched.append(InFlight.of(launched, {chunked.row: ticket}))
             if decoder.any_constrained:
-                self._hand_out_all()
+                self.hand_out_all()
 
     def _admit_failed(self, ticket: Ticket) -> None:
         log.exception("could not prepare an item")
@@ -296,12 +341,12 @@ class Admission:
         its tokens dropped."""
         decoder = self.decoder
         if decoder.any_constrained:  # a grammar's next mask needs the token just chosen
-            self._hand_out_all()
-        launched = self._launch(decoder)
+            self.hand_out_all()
+        launched = self._launch()
         if launched is not None:
-            self._launched.append(launched)
+            self.launched.append(launched)
         if decoder.any_constrained:
-            self._hand_out_all()
+            self.hand_out_all()
 
     def _hand_out_launched(self, earlier: list[InFlight]) -> None:
         """At the end of an engine loop turn: hand out what was launched before the turn (`earlier`), while the GPU
@@ -310,24 +355,24 @@ class Admission:
         def before(entry: InFlight) -> bool:
             return any(entry is e for e in earlier)  # `in` would compare their tensors
 
-        if self._launched and before(self._launched[-1]):
-            return self._hand_out_all()
-        while self._launched and before(self._launched[0]):
-            self._hand_out(self.decoder, self._launched.popleft())
+        if self.launched and before(self.launched[-1]):
+            return self.hand_out_all()
+        while self.launched and before(self.launched[0]):
+            self.hand_out(self.launched.popleft())
 
-    def _hand_out_all(self) -> None:
+    def hand_out_all(self) -> None:
         """Hand out the tokens of every prefill and interval in flight."""
-        while self._launched:
-            self._hand_out(self.decoder, self._launched.popleft())
+        while self.launched:
+            self.hand_out(self.launched.popleft())
 
-    def _launch(self, decoder: PagedDecoder) -> Optional[InFlight]:
+    def _launch(self) -> Optional[InFlight]:
         """The next interval of the rows that may still take tokens beyond those in flight, with each row's item
         at launch; None when none may."""
         import torch
 
-        running = self.scheduler.running
+        decoder, running = self.decoder, self.scheduler.running
         ahead: dict[int, int] = {}
-        for entry in self._launched:
+        for entry in self.launched:
             for row, _ in entry.owners(running):
                 ahead[row] = ahead.get(row, 0) + entry.launched.steps
         remaining = max(
@@ -337,7 +382,7 @@ class Admission:
             return None
         # A grammar's next mask depends on the token just chosen: constrained rows step one token at a time.
         steps = 1 if decoder.any_constrained else min(decoder.interval, remaining)
-        with self._wake:  # a row preempted goes back to the queue
+        with self.wake:  # a row preempted goes back to the queue
             self.scheduler.make_room(steps, ahead, decoder.lengths, decoder.grow, decoder.release)
         if not running:
             return None
@@ -348,7 +393,7 @@ class Admission:
             if not is_out_of_memory(error):
                 raise
             torch.cuda.empty_cache()
-            with self._wake:
+            with self.wake:
                 self.scheduler.step_out_of_memory(decoder.buckets, decoder.bucket(), decoder.release)
             return None
         self.timings["decode_s"] += time.perf_counter() - started
@@ -357,9 +402,10 @@ class Admission:
         self.timings["graph_capture_s"] += decoder.step_graphs.capture_s - capturing
         return InFlight.of(launched, running)
 
-    def _hand_out(self, decoder: PagedDecoder, in_flight: InFlight) -> None:
+    def hand_out(self, in_flight: InFlight) -> None:
         """A prefill's or an interval's tokens to the items that were in its rows at launch and still are (a row
         ended or preempted since may hold a new item)."""
+        decoder = self.decoder
         started = time.perf_counter()
         launched = in_flight.launched
         tokens = decoder.read(launched)
@@ -369,18 +415,41 @@ class Admission:
         self.timings["prefill_s" if launched.rows else "decode_s"] += read - started
         logprobs = decoder.take_logprobs() or {}
         for row, ticket in in_flight.owners(self.scheduler.running):
-            self._accept(ticket, tokens[row], logprobs.get(row))
+            self.accept(ticket, tokens[row], logprobs.get(row))
         self._next_grammar_masks()
         self.timings["accept_s"] += time.perf_counter() - read
 
     def _requeue(self, tickets: list[Ticket], limit: Optional[int] = None) -> None:
-        with self._wake:
+        with self.wake:
             self.scheduler.requeue(tickets, limit)
 
     def _out_of_memory(self, group: list[Ticket], prompt_tokens: int = 0) -> None:
-        with self._wake:
+        with self.wake:
             self.scheduler.out_of_memory(group, prompt_tokens)
 
-    def _preempt(self, row: int) -> None:
-        with self._wake:
-            self.scheduler.preempt(row, self.decoder.release)
+    # ---- structured output --------------------------------------------------------------------
+
+    def _with_grammars(self, group: list[Ticket]) -> list[Ticket]:
+        """The group's tickets; each with a schema gets its matcher (built by now), one whose schema failed gets
+        the error."""
+        kept = []
+        for ticket in group:
+            if ticket.grammar is not None and ticket.matcher is None:
+                try:
+                    ticket.matcher = ticket.grammar.result(timeout=0)
+                except RequestError as error:
+                    ticket.finish(error)
+                    continue
+            kept.append(ticket)
+        return kept
+
+    def _grammar_masks(self, tickets: list[Ticket]):
+        """Each ticket's allowed next tokens, or None when none has a schema."""
+        matchers = [t.matcher for t in tickets]
+        return self.grammars().masks_for(matchers) if any(matchers) else None
+
+    def _next_grammar_masks(self) -> None:
+        constrained = [(row, t) for row, t in self.scheduler.running.items() if t.matcher is not None]
+        if constrained:
+            rows, tickets = zip(*constrained)
+            self.decoder.set_allowed(list(rows), self._grammar_masks(list(tickets)))
