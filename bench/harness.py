@@ -313,7 +313,7 @@ def decode_step_ms(handler, engine, rows: int, steps: int = 80) -> float:
     with torch.inference_mode():
         inputs, _ = engine.adapter.batch_inputs(engine.processor, items, engine.model.device, engine.dtype)
         free = decoder.free_rows()[:rows]
-        decoder.prefill(inputs, free, [params] * rows)
+        decoder.prompts.prefill(inputs, free, [params] * rows)
         for row in free:  # the blocks of every step below
             decoder.grow(row, decoder.lengths[row] + params.max_new_tokens)
         decoder.step(decoder.interval)  # graph capture if not yet

@@ -64,7 +64,7 @@ def main() -> None:
             profiler.enable()
         parts = [on_device(inputs, engine.model.device, floating_only=True) for inputs, _, _ in group]
         inputs = parts[0] if len(group) == 1 else engine.adapter.collate(engine.processor, parts)
-        launched = decoder.prefill_launch(inputs, rows, params, None, [0] * len(group))
+        launched = decoder.prompts.prefill_launch(inputs, rows, params, None, [0] * len(group))
         launch = time.perf_counter() - started
         if profiler:
             profiler.disable()

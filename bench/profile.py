@@ -106,7 +106,7 @@ def main() -> None:
             inputs, _ = engine.adapter.batch_inputs(engine.processor, items(rows), engine.model.device, engine.dtype)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            decoder.prefill(inputs, list(range(rows)), [params] * rows)
+            decoder.prompts.prefill(inputs, list(range(rows)), [params] * rows)
             torch.cuda.synchronize()
             out[f"prefill_{rows}_s"] = time.perf_counter() - t0
             for row in range(rows):
@@ -184,7 +184,7 @@ def new_shapes(engine, decoder) -> dict:
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 with sdpa_kernel(allowed) if allowed else contextlib.nullcontext():
-                    decoder.prefill(inputs, list(range(count)), [params] * count)
+                    decoder.prompts.prefill(inputs, list(range(count)), [params] * count)
                 torch.cuda.synchronize()
                 seconds.append(round(time.perf_counter() - t0, 4))
                 for row in range(count):
@@ -229,7 +229,7 @@ def prefill_layers(engine, decoder) -> dict:
             for _ in range(6):
                 torch.cuda.synchronize()
                 started = time.perf_counter()
-                decoder.prefill(inputs, [row], [params])
+                decoder.prompts.prefill(inputs, [row], [params])
                 torch.cuda.synchronize()
                 runs.append(time.perf_counter() - started)
                 decoder.release(row)
@@ -277,7 +277,7 @@ def prefill_breakdown(engine, decoder, out: Path, uniform: bool = False) -> dict
         inputs = inputs.to(model.device)
         torch.cuda.synchronize()
         t2 = time.perf_counter()
-        decoder.prefill(inputs, list(range(len(group))), [params] * len(group))
+        decoder.prompts.prefill(inputs, list(range(len(group))), [params] * len(group))
         torch.cuda.synchronize()
         t3 = time.perf_counter()
         for row in range(len(group)):

@@ -26,6 +26,7 @@ def intake_timeline(handler, engine) -> dict:
     from bench.harness import concurrent_records, data_uri
     from bench.images import job
     from runpod_vlm.engine.intake import Intake
+    from runpod_vlm.engine.runner import Runner
 
     spans: dict = {"read": [], "intake": [], "place": []}
 
@@ -39,10 +40,10 @@ def intake_timeline(handler, engine) -> dict:
 
         return wrapper
 
-    read, prepare, place = handler.read_job_item, Intake._prepare, type(engine)._place
+    read, prepare, place = handler.read_job_item, Intake._prepare, Runner._place
     handler.read_job_item = recorded("read", read)
     Intake._prepare = recorded("intake", prepare)
-    type(engine)._place = recorded("place", place)
+    Runner._place = recorded("place", place)
 
     def summary(started: float, ended: float) -> dict:
         result = {"seconds": ended - started, "images_per_s": 64 / (ended - started)}
@@ -94,7 +95,7 @@ def intake_timeline(handler, engine) -> dict:
     result["read_first_2_intake_threads"] = read_first(22000, 2)
     result["read_first_4_intake_threads"] = read_first(23000, 4)
     print(json.dumps(result, indent=2), flush=True)
-    handler.read_job_item, Intake._prepare, type(engine)._place = read, prepare, place
+    handler.read_job_item, Intake._prepare, Runner._place = read, prepare, place
     try:
         result["vision"] = vision_packed(engine)
     except Exception as error:  # out of memory beside the KV pool: the timeline still counts
@@ -102,16 +103,9 @@ def intake_timeline(handler, engine) -> dict:
     return result
 
 
-ENGINE_SPANS = ("_place", "_begin_chunks", "_prefill_next_chunk", "_launch", "_hand_out", "_accept")
-DECODER_SPANS = (
-    "_positions",
-    "_on_device",
-    "_language_model_inputs",
-    "prefill_launch",
-    "prefill_chunk",
-    "_start",
-    "read",
-)
+RUNNER_SPANS = ("_place", "_begin_chunks", "_prefill_next_chunk", "_launch", "hand_out", "accept")
+DECODER_SPANS = ("start_rows", "read")
+PROMPTS_SPANS = ("_positions", "_on_device", "_language_model_inputs", "prefill_launch", "prefill_chunk")
 
 
 @contextlib.contextmanager
@@ -121,7 +115,8 @@ def spans_of(engine):
     from bench.timeline import Spans
 
     spans = Spans()
-    for owner, names in ((engine, ENGINE_SPANS), (engine.start_decoder(), DECODER_SPANS)):
+    decoder = engine.start_decoder()
+    for owner, names in ((engine.runner, RUNNER_SPANS), (decoder, DECODER_SPANS), (decoder.prompts, PROMPTS_SPANS)):
         for name in names:
             spans.wrap(owner, name)
     spans.wrap(engine._intake_of(), "_prepare")
@@ -206,6 +201,6 @@ def ttft_breakdown(handler, engine, out: Path) -> dict:
     # The engine thread's Python calls while it places the job and prefills it (torch.profiler records only this
     # thread's ops); a prompt that starts from cached blocks is prefilled by `_prefill_next_chunk`.
     for name, n in (("new_image", 300), ("same_again", 0)):
-        with python_profile(engine, ("_place", "_prefill_next_chunk"), out / f"profile_ttft_{name}_python.txt"):
+        with python_profile(engine.runner, ("_place", "_prefill_next_chunk"), out / f"profile_ttft_{name}_python.txt"):
             result[f"python_profiled_{name}"] = once(n)
     return result

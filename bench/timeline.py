@@ -39,7 +39,7 @@ from bench.paged import vqa
 
 ROOT = Path(__file__).resolve().parent.parent
 
-ENGINE_TOP = ("_admit", "_prefill_next_chunk", "_decode_interval")  # what one engine-loop turn does
+RUNNER_TOP = ("_admit", "_prefill_next_chunk", "_decode_interval")  # what one engine-loop turn does
 
 
 async def submitted(engine, items: list) -> dict:
@@ -189,7 +189,7 @@ class Spans:
             key = f"{thread.split('_')[0]}:{name}"
             totals[key][0] += 1
             totals[key][1] += end - start
-        engine = sorted((m for m in self.marks if m[0] in ENGINE_TOP), key=lambda m: m[2])
+        engine = sorted((m for m in self.marks if m[0] in RUNNER_TOP), key=lambda m: m[2])
         busy = sum(m[3] - m[2] for m in engine)
         return {
             "seconds": ended - started,
@@ -295,10 +295,13 @@ def main() -> None:
     for run in args.runs.split(","):
         spans = Spans()
         decoder = engine.start_decoder()
-        for name in (*ENGINE_TOP, "_place", "_make_room", "_hand_out", "_accept", "_next_grammar_masks", "_requeue"):
-            spans.wrap(engine, name)
-        for name in ("prefill_launch", "launch", "read", "begin_chunks", "prefill_chunk"):
+        for name in (*RUNNER_TOP, "_place", "hand_out", "accept", "_next_grammar_masks", "_requeue"):
+            spans.wrap(engine.runner, name)
+        spans.wrap(engine.scheduler, "make_room", "scheduler.make_room")
+        for name in ("launch", "read"):
             spans.wrap(decoder, name, f"decoder.{name}")
+        for name in ("prefill_launch", "begin_chunks", "prefill_chunk"):
+            spans.wrap(decoder.prompts, name, f"decoder.{name}")
         spans.wrap(engine.adapter, "collate", "adapter.collate")
         spans.wrap(Intake, "_prepare", "intake")
         spans.wrap(handler, "read_job_item", "read")
@@ -363,7 +366,7 @@ def python_profiled(engine, jobs: list[dict], path: Path) -> dict:
     """The run with the engine loop's turns under cProfile (their sum, by tottime and cumulative)."""
     import handler
 
-    with python_profile(engine, ENGINE_TOP, path, (("tottime", 45), ("cumulative", 70))):
+    with python_profile(engine.runner, RUNNER_TOP, path, (("tottime", 45), ("cumulative", 70))):
         started = time.perf_counter()
         record = asyncio.run(concurrent(handler, jobs))
         seconds = time.perf_counter() - started

@@ -542,7 +542,7 @@ def prefill(engine, decoder, parts: list, count: int = 1, first_row: int = 0, ne
     params = GenerationParams(max_new_tokens=new_tokens, temperature=0.0, top_p=1.0, do_sample=False)
     items = [GenerationRequest("chat", [Turn("user", parts)], params)] * count
     inputs, _ = engine.adapter.batch_inputs(engine.processor, items, engine.model.device, engine.dtype)
-    decoder.prefill(inputs, list(range(first_row, first_row + count)), [params] * count)
+    decoder.prompts.prefill(inputs, list(range(first_row, first_row + count)), [params] * count)
 
 
 def step(decoder, steps: int) -> list:

@@ -754,10 +754,9 @@ def test_phi4_multimodal_prefills_each_request_alone_and_decodes_them_together(t
     folder = tiny_model("phi4-multimodal", vision_lora=True)
     engine = serve(folder, VLM_SYNC_INTERVAL="2")
     decoder, prefills, widths = engine.start_decoder(), [], []
-    prefill, launch = decoder.prefill_launch, decoder.launch
-    monkeypatch.setattr(
-        decoder, "prefill_launch", lambda inputs, rows, *a: prefills.append(len(rows)) or prefill(inputs, rows, *a)
-    )
+    prefill, launch = decoder.prompts.prefill_launch, decoder.launch
+    counted = lambda inputs, rows, *a: prefills.append(len(rows)) or prefill(inputs, rows, *a)  # noqa: E731
+    monkeypatch.setattr(decoder.prompts, "prefill_launch", counted)
     monkeypatch.setattr(decoder, "launch", lambda steps: widths.append(engine.view().running) or launch(steps))
     check_batch_against_card(
         engine,

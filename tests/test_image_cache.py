@@ -146,7 +146,7 @@ def test_a_prompt_out_of_memory_at_once_reads_its_cached_images_before_encoding_
     engine = serve(tiny_model("qwen2-vl"), VLM_IMAGE_CACHE_MB="64")
     generate_all(engine, items(engine, [chat(1, (PHOTO, OTHER))]))
     decoder, failed = engine.start_decoder(), []
-    whole = decoder.begin_chunks
+    whole = decoder.prompts.begin_chunks
 
     def out_of_memory_once(*args, **kwargs):  # the next turn reads its prefix's blocks: it begins in chunks
         if not failed:
@@ -154,7 +154,7 @@ def test_a_prompt_out_of_memory_at_once_reads_its_cached_images_before_encoding_
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return whole(*args, **kwargs)
 
-    monkeypatch.setattr(decoder, "begin_chunks", out_of_memory_once)
+    monkeypatch.setattr(decoder.prompts, "begin_chunks", out_of_memory_once)
     calls = encoder_calls(engine, monkeypatch)
     assert generate_all(engine, items(engine, [chat(2, (PHOTO, OTHER))]))[0] == expected
     assert failed and calls == []  # its images prepared without pixels: none encoded, one at a time or not

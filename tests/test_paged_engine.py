@@ -94,7 +94,7 @@ def test_a_resumed_row_can_enter_in_chunks_its_tokens_following_as_text(family, 
     solo = solo_generate(engine, items)
     events: list = []
     monkeypatch.setattr(engine.scheduler, "resumes_in_chunks", lambda ticket: bool(ticket.ids))
-    spy(monkeypatch, engine.start_decoder(), "follow_with", events, "follow")
+    spy(monkeypatch, engine.start_decoder().prompts, "follow_with", events, "follow")
     assert generate_all(engine, items) == solo
     assert "follow" in events
 
@@ -307,7 +307,7 @@ def test_a_long_prompt_enters_in_chunks_while_the_others_decode(tiny_model, serv
     assert solo[-1].prompt_tokens > 2 * 256  # three chunks at least
     decoder = engine.start_decoder()
     events: list = []
-    spy(monkeypatch, decoder, "prefill_chunk", events, "chunk")
+    spy(monkeypatch, decoder.prompts, "prefill_chunk", events, "chunk")
     spy(monkeypatch, decoder, "launch", events, "step")
     assert generate_all(engine, items) == solo
     chunks = [n for n, event in enumerate(events) if event == "chunk"]
@@ -323,14 +323,14 @@ def test_a_chunked_prompts_first_token_is_read_after_the_next_launch(tiny_model,
     engine, items, solo = long_among_short(tiny_model, serve)
     decoder = engine.start_decoder()
     events: list = []
-    real_chunk, real_read = decoder.prefill_chunk, decoder.read
+    real_chunk, real_read = decoder.prompts.prefill_chunk, decoder.read
 
     def chunk(chunked, *args, **kwargs):
         launched = real_chunk(chunked, *args, **kwargs)
         events.append(("chunk", chunked.row))
         return launched
 
-    monkeypatch.setattr(decoder, "prefill_chunk", chunk)
+    monkeypatch.setattr(decoder.prompts, "prefill_chunk", chunk)
     monkeypatch.setattr(decoder, "read", lambda launched: events.append(("read", launched.rows)) or real_read(launched))
     spy(monkeypatch, decoder, "launch", events, ("step", None))
     assert generate_all(engine, items) == solo
@@ -358,7 +358,7 @@ def test_a_prompt_over_the_token_budget_gets_its_solo_tokens_in_chunks_where_its
     assert solo[0].prompt_tokens > 2 * 256
     events: list = []
     if engine.continuous:
-        spy(monkeypatch, engine.start_decoder(), "prefill_chunk", events, "chunk")
+        spy(monkeypatch, engine.start_decoder().prompts, "prefill_chunk", events, "chunk")
     assert generate_all(engine, items) == solo
     assert bool(events) == (family not in WHOLE)
 
@@ -370,7 +370,7 @@ def test_a_family_that_hands_its_language_model_masks_of_its_own_is_not_chunked(
     item = items_of(engine, [{"task": "vqa", "image_url": data_uri(striped((64, 48))), "question": "What?"}])[0]
     inputs, _ = engine.adapter.batch_inputs(engine.processor, [item], "cpu", engine.dtype)
     with torch.inference_mode():
-        chunked = engine.start_decoder().begin_chunks(inputs, 0, item.params)
+        chunked = engine.start_decoder().prompts.begin_chunks(inputs, 0, item.params)
     assert (chunked is not None) == chunkable
 
 
@@ -415,11 +415,11 @@ def test_prompts_prefilled_together_go_through_the_language_model_packed_with_th
     assert sum(prompts) <= 1024 < len(prompts) * max(prompts)  # one prefill packed, two or more padded
     decoder = engine.start_decoder()
     prefills: list = []
-    spy(monkeypatch, decoder, "prefill_launch", prefills, "prefill")
+    spy(monkeypatch, decoder.prompts, "prefill_launch", prefills, "prefill")
     shapes = language_model_inputs(monkeypatch, engine)
-    decoder.packs = True  # as after a first prefill
+    decoder.prompts.packs = True  # as after a first prefill
     assert generate_all(engine, items) == solo
-    assert decoder.packs and prefills == ["prefill"]
+    assert decoder.prompts.packs and prefills == ["prefill"]
     assert shapes[0][:2] == (1, sum(prompts))  # then the decode steps
     assert decoder.pool.free == decoder.pool.capacity
 
@@ -439,7 +439,7 @@ def test_the_gpu_path_hands_varlen_the_packed_prompts_causal_in_their_own_spans(
 
     monkeypatch.setattr(varlen, "takes", lambda query: True)
     monkeypatch.setattr(varlen, "kernel", lambda: kernel)
-    engine.start_decoder().packs = True
+    engine.start_decoder().prompts.packs = True
     assert generate_all(engine, items) == solo
     layers = engine.model.config.get_text_config(decoder=True).num_hidden_layers
     assert causal == [sum(outcome.prompt_tokens for outcome in solo)] * layers
@@ -451,7 +451,7 @@ def test_a_family_whose_language_model_takes_more_prefills_padded_with_its_solo_
     solo = solo_generate(engine, items)
     shapes = language_model_inputs(monkeypatch, engine)
     assert generate_all(engine, items) == solo
-    assert engine.start_decoder().packs is False
+    assert engine.start_decoder().prompts.packs is False
     assert shapes[0][0] > 1  # the padded batch, its deepstack features beside it
 
 
@@ -548,7 +548,7 @@ def test_running_out_of_memory_in_a_long_prompts_vision_pass_fails_it_alone(tiny
     def out_of_memory(*args, **kwargs):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 208.00 MiB")
 
-    monkeypatch.setattr(decoder, "begin_chunks", out_of_memory)
+    monkeypatch.setattr(decoder.prompts, "begin_chunks", out_of_memory)
     long_job = {"task": "vqa", "image_url": data_uri(striped((64, 48))), "question": LONG_TEXT, "max_new_tokens": 4}
     short = {"messages": [{"role": "user", "content": "Hi."}], "max_new_tokens": 4}
     out = asyncio.run(handler.local_test_answer({"id": "j", "input": {"requests": [long_job, short]}}))
@@ -715,8 +715,8 @@ def test_image_placeholders_are_counted_on_the_host(family, tiny_model, serve):
     (item,) = items_of(engine, packed_prefill_jobs()[:1])
     inputs, _ = engine.adapter.batch_inputs(engine.processor, [item], "cpu", engine.dtype)
     decoder = engine.start_decoder()
-    assert decoder.vision_graphs_unit
-    decoder._check_placeholders(inputs)
+    assert decoder.prompts.vision_graphs_unit
+    decoder.prompts._check_placeholders(inputs)
     inner, ids, embeds = engine.model.model, inputs["input_ids"], torch.zeros((*inputs["input_ids"].shape, 4))
     with pytest.raises(ValueError):  # the model's own check, on features of one token
         type(inner).get_placeholder_mask(inner, ids, embeds, image_features=torch.zeros(1, 4))
@@ -726,9 +726,9 @@ def test_image_placeholders_are_counted_on_the_host(family, tiny_model, serve):
     first = int((inputs["input_ids"][0] == image).nonzero()[0])
     inputs["input_ids"][0, first] = inputs["input_ids"][0, first - 1]  # one placeholder fewer
     with pytest.raises(ValueError, match="image_grid_thw"):
-        decoder._check_placeholders(inputs)
+        decoder.prompts._check_placeholders(inputs)
     with pytest.raises(ValueError, match="image_grid_thw"):  # the prefill itself checks, before the GPU
-        decoder.prefill(inputs, decoder.free_rows()[:1], [item.params])
+        decoder.prompts.prefill(inputs, decoder.free_rows()[:1], [item.params])
 
 
 def image_device_intake(engine, monkeypatch, image_bytes: int, fail=None):

@@ -152,6 +152,6 @@ def test_the_language_models_inputs_are_caught_on_their_own_thread_only(tiny_mod
     item = handler.read_job_item(JOBS[0], engine.settings, engine.model_id, None)[1]
     inputs, _ = engine.adapter.batch_inputs(engine.processor, [item], "cpu", engine.dtype)
     with torch.inference_mode():
-        chunked = decoder.begin_chunks(inputs, 0, item.params)
+        chunked = decoder.prompts.begin_chunks(inputs, 0, item.params)
     assert chunked is not None and chunked.length == inputs["input_ids"].shape[1]
     assert len(other_thread) == 1 and not isinstance(other_thread[0], BaseException), other_thread

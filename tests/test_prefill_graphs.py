@@ -65,7 +65,7 @@ def graphs_on_cpu(monkeypatch):
 
 def with_graphs(engine) -> PrefillGraphs:
     decoder = engine.start_decoder()
-    decoder.step_graphs.enabled = decoder.packs = True
+    decoder.step_graphs.enabled = decoder.prompts.packs = True
     return decoder.prefill_graphs
 
 

@@ -229,17 +229,17 @@ class BackgroundCompiler:
                 inputs, _ = self.adapter.batch_inputs(self.processor, items, self.model.device, self.dtype)
                 blocks = 3 * -(-inputs["input_ids"].shape[1] // BLOCK_SIZE) + 1
                 shadow = self.make_decoder(view, blocks=blocks, use_graph=False)
-                shadow.prefill(inputs, [0, 1], [params] * 2)  # eager: whether the family packs its prompts
-                if not shadow.packs:
+                shadow.prompts.prefill(inputs, [0, 1], [params] * 2)  # eager: whether the family packs its prompts
+                if not shadow.prompts.packs:
                     log.info("prefills stay eager: the %s family prefills padded", self.adapter.name)
                     return {}
                 for row in (0, 1):
                     shadow.release(row)
                 run_layers_compiled(layers, forwards, recompile=True)
-                shadow.prefill(inputs, [0, 1], [params] * 2)
+                shadow.prompts.prefill(inputs, [0, 1], [params] * 2)
                 alone, _ = self.adapter.batch_inputs(self.processor, items[1:], self.model.device, self.dtype)
-                chunked = shadow.begin_chunks(alone, 2, params)
-                while shadow.prefill_chunk(chunked, chunked.length // 2 + 1) is None:
+                chunked = shadow.prompts.begin_chunks(alone, 2, params)
+                while shadow.prompts.prefill_chunk(chunked, chunked.length // 2 + 1) is None:
                     pass
                 torch.cuda.synchronize()
         except Exception:
@@ -261,7 +261,7 @@ class BackgroundCompiler:
                 inputs, _ = self.adapter.batch_inputs(self.processor, items, self.model.device, self.dtype)
                 blocks = bucket * -(-(inputs["input_ids"].shape[1] + 2) // BLOCK_SIZE) + 1
                 shadow = self.make_decoder(model_view(self.model), blocks=blocks, use_graph=False)
-                shadow.prefill(inputs, list(range(bucket)), [params] * bucket)
+                shadow.prompts.prefill(inputs, list(range(bucket)), [params] * bucket)
                 shadow.use_forward(bucket, self.forward)
                 for row in range(bucket):
                     shadow.grow(row, shadow.lengths[row] + 2)

@@ -29,7 +29,7 @@ def row_buckets(rows: int) -> list[int]:
     return sorted({b for b in (8, 16, 32, 64, 128) if b < rows} | {rows})
 
 
-class PagedDecoder(Prefill):
+class PagedDecoder:
     """Continuous-batching decoding state: up to `rows` sequences over a pool of KV blocks.
 
     A row holds the blocks of its own tokens (its block table); a decode step writes each row's new
@@ -75,7 +75,6 @@ class PagedDecoder(Prefill):
         limits = attention_limits(model.config.get_text_config(decoder=True))
         self.limits = limits if any(window or chunk for window, chunk in limits) else None
         self.keys, self.values = self._allocate(model)  # per layer [slots, kv heads, head dim]
-        self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=device)
         self.sampler = Sampler(model, eos_ids)
         vocab, top_k = self.sampler.vocab, self.sampler.top_k
         longest = min(self.pool.capacity_tokens, max_row_tokens or self.pool.capacity_tokens)
@@ -115,8 +114,8 @@ class PagedDecoder(Prefill):
         self.prefill_graphs = PrefillGraphs(self, rows, prefill_tokens)
         visual = tower(model)
         self.vision_graphs = VisionGraphs(visual) if visual is not None and use_graph else None
-        if visual is not None and placeholder_counts_on_the_host(model):
-            self.vision_graphs_unit = visual.spatial_merge_size**2
+        unit = visual.spatial_merge_size**2 if visual is not None and placeholder_counts_on_the_host(model) else 0
+        self.prompts = Prefill(self, unit)
         self.step_graphs = StepGraphs(self, use_graph)  # after the passes' graphs: its memory pool goes last
 
     # ---- blocks -----------------------------------------------------------------------------
@@ -145,11 +144,11 @@ class PagedDecoder(Prefill):
             self.table[rows, columns] = blocks
             self.table_writes = []
 
-    def _slots(self, row, start: int, end: int):
+    def slots(self, row, start: int, end: int):
         """The pool slots of a holder's tokens [start, end)."""
-        return to_device(self._host_slots(row, start, end), self.offsets.device)
+        return to_device(self.host_slots(row, start, end), self.offsets.device)
 
-    def _host_slots(self, row, start: int, end: int):
+    def host_slots(self, row, start: int, end: int):
         import torch
 
         blocks = torch.tensor(self.pool.table(row), dtype=torch.long)
@@ -195,7 +194,7 @@ class PagedDecoder(Prefill):
         shape[-2] = rows
         return torch.zeros(shape, dtype=one.dtype, device=model.device)
 
-    def _start(self, rows, lengths, logits, last_position, input_ids, params, allowed, prior) -> Launched:
+    def start_rows(self, rows, lengths, logits, last_position, input_ids, params, allowed, prior) -> Launched:
         """Rows whose prompts are in their blocks: their settings and first tokens, chosen from `logits` and on
         their way to the host (`read`)."""
         import torch

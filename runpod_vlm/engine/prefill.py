@@ -75,24 +75,29 @@ class ChunkedPrefill:
 
 
 class Prefill:
-    """Part of PagedDecoder (its base): prompts into rows' blocks; each row then starts decoding (`_start`)."""
+    """New prompts into a decoder's rows' blocks (the decoder's `prompts`, made with it): a batch packed or padded,
+    or one long prompt in chunks; each row then starts decoding (`PagedDecoder.start_rows`). It reads the decoder's
+    pool, slots and graphs, and holds what only prompts need."""
 
-    packs: Optional[bool] = None  # whether prompts prefill packed (known at the first prefill; see `prefill`)
-    prefill_graphs = None  # short prefills' CUDA graphs (`prefill_graphs.PrefillGraphs`)
-    vision_graphs = None  # the vision tower's small passes' CUDA graphs (`vision_graphs.VisionGraphs`)
-    vision_graphs_unit = 0  # patches a feature merges, where placeholders are counted on the host (else 0)
-    # A 4-D mask the language model hands on untouched (`_through_language_model`); made with the decoder.
-    no_mask = None
-    limits = None  # per layer (window, chunk) where some layers attend to fewer keys (`PagedStep.limits`)
-    prefilled: list = []  # the tokens each prompt of the last prefill computed (its shared blocks' not)
+    def __init__(self, decoder, vision_graphs_unit: int = 0):
+        """`vision_graphs_unit`: patches a feature merges, where placeholders are counted on the host (else 0)."""
+        import torch
+
+        self.decoder, self.model, self.vision_graphs_unit = decoder, decoder.model, vision_graphs_unit
+        self.packs: Optional[bool] = None  # whether prompts prefill packed (known at the first prefill; `prefill`)
+        self.prefilled: list = []  # the tokens each prompt of the last prefill computed (its shared blocks' not)
+        # A 4-D mask the language model hands on untouched (`_through_language_model`).
+        self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=decoder.offsets.device)
 
     def _within_limits(self, tokens: int) -> bool:
         """Whether a prompt of `tokens` may go packed or in chunks: every layer attends to all of them (`limits`: a
         longer one prefills whole through the model's own masks; FlashAttention's varlen kernel takes no chunk mask)."""
-        return self.limits is None or tokens <= min(limit for pair in self.limits for limit in pair if limit)
+        limits = self.decoder.limits
+        return limits is None or tokens <= min(limit for pair in limits for limit in pair if limit)
 
     def _vision_graphs_engaged(self):
-        return self.vision_graphs.engaged() if self.vision_graphs is not None else contextlib.nullcontext()
+        graphs = self.decoder.vision_graphs
+        return graphs.engaged() if graphs is not None else contextlib.nullcontext()
 
     def _check_placeholders(self, inputs) -> None:
         """What the model's own check would raise (`placeholder_counts_on_the_host`): each image's or video's
@@ -114,12 +119,12 @@ class Prefill:
         through its helpers (vision_graphs.py)."""
         if self.vision_graphs_unit:
             self._check_placeholders(inputs)
-        kept = ("image_grid_thw", "video_grid_thw") if self.vision_graphs is not None else ()
-        return on_device(inputs, self.offsets.device, kept=kept)
+        kept = ("image_grid_thw", "video_grid_thw") if self.decoder.vision_graphs is not None else ()
+        return on_device(inputs, self.decoder.offsets.device, kept=kept)
 
     def prefill(self, inputs, rows: list[int], params: list[GenerationParams], allowed=None, prior=None) -> list[int]:
         """`prefill_launch`, then each row's first token."""
-        return [token for (token,) in self.read(self.prefill_launch(inputs, rows, params, allowed, prior))]
+        return [token for (token,) in self.decoder.read(self.prefill_launch(inputs, rows, params, allowed, prior))]
 
     def prefill_launch(
         self, inputs, rows: list[int], params: list[GenerationParams], allowed=None, prior=None, shared=None
@@ -145,7 +150,9 @@ class Prefill:
             self.prefilled = lengths
         else:
             logits, lengths = self._prefill_packed(kept, *packed, rows, shared)
-        return self._start(rows, lengths, logits, position_ids[..., -1:], inputs["input_ids"], params, allowed, prior)
+        return self.decoder.start_rows(
+            rows, lengths, logits, position_ids[..., -1:], inputs["input_ids"], params, allowed, prior
+        )
 
     def _positions(self, inputs):
         """Each prompt token's position, as generate() continues them (M-RoPE's too), computed from host copies of
@@ -158,7 +165,7 @@ class Prefill:
             for name, value in inputs.items()
         }
         position_ids = self.model._prepare_position_ids_for_generation(host["input_ids"], host)
-        return to_device(position_ids, self.offsets.device)
+        return to_device(position_ids, self.decoder.offsets.device)
 
     def _prefill_padded(self, inputs, position_ids, rows: list[int]):
         from transformers import DynamicCache
@@ -167,7 +174,8 @@ class Prefill:
 
         def forward():  # each try from an empty cache: one cut off midway has some layers' keys already
             # Every layer keeps all its keys (the pool holds them all; a sliding-window layer's cache, its last only).
-            scratch = DynamicCache() if self.limits else DynamicCache(config=model.config.get_text_config(decoder=True))
+            windowed = self.decoder.limits
+            scratch = DynamicCache() if windowed else DynamicCache(config=model.config.get_text_config(decoder=True))
             return model(
                 **inputs, position_ids=position_ids, past_key_values=scratch, use_cache=True, logits_to_keep=1
             ), scratch
@@ -177,7 +185,7 @@ class Prefill:
         kept = inputs["attention_mask"].bool()  # left padding is not copied
         lengths = kept.sum(dim=1).tolist()
         slots, _ = self._grow_rows(rows, lengths)
-        for pool_keys, pool_values, layer in zip(self.keys, self.values, scratch.layers):
+        for pool_keys, pool_values, layer in zip(self.decoder.keys, self.decoder.values, scratch.layers):
             pool_keys.index_copy_(0, slots, layer.keys.transpose(1, 2)[kept].to(pool_keys.dtype))
             pool_values.index_copy_(0, slots, layer.values.transpose(1, 2)[kept].to(pool_values.dtype))
         return output.logits[:, -1, :], lengths
@@ -193,7 +201,7 @@ class Prefill:
         from runpod_vlm.engine import varlen
 
         lengths = kept.sum(dim=1).tolist()
-        skipped = [0] * len(rows) if shared is None else [s.count * self.block_size for s in shared]
+        skipped = [0] * len(rows) if shared is None else [s.count * self.decoder.block_size for s in shared]
         new = [length - skip for length, skip in zip(lengths, skipped)]
         computed = kept & (kept.cumsum(dim=1) > torch.tensor(skipped)[:, None])
         tokens = to_device(computed.flatten().nonzero()[:, 0], embeds.device)
@@ -202,11 +210,11 @@ class Prefill:
         self.prefilled = new
         ends = torch.tensor(new).cumsum(0).to(embeds.device, non_blocking=True)
         if self._graphs_take(embeds, len(slots), len(key_slots), len(lengths)):
-            hidden = self.prefill_graphs.run(embeds, positions, slots, key_slots, new, lengths)
+            hidden = self.decoder.prefill_graphs.run(embeds, positions, slots, key_slots, new, lengths)
             return self.model.get_output_embeddings()(hidden[0, ends - 1]), lengths
         if varlen.takes(embeds):
             starts = torch.nn.functional.pad(ends, (1, 0)).to(torch.int32)
-            step = PagedStep(self.keys, self.values, slots, starts=starts, longest=max(new))
+            step = PagedStep(self.decoder.keys, self.decoder.values, slots, starts=starts, longest=max(new))
             if any(skipped):
                 key_ends = torch.tensor(lengths).cumsum(0).to(embeds.device, non_blocking=True)
                 step.key_slots, step.longest_keys = key_slots, max(lengths)
@@ -221,7 +229,7 @@ class Prefill:
             key_at = torch.cat([torch.arange(length) for length in lengths])
             visible = (query_prompt[:, None] == key_prompt[None, :]) & (key_at[None, :] <= query_at[:, None])
             visible = to_device(visible, embeds.device)
-            step = PagedStep(self.keys, self.values, slots, key_slots[None, :], visible[None, None])
+            step = PagedStep(self.decoder.keys, self.decoder.values, slots, key_slots[None, :], visible[None, None])
         hidden = self._through_language_model(step, embeds, positions)
         return self.model.get_output_embeddings()(hidden[0, ends - 1]), lengths
 
@@ -229,7 +237,7 @@ class Prefill:
         """Whether a prefill of this size goes through `prefill_graphs` (on the GPU, through varlen)."""
         from runpod_vlm.engine import varlen
 
-        graphs = self.prefill_graphs if self.step_graphs.enabled else None
+        graphs = self.decoder.prefill_graphs if self.decoder.step_graphs.enabled else None
         return bool(graphs and graphs.fits(tokens, keys, sequences)) and varlen.takes(embeds)
 
     def _through_language_model(self, step: PagedStep, embeds, positions):
@@ -253,15 +261,17 @@ class Prefill:
         shared = shared or [None] * len(rows)
         for row, reuse in zip(rows, shared):
             if reuse and reuse.cached:
-                self.share(row, reuse.cached)
+                self.decoder.share(row, reuse.cached)
         for row, length, reuse in zip(rows, lengths, shared):
             if reuse and reuse.earlier is not None:
-                self.share(row, self.pool.table(rows[reuse.earlier])[: reuse.count])
-            self.grow(row, length)
-        skipped = [reuse.count * self.block_size if reuse else 0 for reuse in shared]
-        slots = torch.cat([self._host_slots(row, skip, n) for row, skip, n in zip(rows, skipped, lengths)])
-        key_slots = torch.cat([self._host_slots(row, 0, n) for row, n in zip(rows, lengths)]) if any(skipped) else slots
-        device = self.offsets.device
+                self.decoder.share(row, self.decoder.pool.table(rows[reuse.earlier])[: reuse.count])
+            self.decoder.grow(row, length)
+        skipped = [reuse.count * self.decoder.block_size if reuse else 0 for reuse in shared]
+        slots = torch.cat([self.decoder.host_slots(row, skip, n) for row, skip, n in zip(rows, skipped, lengths)])
+        key_slots = (
+            torch.cat([self.decoder.host_slots(row, 0, n) for row, n in zip(rows, lengths)]) if any(skipped) else slots
+        )
+        device = self.decoder.offsets.device
         slots = to_device(slots, device)
         return slots, (slots if key_slots is slots else to_device(key_slots, device))
 
@@ -338,15 +348,17 @@ class Prefill:
         import torch
 
         start, end = chunked.done, min(chunked.done + size, chunked.length)
-        self.grow(chunked.row, end)
-        index = self._slots(chunked.row, 0, end)
+        self.decoder.grow(chunked.row, end)
+        index = self.decoder.slots(chunked.row, 0, end)
         if self._graphs_take(chunked.embeds, end - start, end, 1):
             embeds, positions = chunked.embeds[:, start:end], chunked.positions[..., start:end]
-            hidden = self.prefill_graphs.run(embeds, positions, index[start:end], index, [end - start], [end])
+            hidden = self.decoder.prefill_graphs.run(embeds, positions, index[start:end], index, [end - start], [end])
         else:
             positions = torch.arange(end, device=index.device)
             visible = positions[None, :] <= positions[start:end, None]  # causal, after the earlier chunks
-            step = PagedStep(self.keys, self.values, index[start:end], index[None, :], visible[None, None])
+            step = PagedStep(
+                self.decoder.keys, self.decoder.values, index[start:end], index[None, :], visible[None, None]
+            )
             # Copied, strides and all: a slice's (of a dimension of one too) follow the whole prompt's length, and
             # the compiled layers guard on them.
             embeds, positions = (
@@ -359,6 +371,6 @@ class Prefill:
             return None
         logits = self.model.get_output_embeddings()(hidden[:, -1:, :])[:, -1, :]
         prior = [chunked.prior] if chunked.prior else None
-        return self._start(
+        return self.decoder.start_rows(
             [chunked.row], [end], logits, chunked.last_position, chunked.input_ids, [chunked.params], allowed, prior
         )

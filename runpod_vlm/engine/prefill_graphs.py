@@ -301,7 +301,7 @@ class PrefillGraphs(ShapeGraphs):
             key_starts=held.starts[1, : sequences + 1],
             longest_keys=keys,
         )
-        hidden = decoder._through_language_model(step, held.embeds[:, :tokens], held.positions[..., :tokens])
+        hidden = decoder.prompts._through_language_model(step, held.embeds[:, :tokens], held.positions[..., :tokens])
         held.hidden[:, :tokens].copy_(hidden)
 
     def _ready(self, shape: tuple) -> bool:

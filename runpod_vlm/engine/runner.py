@@ -96,10 +96,10 @@ class Runner:
         """Prefill the items the scheduler admits now (`Scheduler.next_group`) and give them rows."""
         decoder = self.decoder
         free = self.scheduler.free_rows(decoder.free_rows())
-        if self.prefix_caching and decoder.packs:
+        if self.prefix_caching and decoder.prompts.packs:
             self._digest_prepared(admissible(waiting)[: len(free)])
         with self.wake:
-            group, prepared = self.scheduler.next_group(waiting, free, bool(decoder.packs))
+            group, prepared = self.scheduler.next_group(waiting, free, bool(decoder.prompts.packs))
         if not group:
             return
         try:
@@ -191,7 +191,7 @@ class Runner:
                 torch.cuda.empty_cache()
                 return self._out_of_memory(group, prompt_tokens[0])
             if placeholder and chunked is not None:
-                decoder.follow_with(chunked, generated)
+                decoder.prompts.follow_with(chunked, generated)
             elif placeholder:  # a prompt prefilled whole: the placeholder may fail it, alone
                 with_generated(inputs, generated, self.adapter.generated_token_types)
             if chunked is not None:
@@ -208,7 +208,7 @@ class Runner:
         started = time.perf_counter()
         try:
             with self._images_cached(group, held):
-                launched = decoder.prefill_launch(
+                launched = decoder.prompts.prefill_launch(
                     inputs,
                     rows,
                     [t.item.params for t in group],
@@ -231,7 +231,7 @@ class Runner:
         self.timings["prefill_s"] += time.perf_counter() - started
         self.timings["prefills"] += 1
         for ticket, row, prompt, size, length, computed in zip(
-            group, rows, prompt_tokens, input_sizes, lengths, decoder.prefilled
+            group, rows, prompt_tokens, input_sizes, lengths, decoder.prompts.prefilled
         ):
             ticket.prompt_tokens, ticket.input_size = prompt, size
             decoder.pool.remember(row, ticket.prefix)
@@ -261,7 +261,7 @@ class Runner:
         one image at a time where the family can (the KV pool leaves less room than many large images need)."""
         import torch
 
-        begin = functools.partial(decoder.begin_chunks, inputs, row, ticket.item.params, len(ticket.ids))
+        begin = functools.partial(decoder.prompts.begin_chunks, inputs, row, ticket.item.params, len(ticket.ids))
         try:
             with self._images_cached([ticket], held):
                 return begin()
@@ -310,7 +310,7 @@ class Runner:
                 return  # blocks come back as rows finish (or are preempted before the next interval)
         started = time.perf_counter()
         try:
-            launched = decoder.prefill_chunk(chunked, size, self._grammar_masks([ticket]))
+            launched = decoder.prompts.prefill_chunk(chunked, size, self._grammar_masks([ticket]))
         except Exception as error:
             scheduler.chunking = None
             decoder.release(chunked.row)

@@ -73,6 +73,8 @@ class FakePagedDecoder(PagedDecoder):
         self.decode_kernel = False  # as on the CPU
         self.eager_steps = 0
         self.step_graphs = FakeStepGraphs(self, use_graph)
+        self.prompts = self  # it takes prompts itself (the real decoder's Prefill part)
+        self.packs, self.prefilled = None, []
         HUB.decoders.append(self)
 
     def grow(self, row, tokens):
