@@ -70,7 +70,7 @@ def gemma3(models: Path, tiny: bool, out: Path) -> dict:
     from runpod_vlm.answers import generate_all
 
     served = generate_all(engine, items)
-    alone_answers = [engine._generate_with_generate(item) for item in items]
+    alone_answers = [engine.alone.generate(item) for item in items]
     result["parity"] = [a.text == b.text for a, b in zip(served, alone_answers)]
     result["parity_prompt_tokens"] = [a.prompt_tokens for a in alone_answers]
     save(out, result)

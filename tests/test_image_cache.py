@@ -114,7 +114,7 @@ def test_items_prepared_without_their_pixels_batch_with_items_that_have_them(tin
         {"task": "vqa", "image_url": THIRD, "question": "What is it?", "max_new_tokens": 6},
         {"messages": chat(2)["messages"], "max_new_tokens": 6},
     ]
-    solo = [engine._generate_with_generate(item) for item in items(engine, jobs)]
+    solo = [engine.alone.generate(item) for item in items(engine, jobs)]
     calls, processed = encoder_calls(engine, monkeypatch), image_processor_calls(engine, monkeypatch)
     prefills = engine.timings["prefills"]
     assert generate_all(engine, items(engine, jobs)) == solo
@@ -127,7 +127,7 @@ def test_one_image_in_a_batch_twice_is_encoded_once_and_a_smaller_bound_is_anoth
 ):
     engine = serve(tiny_model("qwen2-vl"), VLM_IMAGE_CACHE_MB="64")
     jobs = [{"task": "caption", "image_url": url, "max_new_tokens": 6} for url in (PHOTO, OTHER, PHOTO, PHOTO)]
-    solo = [engine._generate_with_generate(item) for item in items(engine, jobs)]
+    solo = [engine.alone.generate(item) for item in items(engine, jobs)]
     calls = encoder_calls(engine, monkeypatch)
     assert generate_all(engine, items(engine, jobs)) == solo
     assert sum(calls) == 2 and len(engine.image_cache) == 2

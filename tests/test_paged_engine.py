@@ -34,7 +34,7 @@ def items_of(engine, jobs: list[dict]) -> list:
 
 def solo_generate(engine, items) -> list:
     """Each item alone through plain transformers `generate()` (the engine's one-at-a-time path)."""
-    return [engine._generate_with_generate(item) for item in items]
+    return [engine.alone.generate(item) for item in items]
 
 
 def spy(monkeypatch, owner, name: str, events: list, label: str):
@@ -128,7 +128,7 @@ def test_requests_past_a_sliding_window_or_an_attention_chunk_decode_in_the_batc
     monkeypatch.setattr(
         engine.start_decoder(), "launch", lambda n: widths.append(engine.view().running) or real_launch(n)
     )
-    spy(monkeypatch, engine, "_run_alone", alone, "alone")
+    spy(monkeypatch, engine.alone, "run", alone, "alone")
     batched = generate_all(engine, items)
     assert [dataclasses.replace(a, logprobs=None) for a in batched] == [
         dataclasses.replace(a, logprobs=None) for a in solo

@@ -39,6 +39,7 @@ from torch.utils._config_module import ConfigModule
 import handler
 import runpod_vlm
 from runpod_vlm.engine.loading import quantization_config
+from runpod_vlm.engine.one_at_a_time import sampling_kwargs
 from runpod_vlm.families.remote import InternVL2Adapter, MiniCPMVAdapter, Phi3VisionAdapter
 from runpod_vlm.vocabulary import GenerationParams, GenerationRequest, Turn
 from support.stubbed_api import STUBBED_API
@@ -403,9 +404,9 @@ def run_everything(folder: Path, patch: pytest.MonkeyPatch) -> dict:
         patch.setattr(engine.model, inner, engine.model, raising=False)
     params = GenerationParams(max_new_tokens=4, temperature=0.0, top_p=1.0, do_sample=False)
     item = GenerationRequest("caption", [Turn("user", [striped((112, 56)), "Describe."])], params)
-    results["internvl"] = InternVL2Adapter().run(engine.model, tokenizer, item, engine.sampling_kwargs(params))
+    results["internvl"] = InternVL2Adapter().run(engine.model, tokenizer, item, sampling_kwargs(params))
     results["internvl_chat"] = chats[-1]
-    results["minicpm"] = MiniCPMVAdapter().run(engine.model, tokenizer, item, engine.sampling_kwargs(params))
+    results["minicpm"] = MiniCPMVAdapter().run(engine.model, tokenizer, item, sampling_kwargs(params))
     results["remote_answers"], results["remote_prompt"], results["eos"] = answers, prompt, engine.eos_ids
     results["remote_load"] = MiniCPMVAdapter().load(
         str(folder), {"dtype": torch.float32, "device_map": "cpu", "trust_remote_code": False}
@@ -416,7 +417,7 @@ def run_everything(folder: Path, patch: pytest.MonkeyPatch) -> dict:
         patch.setattr(tokenizer, "chat_template", engine.processor.chat_template, raising=False)
     text_item = GenerationRequest("chat", [Turn("user", ["Hello there"])], params)
     results["phi3"] = Phi3VisionAdapter().run(
-        engine.model, Phi3StyleProcessor(engine.processor), text_item, engine.sampling_kwargs(params)
+        engine.model, Phi3StyleProcessor(engine.processor), text_item, sampling_kwargs(params)
     )
     results["tokenizer"] = tokenizer
     return results

@@ -38,7 +38,6 @@ from runpod_vlm.vocabulary import (
     GPU_FAILURE,
     WORKER_STOPPING,
     Generation,
-    GenerationParams,
     GenerationRequest,
     RequestError,
     answered_length,
@@ -70,7 +69,7 @@ def _close_at_exit(engine: weakref.ref) -> None:
         live.close()
 
 
-class Engine(OneAtATime):
+class Engine:
     """The loaded model, its processor and family adapter. One per process."""
 
     def __init__(self, settings: Settings, quantize: Optional[str] = None, on_fatal: Callable[[], None] = lambda: None):
@@ -106,6 +105,8 @@ class Engine(OneAtATime):
         self.scheduler = Scheduler(
             settings.max_batch_tokens, self.media_token_ids, self.context_length, self.adapter.prefills_alone
         )
+        # The remote-code families' items, and those past the batch's length bound: one at a time.
+        self.alone = OneAtATime(self.loaded, self.eos_ids, self.scheduler.context_error, self._generation)
         self._thread: Optional[threading.Thread] = None
         self._intake: Optional[Intake] = None
         self.timings: collections.Counter = collections.Counter()  # seconds and counts by phase (benchmarks)
@@ -168,7 +169,7 @@ class Engine(OneAtATime):
                 max_slots=self.max_slots,
                 grammars=self._grammars,
                 accept=self._accept,
-                run_alone=self._run_alone,
+                alone=self.alone,
                 gpu_failed=self._gpu_failed,
             )
             self.decoder = decoder
@@ -226,16 +227,6 @@ class Engine(OneAtATime):
         return bool(self.quantize in ("none", "fp8") and self.adapter.native and on_cuda)
 
     # ---- generation: the engine thread ------------------------------------------------------
-
-    def sampling_kwargs(self, params: GenerationParams) -> dict:
-        kwargs: dict = {"max_new_tokens": params.max_new_tokens, "do_sample": params.do_sample}
-        if params.do_sample:
-            kwargs.update(temperature=params.temperature, top_p=params.top_p)
-        else:
-            kwargs.update(temperature=None, top_p=None, top_k=None)
-        if params.min_new_tokens:
-            kwargs["min_new_tokens"] = params.min_new_tokens
-        return kwargs
 
     def submit(self, item: GenerationRequest, listener: Callable[[Any], None], stream: bool = False) -> Ticket:
         """Queue an item. `listener` is called from the engine thread with StreamDelta events (when
@@ -362,7 +353,7 @@ class Engine(OneAtATime):
                 if not self.continuous:
                     if waiting:
                         self._take(waiting[:1])
-                        self._run_alone(waiting[0])
+                        self.alone.run(waiting[0])
                     continue
                 self.start_decoder()  # at the first step, unless made at boot
                 if self.compiler.switch_due():

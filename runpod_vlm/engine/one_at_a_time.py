@@ -4,17 +4,38 @@ original context), answered by the model's own `generate()` or its repository's 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from runpod_vlm.engine.ticket import Ticket
-from runpod_vlm.vocabulary import GENERATION_FAILED, GenerationRequest, RequestError, join_param
+from runpod_vlm.vocabulary import GENERATION_FAILED, GenerationParams, GenerationRequest, RequestError, join_param
 
 log = logging.getLogger("runpod-vlm")
 
 
-class OneAtATime:
-    """Part of Engine (its base): an item run alone on the engine thread."""
+def sampling_kwargs(params: GenerationParams) -> dict:
+    """`params` as `generate()` (and the remote-code `chat()`s) take them."""
+    kwargs: dict = {"max_new_tokens": params.max_new_tokens, "do_sample": params.do_sample}
+    if params.do_sample:
+        kwargs.update(temperature=params.temperature, top_p=params.top_p)
+    else:
+        kwargs.update(temperature=None, top_p=None, top_k=None)
+    if params.min_new_tokens:
+        kwargs["min_new_tokens"] = params.min_new_tokens
+    return kwargs
 
-    def _run_alone(self, ticket: Ticket) -> None:
+
+class OneAtATime:
+    """Items run alone on the engine thread (the engine's `alone`)."""
+
+    def __init__(self, loaded, eos_ids: set, context_error: Callable, answer: Callable):
+        """`loaded`: the model, its processor, adapter and dtype (loading.LoadedModel); `context_error(item,
+        prompt_tokens)`: the error of a prompt past the context, or None; `answer(item, ids, prompt_tokens,
+        input_size, logprobs)`: the Generation of an item's generated ids."""
+        self.model, self.processor = loaded.model, loaded.processor
+        self.adapter, self.dtype = loaded.adapter, loaded.dtype
+        self.eos_ids, self.context_error, self.answer = eos_ids, context_error, answer
+
+    def run(self, ticket: Ticket) -> None:
         """The remote-code families, and a request past the batch bound: one at a time."""
         item = ticket.item
         try:
@@ -29,30 +50,30 @@ class OneAtATime:
                 message = f"the {self.adapter.name} family answers through its repository's chat(), which gives none"
                 raise RequestError("unsupported_parameter", message, join_param(item.param, "logprobs"))
             if self.adapter.native:
-                ticket.finish(self._generate_with_generate(item))
+                ticket.finish(self.generate(item))
             else:
-                ticket.finish(self.adapter.run(self.model, self.processor, item, self.sampling_kwargs(item.params)))
+                ticket.finish(self.adapter.run(self.model, self.processor, item, sampling_kwargs(item.params)))
         except RequestError as error:
             ticket.finish(error)
         except Exception:
             log.exception("generation failed")
             ticket.fail(GENERATION_FAILED)
 
-    def _generate_with_generate(self, item: GenerationRequest):
+    def generate(self, item: GenerationRequest):
+        """`item` through the model's own `generate()` (the card's recipe): its Generation, or the RequestError of a
+        prompt past the context."""
         import torch
 
         inputs, input_sizes = self.adapter.batch_inputs(self.processor, [item], self.model.device, self.dtype)
         prompt_tokens = int(inputs["attention_mask"].sum())
-        error = self.scheduler.context_error(item, prompt_tokens)
+        error = self.context_error(item, prompt_tokens)
         if error:
             return error
-        kwargs = dict(eos_token_id=sorted(self.eos_ids), **self.sampling_kwargs(item.params))
+        kwargs = dict(eos_token_id=sorted(self.eos_ids), **sampling_kwargs(item.params))
         with torch.inference_mode():
             if not item.params.logprobs:
                 out = self.model.generate(**inputs, **kwargs)
-                return self._generation(
-                    item, out[0, inputs["input_ids"].shape[1] :].tolist(), prompt_tokens, input_sizes[0]
-                )
+                return self.answer(item, out[0, inputs["input_ids"].shape[1] :].tolist(), prompt_tokens, input_sizes[0])
             out = self.model.generate(**inputs, **kwargs, output_logits=True, return_dict_in_generate=True)
             ids = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
             logprobs = []  # of generate's raw logits, before its processors, as on the batched path
@@ -60,4 +81,4 @@ class OneAtATime:
                 step_logprobs = torch.log_softmax(step[0].float(), dim=-1)
                 top_logprobs, top_ids = step_logprobs.topk(min(20, step_logprobs.shape[-1]))
                 logprobs.append((step_logprobs[token].item(), top_ids.tolist(), top_logprobs.tolist()))
-        return self._generation(item, ids, prompt_tokens, input_sizes[0], logprobs)
+        return self.answer(item, ids, prompt_tokens, input_sizes[0], logprobs)

@@ -65,18 +65,18 @@ class Runner:
         max_slots: Optional[int],
         grammars: Callable[[], Grammars],
         accept: Callable,
-        run_alone: Callable[[Ticket], None],
+        alone,
         gpu_failed: Callable[[], None],
     ):
         """`loaded` is the model, its processor, adapter and dtype (loading.LoadedModel); `wake` the engine's
         condition, held around each change to the scheduler's queue; `accept(ticket, tokens, logprobs)` takes a row's
-        new tokens; `run_alone(ticket)` answers an item past the batch's length bound (`max_slots`) by itself;
+        new tokens; `alone` (one_at_a_time.OneAtATime) answers an item past the batch's length bound (`max_slots`);
         `gpu_failed()` is called on a fatal GPU error."""
         self.decoder, self.scheduler, self.wake, self.timings = decoder, scheduler, wake, timings
         self.model, self.processor = loaded.model, loaded.processor
         self.adapter, self.dtype = loaded.adapter, loaded.dtype
         self.image_cache, self.prefix_caching, self.max_slots = image_cache, prefix_caching, max_slots
-        self.grammars, self.accept, self.run_alone, self.gpu_failed = grammars, accept, run_alone, gpu_failed
+        self.grammars, self.accept, self.alone, self.gpu_failed = grammars, accept, alone, gpu_failed
         # Prefills and decode intervals launched, their tokens not yet handed out, in launch order.
         self.launched: collections.deque[InFlight] = collections.deque()
         self._prefix_logged = time.monotonic()  # when the prefix cache's counts were last logged
@@ -165,7 +165,7 @@ class Runner:
         window = self.max_slots
         if window is not None and any(n + t.item.params.max_new_tokens > window for t, n in zip(group, prompt_tokens)):
             # past the length the batch answers for this family (Engine.max_slots): generate() handles it alone
-            return self._requeue(group, limit=1) if len(group) > 1 else self.run_alone(group[0])
+            return self._requeue(group, limit=1) if len(group) > 1 else self.alone.run(group[0])
         generated = group[0].ids  # resumed (alone): the tokens it had generated follow its prompt
         placeholder = scheduler.resumes_in_chunks(group[0])
         if generated and not placeholder:

@@ -88,7 +88,7 @@ def engine_answers(folder: str) -> dict:
     ]
     items = [handler.read_job_item(dict(job, logprobs=True), engine.settings, engine.model_id, None)[1] for job in jobs]
     batched = generate_all(engine, items)
-    solo = [engine._generate_with_generate(item) for item in items]
+    solo = [engine.alone.generate(item) for item in items]
     drift = [
         max(abs(b["logprob"] - s["logprob"]) for b, s in zip(one.logprobs, alone.logprobs))
         for one, alone in zip(batched, solo)
