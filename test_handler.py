@@ -2116,7 +2116,7 @@ def test_no_graph_is_recorded_ahead_while_an_item_is_in_the_intake(monkeypatch, 
         answer = pool.submit(call, chat("second"))
         assert wait_for(lambda: engine.view().queued)
         decoder.step_graphs.ahead.append(decoder.buckets[0])  # a graph to record while the engine has nothing ready
-        engine._notify()
+        engine.wake_up()
         time.sleep(0.2)
         assert len(hub.captured_ahead) == recorded  # the item in the intake would have waited for it
         prepared.set()
@@ -2387,7 +2387,7 @@ def test_reset_engine_ends_its_thread_and_fails_what_it_held_with_worker_stoppin
     handler.reset_engine()  # a benchmark loading another engine in the same process
     running.join(10)
     assert outcome[0]["code"] == "worker_stopping" and len(hub.steps) < 400
-    assert not engine._thread.is_alive() and engine.decoder is None
+    assert not engine.view().thread_alive and engine.decoder is None
     late, (settings, model_id) = [], handler.served_model()
     engine.submit(handler.read_job_item(chat("late"), settings, model_id, None)[1], late.append)  # none lost
     assert [error.code for error in late] == ["worker_stopping"]

@@ -45,7 +45,7 @@ def main() -> None:
     engine.warm_up()
     engine.wait_until_compiled(600)
     results: dict = {"engine": engine.describe(), "gpu_parity": gpu_parity(handler, engine)}
-    decoder, intake = engine.start_decoder(), engine._intake_of()
+    decoder, intake = engine.start_decoder(), engine.intake()
     images = iter(range(3_000_000, 4_000_000))
     one_token = GenerationParams(max_new_tokens=1, temperature=0.0, top_p=1.0, do_sample=False, min_new_tokens=1)
 

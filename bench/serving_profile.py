@@ -73,7 +73,7 @@ def intake_timeline(handler, engine) -> dict:
             read(job(f"t{i}", [data_uri(448, 448, first_image + i)], 1)["input"], settings, model_id)[1]
             for i in range(64)
         ]
-        engine._intake_of().pool._max_workers = intake_threads
+        engine.intake().pool._max_workers = intake_threads
         left, done = [64], threading.Event()
 
         def listener(event):  # the final Generation or RequestError, once per item
@@ -86,7 +86,7 @@ def intake_timeline(handler, engine) -> dict:
             engine.submit(item, listener)
         done.wait(120)
         result = summary(started, time.perf_counter())
-        engine._intake_of().pool._max_workers = 2
+        engine.intake().pool._max_workers = 2
         return result
 
     result = {"first_burst": through_handler(20000)}  # the first 64-job run meets its shapes for the first time
@@ -119,7 +119,7 @@ def spans_of(engine):
     for owner, names in ((engine.runner, RUNNER_SPANS), (decoder, DECODER_SPANS), (decoder.prompts, PROMPTS_SPANS)):
         for name in names:
             spans.wrap(owner, name)
-    spans.wrap(engine._intake_of(), "_prepare")
+    spans.wrap(engine.intake(), "_prepare")
     try:
         yield spans.marks
     finally:

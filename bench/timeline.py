@@ -68,7 +68,7 @@ def switch_interval(engine, seconds: float = 0.0001):
 
 @contextlib.contextmanager
 def intake_threads(engine, count: int):
-    pool = engine._intake_of().pool
+    pool = engine.intake().pool
     kept, pool._max_workers = pool._max_workers, count
     try:
         yield None
@@ -135,7 +135,7 @@ def syncs(engine):
 @contextlib.contextmanager
 def pinned_by_engine(engine):
     """The pixels page-locked by the engine thread as it moves them, not by the intake threads."""
-    intake = engine._intake_of()
+    intake = engine.intake()
     kept, intake.pin = intake.pin, False
     try:
         yield None

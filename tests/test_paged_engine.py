@@ -676,9 +676,7 @@ def test_an_idle_worker_records_its_decode_graphs_before_any_request(family, tin
     decoder = engine.start_decoder()
     decoder.step_graphs.enabled = decoder.decode_kernel = True  # as on a GPU
     decoder.step_graphs.ask_ahead(decoder.buckets[0])
-    with engine._wake:
-        engine._start_thread()
-        engine._wake.notify()
+    engine.start_thread()
     assert wait_for(lambda: recorded == [decoder.buckets[0]] * 2)  # its greedy and sampled steps
     decoder.step_graphs.enabled = decoder.decode_kernel = False
     keys, position = decoder.keys[0], decoder.position
@@ -699,12 +697,14 @@ def test_the_engine_thread_ends_before_the_interpreter_tears_down(tiny_model, se
     engine = serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="8")  # an engine of its own, not kept: it ends closed
     items = items_of(engine, [{"task": "caption", "image_url": data_uri(striped()), "max_new_tokens": 4}])
     assert generate_all(engine, items)[0].text is not None
-    thread = engine._thread
     ours = [(function, args) for function, args in at_exit if function.__module__ == "runpod_vlm.engine.engine"]
-    assert thread.is_alive() and len(ours) == 1
+    assert engine.view().thread_alive and len(ours) == 1
     function, args = ours[0]
     function(*args)
-    assert not thread.is_alive() and engine._closed
+    assert not engine.view().thread_alive
+    late = []
+    engine.submit(items[0], late.append)
+    assert late[0].code == "worker_stopping"  # closed: nothing more runs here
 
 
 @pytest.mark.parametrize("family", ["qwen2-vl", "qwen2.5-vl", "qwen3-vl"])
@@ -847,7 +847,7 @@ def test_the_intake_puts_pixels_for_a_gpu_in_page_locked_memory(tiny_model, serv
 
     monkeypatch.setattr(torch.Tensor, "pin_memory", pin_memory)
     engine = serve(tiny_model("qwen2-vl"))
-    intake = engine._intake_of()
+    intake = engine.intake()
     assert not intake.pin  # the model is on the CPU
     (item,) = items_of(engine, packed_prefill_jobs()[:1])
     intake._prepare(item)

@@ -79,7 +79,7 @@ def test_prefills_run_one_dynamic_trace_of_the_layers_compiled_in_the_background
         # Packed prompts and two chunks of another length: one trace, the layer and its attention before and after
         # the paged attention (run eagerly), symbolic in the tokens.
         assert len(prefill_graphs) == 4 and any("mlp" in traces[n].code for n in prefill_graphs)
-        engine._notify()  # the engine thread switches at its next step (here: at once, being idle)
+        engine.wake_up()  # the engine thread switches at its next step (here: at once, being idle)
         assert wait_for(
             lambda: all(getattr(layer.forward, "func", None) is compile_module._compiled_or_eager for layer in layers)
         )

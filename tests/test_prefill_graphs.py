@@ -137,8 +137,7 @@ def test_a_bursts_shapes_are_recorded_ahead_after_a_pass_over_the_padding_alone(
     engine = serve(tiny_model("qwen2-vl"), VLM_MAX_BATCH_TOKENS="1024")
     graphs = with_graphs(engine)
     ahead = [(tokens, key_bucket(tokens), sequences) for tokens in (400, 800, 1200) for sequences in (16, 32)]
-    with engine._wake:
-        engine._start_thread()
+    engine.start_thread()
     time.sleep(4 * engine_module.RECORD_AHEAD_AFTER_IDLE_S)
     assert graphs.wanted[5:] == ahead and not graphs.graphs
     items = items_of(engine, [vqa((64, 48), "What is in the picture, and why? Say it in many words.", 8)])
@@ -192,8 +191,7 @@ def test_no_prefill_graph_is_recorded_while_a_shape_compiles_and_the_shapes_aske
         assert not graphs.graphs and set(wanted) <= set(graphs.wanted) and len(tries) < 5
         engine.start_decoder().step_graphs._capture_pass()  # the compile took the GPU after the engine thread looked
         assert set(wanted) <= set(graphs.wanted)
-    with engine._wake:
-        engine._wake.notify()  # as the compile does when it is done
+    engine.wake_up()  # as the compile does when it is done
     assert wait_for(lambda: set(wanted) <= set(graphs.graphs))
 
 

@@ -52,7 +52,7 @@ def test_a_groups_weights_share_a_tensor_and_the_compiled_step_computes_one_prod
     # One shape, four graphs around the paged attention: the layer, then its attention with q, k and v; after the
     # attention, o; then the layer's gate, up and down.
     assert sorted(products) == [(0, 0), (1, 1), (3, 1), (3, 2)]
-    engine._notify()  # the engine thread switches to the compiled step at its next step (here: at once)
+    engine.wake_up()  # the engine thread switches to the compiled step at its next step (here: at once)
     assert wait_for(lambda: engine.decoder is not None and engine.decoder.steps_only_with(engine.compiler.forward))
     assert answers(JOBS) == eager
     assert len(products) == 4  # traced once, on the compile thread

@@ -112,7 +112,7 @@ def test_the_background_compile_compiles_the_vision_blocks_and_the_engine_switch
             "qkv" in graph.code for graph in traces
         )  # a vision block
         warmed = len(traces)
-        engine._notify()  # the engine thread switches to both at its next step (here: at once, being idle)
+        engine.wake_up()  # the engine thread switches to both at its next step (here: at once, being idle)
         assert wait_for(
             lambda: all(getattr(b.forward, "func", None) is compile_module._compiled_or_eager for b in blocks)
         )

@@ -99,7 +99,7 @@ class Engine:
             compiles_prefill=self.continuous and on_gpu and bool(decoder_layers(self.model)),
             make_decoder=self._make_decoder,
             recording_wanted=self._recording_wanted,
-            on_ready=self._notify,
+            on_ready=self.wake_up,
         )
         # The queue, the rows, the chunking prompt, the row cap and the KV pool's bookkeeping: the plan of each step.
         self.scheduler = Scheduler(
@@ -218,6 +218,7 @@ class Engine:
             image_cache_hits=self.image_cache.hits if self.image_cache else 0,
             image_cache_misses=self.image_cache.misses if self.image_cache else 0,
             timings=dict(self.timings),
+            thread_alive=self._thread is not None and self._thread.is_alive(),
         )
 
     def _cuda_graphs_possible(self) -> bool:
@@ -256,20 +257,21 @@ class Engine:
                 if same_prompt and ticket is not queued[0]:
                     ticket.prepared, ticket.group_limit = queued[0].prepared, 1
                 else:
-                    ticket.prepared = self._intake_of().submit(ticket.item, self._notify)
+                    ticket.prepared = self.intake().submit(ticket.item, self.wake_up)
                 params = ticket.item.params
                 if params.json_schema is not None:
                     param = join_param(ticket.item.param, params.schema_param)
                     limit = params.max_new_tokens, join_param(ticket.item.param, "max_new_tokens")
                     ticket.grammar = self._grammars().start(params.json_schema, param, limit)
-                    ticket.grammar.add_done_callback(lambda _: self._notify())
+                    ticket.grammar.add_done_callback(lambda _: self.wake_up())
         with self._wake:
             self.scheduler.add(queued)
             self._wake.notify()
             self._start_thread()
         return tickets
 
-    def _intake_of(self) -> Intake:
+    def intake(self) -> Intake:
+        """The intake: each item's processor call on its threads (made at the first batched submit)."""
         with self._wake:
             if self._intake is None:
                 self._intake = Intake(
@@ -283,7 +285,9 @@ class Engine:
                 )
             return self._intake
 
-    def _notify(self) -> None:
+    def wake_up(self) -> None:
+        """Have the engine thread look at its queue and the compile again (an item prepared, a grammar built, a
+        compiled shape ready)."""
         with self._wake:
             self._wake.notify()
 
@@ -313,6 +317,12 @@ class Engine:
         if self._captures_ahead_due(ahead=True):
             waits.append(self._quiet_in_s())
         return min(waits, default=None)
+
+    def start_thread(self) -> None:
+        """Start the engine thread now (else at the first submit, or at `warm_up` where the step compiles), awake."""
+        with self._wake:
+            self._start_thread()
+            self._wake.notify()
 
     def _start_thread(self) -> None:
         """Start the engine thread once (call with `_wake` held), and end it at the interpreter's exit: a daemon

@@ -24,6 +24,7 @@ class EngineView:
     image_cache_hits: int  # images whose vision-encoder output was found cached
     image_cache_misses: int
     timings: dict  # seconds and counts by phase; prompt_tokens and prefix_cached_tokens (read from cached blocks)
+    thread_alive: bool = False  # the engine thread runs (started at the first submit or warm-up; ended by close)
 
     @property
     def kv_blocks_used(self) -> int:
