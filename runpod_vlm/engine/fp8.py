@@ -8,8 +8,9 @@ multiplies it by the bf16 input as it is (`weight_only_matmul`): no input quanti
 row-wise kernel took 9.9 us a product at 1 row on the H200, where the bytes of most need 1-3
 (bench/results/profile-graph-step-fp8-a4c4597.txt).
 
-Hand-written (one module, one function): torchao's float8 layers come with a torchao release pinned to each torch
-release, which the worker image would have to pin beside its torch."""
+Hand-written: torchao's float8 layers come with a torchao release pinned to each torch release, which the worker
+image would have to pin beside its torch; float8 weight-only kernels for a few rows (Marlin's) ship inside vLLM's own
+CUDA build."""
 
 from __future__ import annotations
 
@@ -101,15 +102,17 @@ SPLIT_MIN_K = 1024  # K's elements a split reads at least: fewer would cost more
 
 def tiles(rows: int, N: int, K: int, device) -> tuple[int, int, int, int]:
     """`weight_only_matmul`'s tiles (the columns and the stretch of K a program reads each step), pipeline stages and
-    splits of K for `rows` x `N` x `K`: enough programs to keep every multiprocessor reading (four a multiprocessor).
-    Wide outputs (an MLP's gate and up) take 32 or 64 columns a program, narrow ones (attention's projections, the
-    MLP's down) 16, the long K of a narrow one (the down projection's) in splits whose partial sums a second kernel
-    adds. The tiles are the fastest of bench/fp8_matmul.py's sweep on an H100 (results/fp8-matmul-h100-2a5a24c.json)."""
+    splits of K for `rows` x `N` x `K`. Wide outputs (an MLP's gate and up) take 32 or 64 columns a program, narrow
+    ones (attention's projections, the MLP's down) 16; up to 16 rows, the long K of a narrow one (the down
+    projection's) is read in splits, enough programs for four a multiprocessor, whose partial sums a second kernel
+    adds (on an H100: 16 us against 22 at 1 row; at 64 rows 31 against 28, unsplit). The fastest tiles of
+    bench/fp8_matmul.py's sweep on an H100 (results/fp8-matmul-h100-2a5a24c.json, fp8-matmul-h100-2fb4f45.json)."""
     multiprocessors = _multiprocessors(device)
     if N >= 64 * multiprocessors:
         return (32, 128, 3, 1) if rows <= 16 else (64, 128, 2, 1)
-    programs = -(-N // 16)
-    splits = max(1, min(8, -(-4 * multiprocessors // programs), K // SPLIT_MIN_K))
+    if rows > 16:
+        return 16, 256, 3, 1
+    splits = max(1, min(8, -(-4 * multiprocessors // -(-N // 16)), K // SPLIT_MIN_K))
     return 16, 256, 4, splits
 
 
