@@ -17,7 +17,7 @@ from runpod_vlm.engine.blocks import BLOCK_SIZE
 from runpod_vlm.engine.compile import decoder_layers, set_torch_cache_dirs, vision_blocks
 from runpod_vlm.engine.decoder import PagedDecoder
 from runpod_vlm.engine.gpu_errors import is_fatal_gpu_error
-from runpod_vlm.engine.grammar import Grammars, answer_error
+from runpod_vlm.engine.grammar import Grammars
 from runpod_vlm.engine.image_cache import ImageEmbeddingCache
 from runpod_vlm.engine.intake import PREPARED_ON_GPU_BYTES, Intake
 from runpod_vlm.engine.loading import load_model
@@ -28,7 +28,7 @@ from runpod_vlm.engine.prefill_graphs import GRAPH_TOKENS
 from runpod_vlm.engine.projections import share_weights
 from runpod_vlm.engine.runner import Runner
 from runpod_vlm.engine.scheduler import Scheduler
-from runpod_vlm.engine.ticket import Ticket, logprob_entries
+from runpod_vlm.engine.ticket import Ticket, generation
 from runpod_vlm.engine.view import EngineView
 from runpod_vlm.engine.vision_attention import use_packed_vision_attention
 from runpod_vlm.families.base import end_tokens
@@ -40,7 +40,6 @@ from runpod_vlm.vocabulary import (
     Generation,
     GenerationRequest,
     RequestError,
-    answered_length,
     as_request_error,
     join_param,
 )
@@ -399,39 +398,17 @@ class Engine:
         return self.grammars
 
     def _accept(self, ticket: Ticket, tokens: list[int], logprobs: Optional[list] = None) -> None:
-        """New tokens for a row (and their log-probabilities when it asked): stream them, and finish the row
-        at its end token or length."""
-        item, done = ticket.item, ticket.cancelled
-        if ticket.first_token_at is None and tokens:
-            ticket.first_token_at = time.monotonic()
-        for n, token in enumerate(tokens):
-            if done:
-                break
-            ticket.ids.append(token)
-            if ticket.matcher is not None:
-                ticket.matcher.consume_token(token)
-            if item.params.logprobs and logprobs is not None:
-                ticket.logprobs.append(logprobs[n])
-            done = token in self.eos_ids or len(ticket.ids) >= item.params.max_new_tokens
-            broken = ticket.matcher is not None and answer_error(ticket.matcher, token in self.eos_ids)
-            if broken:  # `stop` on a constrained answer means its JSON is whole: this one's never will be
-                done = True
-                ticket.result = RequestError(
-                    "structured_output_failed",
-                    f"the answer could not follow this JSON schema: {broken}",
-                    join_param(item.param, item.params.schema_param),
-                )
-        if ticket.stream and not ticket.cancelled:
-            ticket.emit_delta(self.eos_ids)
-        if done:
-            self.compiler.answered.set()
-            self.decoder.release(ticket.row)
-            self.scheduler.finished(ticket.row)
-            if not ticket.cancelled:
-                ticket.finish(
-                    ticket.result
-                    or self._generation(item, ticket.ids, ticket.prompt_tokens, ticket.input_size, ticket.logprobs)
-                )
+        """New tokens for a row (`Ticket.take`); at its end the row is freed and the item answered."""
+        if not ticket.take(tokens, logprobs, self.eos_ids):
+            return
+        self.compiler.answered.set()
+        self.decoder.release(ticket.row)
+        self.scheduler.finished(ticket.row)
+        if not ticket.cancelled:
+            ticket.finish(
+                ticket.result
+                or self._generation(ticket.item, ticket.ids, ticket.prompt_tokens, ticket.input_size, ticket.logprobs)
+            )
 
     def _fail_all(self, error: RequestError, queued: bool = False) -> None:
         """Fail the items in flight (and the queued ones too when `queued`)."""
@@ -451,21 +428,7 @@ class Engine:
     def _generation(
         self, item: GenerationRequest, ids: list[int], prompt_tokens: int, input_size, logprobs=None
     ) -> Generation:
-        ids = ids[: item.params.max_new_tokens]
-        kept = ids[: answered_length(ids, self.eos_ids)]
-        top = item.params.top_logprobs
-        entries = logprob_entries(self.tokenizer, kept, logprobs, top) if item.params.logprobs else None
-        raw = item.task == "grounding" or item.tool_use is not None  # boxes, calls: between special tokens
-        return Generation.from_ids(
-            self.tokenizer.decode(kept, skip_special_tokens=True).strip(),
-            ids,
-            self.eos_ids,
-            item.params.max_new_tokens,
-            raw_text=self.tokenizer.decode(kept, skip_special_tokens=False) if raw else None,
-            prompt_tokens=int(prompt_tokens),
-            image_input_size=input_size,
-            logprobs=entries,
-        )
+        return generation(self.tokenizer, self.eos_ids, item, ids, prompt_tokens, input_size, logprobs)
 
     # ---- the decoder, its KV pool and its compiled step ----------------------------------------
 

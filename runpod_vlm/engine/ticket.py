@@ -7,7 +7,15 @@ import time
 from collections.abc import Callable
 from typing import Any, Optional
 
-from runpod_vlm.vocabulary import GenerationRequest, RequestError, StreamDelta, answered_length
+from runpod_vlm.engine.grammar import answer_error
+from runpod_vlm.vocabulary import (
+    Generation,
+    GenerationRequest,
+    RequestError,
+    StreamDelta,
+    answered_length,
+    join_param,
+)
 
 log = logging.getLogger("runpod-vlm")
 
@@ -49,6 +57,33 @@ class Ticket:
     def cancel(self) -> None:
         """Give up on the item: the engine drops it from the queue or frees its row at the next step."""
         self.cancelled = True
+
+    def take(self, tokens: list[int], logprobs: Optional[list], eos_ids: set) -> bool:
+        """New tokens for its row (and their log-probabilities when it asked): kept up to its end token or its
+        length, its grammar stepped, streamed; whether it ended (or was cancelled)."""
+        item, done = self.item, self.cancelled
+        if self.first_token_at is None and tokens:
+            self.first_token_at = time.monotonic()
+        for n, token in enumerate(tokens):
+            if done:
+                break
+            self.ids.append(token)
+            if self.matcher is not None:
+                self.matcher.consume_token(token)
+            if item.params.logprobs and logprobs is not None:
+                self.logprobs.append(logprobs[n])
+            done = token in eos_ids or len(self.ids) >= item.params.max_new_tokens
+            broken = self.matcher is not None and answer_error(self.matcher, token in eos_ids)
+            if broken:  # `stop` on a constrained answer means its JSON is whole: this one's never will be
+                done = True
+                self.result = RequestError(
+                    "structured_output_failed",
+                    f"the answer could not follow this JSON schema: {broken}",
+                    join_param(item.param, item.params.schema_param),
+                )
+        if self.stream and not self.cancelled:
+            self.emit_delta(eos_ids)
+        return done
 
     def emit_delta(self, eos_ids: set) -> None:
         """The answer's ids so far; the job's side turns them into text (off the engine thread)."""
@@ -92,3 +127,24 @@ def logprob_entries(tokenizer, ids: list[int], logprobs: list, top: int) -> list
         {**entry(token, logprob), "top_logprobs": [entry(i, lp) for i, lp in zip(top_ids[:top], top_lps[:top])]}
         for token, (logprob, top_ids, top_lps) in zip(ids, logprobs)
     ]
+
+
+def generation(
+    tokenizer, eos_ids: set, item: GenerationRequest, ids: list[int], prompt_tokens: int, input_size, logprobs=None
+) -> Generation:
+    """An item's answer from its generated `ids`: its text (and raw text where boxes or calls sit between special
+    tokens), why it ended, its counts and, when it asked, its tokens' log-probabilities."""
+    ids = ids[: item.params.max_new_tokens]
+    kept = ids[: answered_length(ids, eos_ids)]
+    entries = logprob_entries(tokenizer, kept, logprobs, item.params.top_logprobs) if item.params.logprobs else None
+    raw = item.task == "grounding" or item.tool_use is not None
+    return Generation.from_ids(
+        tokenizer.decode(kept, skip_special_tokens=True).strip(),
+        ids,
+        eos_ids,
+        item.params.max_new_tokens,
+        raw_text=tokenizer.decode(kept, skip_special_tokens=False) if raw else None,
+        prompt_tokens=int(prompt_tokens),
+        image_input_size=input_size,
+        logprobs=entries,
+    )
