@@ -1,8 +1,9 @@
 """FP8's few-rows product (engine/fp8.py's `weight_only_matmul`) against bf16's and `_scaled_mm`'s (GPU), at the
 language model's shapes of Qwen2-VL-2B (each projection, and the groups engine/projections.py joins) and 1, 8 and
-64 rows: each product replayed 50 times in a CUDA graph, as a decode step runs it; its weight bytes against the
-copy bandwidth measured in the same run (the floor), and a sweep of the kernel's tiles and splits of K beside
-`tiles`' choice.
+64 rows: each product recorded 50 times in a CUDA graph, as a decode step runs it, and the graph's replays averaged
+(bench/decode_attention.py's `replayed_us`; the result files up to 2fb4f45 took the best of 5 replays); its
+weight bytes against the copy bandwidth measured in the same run (the floor), and a sweep of the kernel's tiles and
+splits of K beside `tiles`' choice.
 
     python -m bench.fp8_matmul --out OUT [--no-sweep]
 
@@ -25,32 +26,7 @@ SHAPES = {  # name -> (N, K)
     "down": (HIDDEN, INTERMEDIATE),
 }
 ROWS = (1, 8, 64)
-REPLAYS = 50
-
-
-def replayed_us(torch, call) -> float:
-    """Microseconds a call takes replayed in a CUDA graph of REPLAYS of it."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPLAYS):
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(5):
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / REPLAYS)
-    return best
+REPLAYS = 50  # calls recorded in one CUDA graph
 
 
 def copy_bandwidth(torch) -> float:
@@ -68,6 +44,7 @@ def copy_bandwidth(torch) -> float:
 
 
 def main() -> None:
+    from bench.decode_attention import replayed_us
     from bench.harness import bench_parser
 
     parser = bench_parser(__doc__)
@@ -96,18 +73,18 @@ def main() -> None:
             row["floor_us_bf16"] = round(2 * N * K / bandwidth * 1e6, 2)
             weight_only = functools.partial(fp8.weight_only_matmul, x, weight, column_scale)
             row["bf16_linear_us"] = round(
-                replayed_us(torch, functools.partial(torch.nn.functional.linear, x, weight_bf16)), 2
+                replayed_us(functools.partial(torch.nn.functional.linear, x, weight_bf16), REPLAYS), 2
             )
             row["scaled_mm_us"] = round(
-                replayed_us(torch, functools.partial(scaled_mm, torch, fp8, x, weight, scale)), 2
+                replayed_us(functools.partial(scaled_mm, torch, fp8, x, weight, scale), REPLAYS), 2
             )
             row["tiles"] = list(fp8.tiles(rows, N, K, x.device))
-            row["weight_only_us"] = round(replayed_us(torch, weight_only), 2)
+            row["weight_only_us"] = round(replayed_us(weight_only, REPLAYS), 2)
             if not args.no_sweep:
                 timed = {}
                 for config in sweep:
                     try:
-                        timed[config] = replayed_us(torch, functools.partial(weight_only, config))
+                        timed[config] = replayed_us(functools.partial(weight_only, config), REPLAYS)
                     except Exception as error:  # a config past the multiprocessor's shared memory
                         timed[config] = float("inf")
                         print(f"  {config}: {type(error).__name__}")

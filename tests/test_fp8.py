@@ -20,8 +20,9 @@ import transformers
 from runpod_vlm.engine import loading
 from runpod_vlm.engine.compile import model_view
 from runpod_vlm.engine.fp8 import E4M3_MAX, Fp8Linear, quantize_language_model
-from runpod_vlm.engine.projections import one_product_per_input, share_weights, with_shared_products
+from runpod_vlm.engine.projections import share_weights, with_shared_products
 from runpod_vlm.settings import Settings, SettingsError
+from test_shared_products import through_the_pass
 
 
 def dequantized_rows(values):
@@ -106,14 +107,7 @@ def test_fp8_projections_join_as_bf16s_do_and_the_compiled_step_computes_one_pro
     view = model_view(model)
     assert with_shared_products(view) == 2 * len(layers)
     products = []  # FP8 products traced, then kept by the pass
-    op = torch.ops.runpod_vlm.fp8_linear.default
-
-    def backend(graph, example_inputs):
-        traced = sum(node.target is op for node in graph.graph.nodes)
-        one_product_per_input()(graph.graph)
-        graph.recompile()
-        products.append((traced, sum(node.target is op for node in graph.graph.nodes)))
-        return graph.forward
+    backend = through_the_pass(products, lambda node: node.target is torch.ops.runpod_vlm.fp8_linear.default)
 
     hidden = torch.randn(1, 6, model.config.text_config.hidden_size)
     rotary = model.model.language_model.rotary_emb(hidden, torch.arange(6).expand(3, 1, 6))

@@ -17,6 +17,20 @@ from test_vision_compile import wait_for
 LINEAR = {torch._C._nn.linear, torch.nn.functional.linear}
 
 
+def through_the_pass(products: list, is_product):
+    """A torch.compile backend that runs each graph through `OneProductPerInput`, appending to `products` how many of
+    its nodes `is_product` before and after."""
+
+    def backend(graph, example_inputs):
+        traced = sum(map(is_product, graph.graph.nodes))
+        one_product_per_input()(graph.graph)
+        graph.recompile()
+        products.append((traced, sum(map(is_product, graph.graph.nodes))))
+        return graph.forward
+
+    return backend
+
+
 def test_a_groups_weights_share_a_tensor_and_the_compiled_step_computes_one_product_a_group(
     tiny_model, serve, monkeypatch
 ):
@@ -35,15 +49,7 @@ def test_a_groups_weights_share_a_tensor_and_the_compiled_step_computes_one_prod
     assert answers(JOBS) == eager  # eager code reads the same numbers
 
     products = []  # per graph: linear products traced, then kept by the pass
-
-    def backend(graph, example_inputs):
-        traced = sum(node.target in LINEAR for node in graph.graph.nodes)
-        one_product_per_input()(graph.graph)
-        graph.recompile()
-        products.append((traced, sum(node.target in LINEAR for node in graph.graph.nodes)))
-        return graph.forward
-
-    compile_in_background(engine, monkeypatch, [8], backend)
+    compile_in_background(engine, monkeypatch, [8], through_the_pass(products, lambda node: node.target in LINEAR))
     view = engine.compiler.forward.get_decoder().layers[0]
     assert (
         type(view.self_attn.k_proj).__name__ == "SliceOfProduct" and type(view.mlp.up_proj).__name__ == "SliceOfProduct"
