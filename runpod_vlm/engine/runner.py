@@ -26,7 +26,6 @@ from runpod_vlm.vocabulary import GENERATION_FAILED, GPU_FAILURE, RequestError
 log = logging.getLogger("runpod-vlm")
 
 PREFIX_LOG_EVERY_S = 60.0
-ROW_CAP_S = 30.0  # how long fewer rows are given after a decode step ran out of memory, unless idle before
 
 
 class InFlight(NamedTuple):
