@@ -1,7 +1,8 @@
 """FP8 weights (`VLM_QUANTIZE=fp8`, engine/fp8.py) on the CPU: a layer's product through `torch._scaled_mm` (which
 torch runs on the CPU too), with its scales inside the product or after it, is that of its float8 operands,
-within e4m3's error of the original;
-only the decoder layers' linear layers are quantized; cards without FP8 are refused naming the setting. Greedy
+within e4m3's error of the original; the few-rows kernel (under Triton's interpreter) is the dequantized product;
+only the decoder layers' linear layers are quantized, and their q/k/v and gate/up join into one product each in the
+compiled step; cards without FP8 are refused naming the setting. Greedy
 agreement with the unquantized model is not asserted: the tiny models are built to be sensitive to any change, and
 their greedy tokens part within a few steps under fp8 (tokens/s and agreement on real shapes: bench/README.md)."""
 
