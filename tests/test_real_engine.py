@@ -507,7 +507,7 @@ def test_a_decoder_that_cannot_be_built_fails_the_waiting_job_instead_of_looping
     engine = serve(tiny_model("qwen2-vl"), VLM_SYNC_INTERVAL="2")
     job = {"messages": [{"role": "user", "content": "Hi."}], "max_new_tokens": 3}
     alone = ask(job)
-    real_new_decoder, attempts, failing = engine._new_decoder, [], [True]
+    real_new_decoder, attempts, failing = engine.new_decoder, [], [True]
 
     def new_decoder():
         attempts.append(1)
@@ -515,7 +515,7 @@ def test_a_decoder_that_cannot_be_built_fails_the_waiting_job_instead_of_looping
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real_new_decoder()
 
-    monkeypatch.setattr(engine, "_new_decoder", new_decoder)
+    monkeypatch.setattr(engine, "new_decoder", new_decoder)
     engine.decoder = None
     answered, results = threading.Event(), []
     engine.submit(

@@ -155,7 +155,7 @@ class Engine:
         with self._decoder_lock:
             if self.decoder is not None:
                 return self.decoder
-            decoder = self._new_decoder()
+            decoder = self.new_decoder()
             self.scheduler.pool = decoder.pool
             self.runner = Runner(
                 decoder,
@@ -432,7 +432,9 @@ class Engine:
 
     # ---- the decoder, its KV pool and its compiled step ----------------------------------------
 
-    def _new_decoder(self) -> PagedDecoder:
+    def new_decoder(self) -> PagedDecoder:
+        """A decoder with the engine's KV pool and step (`start_decoder` keeps the one it makes). A fault hook too:
+        tests make it raise, as a pool the GPU cannot allocate at the first job does."""
         set_torch_cache_dirs(self.settings)  # before the decode kernel or the compile builds anything
         decoder = self._make_decoder(self.model, self._kv_pool_blocks(), self.use_graphs)
         self.compiler.use_compiled(decoder)
