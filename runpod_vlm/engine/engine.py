@@ -28,7 +28,7 @@ from runpod_vlm.engine.prefill_graphs import GRAPH_TOKENS
 from runpod_vlm.engine.projections import share_weights
 from runpod_vlm.engine.runner import Runner
 from runpod_vlm.engine.scheduler import Scheduler
-from runpod_vlm.engine.ticket import Ticket, generation
+from runpod_vlm.engine.ticket import Ticket
 from runpod_vlm.engine.view import EngineView
 from runpod_vlm.engine.vision_attention import use_packed_vision_attention
 from runpod_vlm.families.base import end_tokens
@@ -37,7 +37,6 @@ from runpod_vlm.vocabulary import (
     GENERATION_FAILED,
     GPU_FAILURE,
     WORKER_STOPPING,
-    Generation,
     GenerationRequest,
     RequestError,
     as_request_error,
@@ -105,7 +104,7 @@ class Engine:
             settings.max_batch_tokens, self.media_token_ids, self.context_length, self.adapter.prefills_alone
         )
         # The remote-code families' items, and those past the batch's length bound: one at a time.
-        self.alone = OneAtATime(self.loaded, self.eos_ids, self.scheduler.context_error, self._generation)
+        self.alone = OneAtATime(self.loaded, self.tokenizer, self.eos_ids, self.scheduler.context_error)
         self._thread: Optional[threading.Thread] = None
         self._intake: Optional[Intake] = None
         self.timings: collections.Counter = collections.Counter()  # seconds and counts by phase (benchmarks)
@@ -405,10 +404,7 @@ class Engine:
         self.decoder.release(ticket.row)
         self.scheduler.finished(ticket.row)
         if not ticket.cancelled:
-            ticket.finish(
-                ticket.result
-                or self._generation(ticket.item, ticket.ids, ticket.prompt_tokens, ticket.input_size, ticket.logprobs)
-            )
+            ticket.finish(ticket.result or ticket.answer(self.tokenizer, self.eos_ids))
 
     def _fail_all(self, error: RequestError, queued: bool = False) -> None:
         """Fail the items in flight (and the queued ones too when `queued`)."""
@@ -424,11 +420,6 @@ class Engine:
         self.broken = True
         self.on_fatal()
         self._fail_all(GPU_FAILURE, queued=True)
-
-    def _generation(
-        self, item: GenerationRequest, ids: list[int], prompt_tokens: int, input_size, logprobs=None
-    ) -> Generation:
-        return generation(self.tokenizer, self.eos_ids, item, ids, prompt_tokens, input_size, logprobs)
 
     # ---- the decoder, its KV pool and its compiled step ----------------------------------------
 

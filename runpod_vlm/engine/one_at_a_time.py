@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from runpod_vlm.engine.ticket import Ticket
+from runpod_vlm.engine.ticket import Ticket, generation
 from runpod_vlm.vocabulary import GENERATION_FAILED, GenerationParams, GenerationRequest, RequestError, join_param
 
 log = logging.getLogger("runpod-vlm")
@@ -27,13 +27,12 @@ def sampling_kwargs(params: GenerationParams) -> dict:
 class OneAtATime:
     """Items run alone on the engine thread (the engine's `alone`)."""
 
-    def __init__(self, loaded, eos_ids: set, context_error: Callable, answer: Callable):
+    def __init__(self, loaded, tokenizer, eos_ids: set, context_error: Callable):
         """`loaded`: the model, its processor, adapter and dtype (loading.LoadedModel); `context_error(item,
-        prompt_tokens)`: the error of a prompt past the context, or None; `answer(item, ids, prompt_tokens,
-        input_size, logprobs)`: the Generation of an item's generated ids."""
+        prompt_tokens)`: the error of a prompt past the context, or None."""
         self.model, self.processor = loaded.model, loaded.processor
         self.adapter, self.dtype = loaded.adapter, loaded.dtype
-        self.eos_ids, self.context_error, self.answer = eos_ids, context_error, answer
+        self.tokenizer, self.eos_ids, self.context_error = tokenizer, eos_ids, context_error
 
     def run(self, ticket: Ticket) -> None:
         """The remote-code families, and a request past the batch bound: one at a time."""
@@ -73,7 +72,8 @@ class OneAtATime:
         with torch.inference_mode():
             if not item.params.logprobs:
                 out = self.model.generate(**inputs, **kwargs)
-                return self.answer(item, out[0, inputs["input_ids"].shape[1] :].tolist(), prompt_tokens, input_sizes[0])
+                ids = out[0, inputs["input_ids"].shape[1] :].tolist()
+                return generation(self.tokenizer, self.eos_ids, item, ids, prompt_tokens, input_sizes[0])
             out = self.model.generate(**inputs, **kwargs, output_logits=True, return_dict_in_generate=True)
             ids = out.sequences[0, inputs["input_ids"].shape[1] :].tolist()
             logprobs = []  # of generate's raw logits, before its processors, as on the batched path
@@ -81,4 +81,4 @@ class OneAtATime:
                 step_logprobs = torch.log_softmax(step[0].float(), dim=-1)
                 top_logprobs, top_ids = step_logprobs.topk(min(20, step_logprobs.shape[-1]))
                 logprobs.append((step_logprobs[token].item(), top_ids.tolist(), top_logprobs.tolist()))
-        return self.answer(item, ids, prompt_tokens, input_sizes[0], logprobs)
+        return generation(self.tokenizer, self.eos_ids, item, ids, prompt_tokens, input_sizes[0], logprobs)

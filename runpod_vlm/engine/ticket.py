@@ -85,6 +85,10 @@ class Ticket:
             self.emit_delta(eos_ids)
         return done
 
+    def answer(self, tokenizer, eos_ids: set) -> Generation:
+        """Its answer from the tokens it took (`generation`)."""
+        return generation(tokenizer, eos_ids, self.item, self.ids, self.prompt_tokens, self.input_size, self.logprobs)
+
     def emit_delta(self, eos_ids: set) -> None:
         """The answer's ids so far; the job's side turns them into text (off the engine thread)."""
         kept = self.ids[: answered_length(self.ids, eos_ids)]
