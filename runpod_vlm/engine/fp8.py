@@ -180,9 +180,10 @@ class Fp8Linear(torch.nn.Module):
         return cls(weight, scale.t().contiguous(), None if linear.bias is None else linear.bias.detach())
 
     @classmethod
-    def joined(cls, members: list) -> Fp8Linear | None:
+    def joined(cls, members: list, slices: list[slice]) -> Fp8Linear | None:
         """One layer over `members`' weights, one after the other (engine/projections.py's groups), each member's
-        weight, scales and bias becoming views of its rows; None where they do not join (inputs or biases differ)."""
+        weight, scales and bias becoming views of its `slices` rows; None where they do not join (inputs or biases
+        differ)."""
         first = members[0]
         if any(m.in_features != first.in_features or (m.bias is None) != (first.bias is None) for m in members):
             return None
@@ -190,13 +191,10 @@ class Fp8Linear(torch.nn.Module):
             weight = torch.cat([m.weight for m in members])
             scale = torch.cat([m.weight_scale for m in members], dim=1)
             bias = None if first.bias is None else torch.cat([m.bias for m in members])
-        start = 0
-        for member in members:
-            end = start + member.out_features
-            member.weight, member.weight_scale = weight[start:end], scale[:, start:end]
+        for member, rows in zip(members, slices):
+            member.weight, member.weight_scale = weight[rows], scale[:, rows]
             if bias is not None:
-                member.bias = torch.nn.Parameter(bias[start:end], requires_grad=False)
-            start = end
+                member.bias = torch.nn.Parameter(bias[rows], requires_grad=False)
         return cls(weight, scale, bias)
 
     def forward(self, x):

@@ -29,12 +29,10 @@ def share_weights(model) -> int:
     for layer in decoder_layers(model):
         for parent in layer.modules():
             for names in GROUPS:
-                members = [getattr(parent, name, None) for name in names]
-                product = _joined(members)
-                if product is None:
+                joined_group = _joined([getattr(parent, name, None) for name in names])
+                if joined_group is None:
                     continue
-                ends = list(itertools.accumulate(member.out_features for member in members))
-                slices = [slice(end - member.out_features, end) for member, end in zip(members, ends)]
+                product, slices = joined_group
                 # A plain attribute (no submodule): a view of the model shares it, and nothing counts it twice.
                 vars(parent).setdefault("shared_products", []).append((names, product, slices))
                 joined += 1
@@ -44,16 +42,22 @@ def share_weights(model) -> int:
 
 
 def _joined(members: list):
-    """The layer over `members`' weights (theirs becoming views of it), or None where they do not join."""
+    """The layer over `members`' weights and each member's rows of it (its weight becoming a view of them), or None
+    where they do not join."""
     import torch
 
     kind = type(members[0])
     if any(type(member) is not kind for member in members):
         return None
-    if kind is not torch.nn.Linear:
-        joined = getattr(kind, "joined", None)  # FP8's layers join themselves; other quantized layers do not
-        return joined(members) if joined is not None else None
+    join = getattr(kind, "joined", None)  # FP8's layers join themselves; other quantized layers do not
+    if kind is not torch.nn.Linear and join is None:
+        return None
     first = members[0]
+    ends = list(itertools.accumulate(member.out_features for member in members))
+    slices = [slice(end - member.out_features, end) for member, end in zip(members, ends)]
+    if kind is not torch.nn.Linear:
+        product = join(members, slices)
+        return None if product is None else (product, slices)
     if not all(
         member.in_features == first.in_features
         and member.weight.dtype == first.weight.dtype
@@ -69,14 +73,11 @@ def _joined(members: list):
     product.weight = torch.nn.Parameter(weight, requires_grad=False)
     if bias is not None:
         product.bias = torch.nn.Parameter(bias, requires_grad=False)
-    start = 0
-    for member in members:
-        end = start + member.out_features
-        member.weight = torch.nn.Parameter(weight[start:end], requires_grad=False)
+    for member, rows in zip(members, slices):
+        member.weight = torch.nn.Parameter(weight[rows], requires_grad=False)
         if bias is not None:
-            member.bias = torch.nn.Parameter(bias[start:end], requires_grad=False)
-        start = end
-    return product
+            member.bias = torch.nn.Parameter(bias[rows], requires_grad=False)
+    return product, slices
 
 
 @functools.cache
