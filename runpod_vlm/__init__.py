@@ -34,6 +34,7 @@ the engine knows nothing of RunPod jobs or request JSON; the scheduler never tou
     sampling     a step's next token per row: penalty, min_new_tokens, grammar mask, greedy or sampled, logprobs
     blocks       the KV pool's blocks and the prefix cache's digests
     paged_attention  the text model's attention over the pool, each row reading its own blocks
+    long_rope    LongRoPE's factors chosen per row (Phi-4-multimodal), as generate() chooses them alone
     decode_kernel  a decode step's attention on the GPU (a Triton kernel over each row's blocks)
     varlen       variable-length FlashAttention for packed sequences
     vision_attention  one attention call per layer for a vision tower that packs its images

@@ -705,9 +705,9 @@ def test_phi4_multimodal_matches_transformers_recipe_alone_and_batched(tiny_mode
     assert f"{folder} has no vision-lora adapter: Phi-4-multimodal answers with its base weights" in caplog.messages
     assert not getattr(engine.model, "_hf_peft_config_loaded", False)
     assert type(engine.model).__name__ == "Phi4MultimodalForCausalLM"
-    # In the batch (its flat config takes the paged attention on the whole model) while a request stays within
-    # LongRoPE's original context, where its rotary factors are the same for every row.
-    assert engine.continuous and engine.max_slots == 4096
+    # In the batch (its flat config takes the paged attention on the whole model) at any length: a row is prefilled
+    # again where it passes LongRoPE's original context (tests/test_paged_engine.py).
+    assert engine.continuous and engine.scheduler.recompute_at == 4096
     request, prompt, images = PHI4_CARDS[0]
     calls = forward_calls_of(engine)
     out = ask(request)

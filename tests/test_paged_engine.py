@@ -8,6 +8,8 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import json
+import shutil
 import threading
 import time
 import weakref
@@ -20,6 +22,7 @@ import handler
 from runpod_vlm.answers import generate_all
 from runpod_vlm.engine import prefill_graphs, varlen
 from runpod_vlm.engine import scheduler as scheduler_module
+from runpod_vlm.engine.ticket import generation
 from runpod_vlm.vocabulary import StreamDelta
 from test_vision_compile import block_diagonal_varlen, wait_for
 from tools.sample_images import data_uri, striped
@@ -112,7 +115,7 @@ def test_requests_past_a_sliding_window_or_an_attention_chunk_decode_in_the_batc
     ways at prefill), decode side by side, none alone; every answer its solo generate()'s, each token's logprob
     too (the tiny models' greedy tokens hardly depend on the far keys; their logprobs do); the pool is full again."""
     engine = serve(tiny_model(family), VLM_SYNC_INTERVAL="2")
-    assert engine.continuous and engine.max_slots is None
+    assert engine.continuous
     jobs = [
         {"messages": [{"role": "user", "content": "Hi"}], "max_new_tokens": 70, "min_new_tokens": 70},
         {"messages": [{"role": "user", "content": "word " * 40}], "max_new_tokens": 30, "min_new_tokens": 30},
@@ -140,6 +143,101 @@ def test_requests_past_a_sliding_window_or_an_attention_chunk_decode_in_the_batc
     assert not alone and max(widths) >= 4
     view = engine.view()
     assert view.kv_blocks_free == view.kv_blocks and not view.running
+
+
+def phi4_with_original_context(tiny_model, folder, tokens: int):
+    """The tiny Phi-4-multimodal with LongRoPE's original context cut to `tokens`."""
+    shutil.copytree(tiny_model("phi4-multimodal"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    config["original_max_position_embeddings"] = config["rope_parameters"]["original_max_position_embeddings"] = tokens
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+@contextlib.contextmanager
+def transformers_rotary(engine):
+    """The engine's model with transformers' own rotary (one choice of factors a forward), for the solo runs."""
+    text = engine.model.get_decoder()
+    by_row = text.rotary_emb
+    text.rotary_emb = by_row.whole
+    try:
+        yield
+    finally:
+        text.rotary_emb = by_row
+
+
+def uncached_greedy(engine, item):
+    """`item`'s greedy answer with each token from the model's forward over the whole sequence so far, no cache:
+    LongRoPE's factors then follow the whole sequence's length at every step, as Phi-4's generate() means them to
+    (it recomputes its cache where a sequence passes the original context; transformers 5.17's drops it there and
+    goes on with none, each new token attending to itself only)."""
+    inputs, sizes = engine.adapter.batch_inputs(engine.processor, [item], "cpu", engine.dtype)
+    ids, mask, params = inputs["input_ids"], inputs["attention_mask"], item.params
+    tokens, logprobs = [], []
+    with torch.inference_mode(), transformers_rotary(engine):
+        while len(tokens) < params.max_new_tokens and not set(tokens[-1:]) & engine.eos_ids:
+            logits = engine.model(**{**inputs, "input_ids": ids, "attention_mask": mask}, use_cache=False).logits
+            step = torch.log_softmax(logits[0, -1].float(), dim=-1)
+            allowed = step.clone()
+            if len(tokens) < params.min_new_tokens:
+                allowed[sorted(engine.eos_ids)] = -float("inf")
+            token = int(allowed.argmax())
+            top, top_ids = step.topk(20)
+            tokens.append(token)
+            logprobs.append((step[token].item(), top_ids.tolist(), top.tolist()))
+            ids, mask = (
+                torch.cat([ids, torch.tensor([[token]])], 1),
+                torch.cat([mask, torch.ones((1, 1), dtype=mask.dtype)], 1),
+            )
+    prompt = int(inputs["attention_mask"].sum())
+    return generation(engine.tokenizer, engine.eos_ids, item, tokens, prompt, sizes[0], logprobs)
+
+
+PHI4_ACROSS = [  # LongRoPE's original context cut to 64 tokens
+    {"messages": [{"role": "user", "content": "Hi"}], "max_new_tokens": 70, "min_new_tokens": 70},  # crosses it
+    {"messages": [{"role": "user", "content": "Hello"}], "max_new_tokens": 20, "min_new_tokens": 20},  # within
+    {"messages": [{"role": "user", "content": "word " * 30}], "max_new_tokens": 12, "min_new_tokens": 12},  # past
+    {"messages": [{"role": "user", "content": "word " * 9}], "max_new_tokens": 30, "min_new_tokens": 30},  # crosses
+    {"task": "vqa", "image_url": data_uri(striped((48, 40))), "question": "What is it?", "max_new_tokens": 9},
+]
+
+
+def test_phi4_rows_within_across_and_past_longrope_s_original_context_decode_in_the_batch(
+    tiny_model, serve, monkeypatch, tmp_path
+):
+    """transformers takes LongRoPE's long factors for a whole forward once its highest position passes the original
+    context; in the batch each row takes them by its own length, and a row reaching it is prefilled again with
+    them. Rows within, across and past it decode side by side, none alone: each answer and logprob is the model's
+    whole-sequence forward's, and generate()'s for the rows that never cross."""
+    engine = serve(phi4_with_original_context(tiny_model, tmp_path / "phi4", 64), VLM_SYNC_INTERVAL="2")
+    assert engine.continuous and engine.scheduler.recompute_at == 64
+    items = items_of(engine, [dict(job, logprobs=True) for job in PHI4_ACROSS])
+    reference = [uncached_greedy(engine, item) for item in items]
+    prompts = [a.prompt_tokens for a in reference]
+    assert prompts[1] + 20 < 64 < prompts[0] + 70 and prompts[2] > 64 and prompts[3] < 64 < prompts[3] + 30
+    with transformers_rotary(engine):
+        card = solo_generate(engine, [items[n] for n in (1, 2, 4)])
+    assert [without_logprobs(a) for a in card] == [without_logprobs(reference[n]) for n in (1, 2, 4)]
+    widths, alone, recomputed = [], [], []
+    real_launch = engine.start_decoder().launch
+    monkeypatch.setattr(
+        engine.start_decoder(), "launch", lambda n: widths.append(engine.view().running) or real_launch(n)
+    )
+    spy(monkeypatch, engine.alone, "run", alone, "alone")
+    spy(monkeypatch, engine.scheduler, "recompute", recomputed, "recompute")
+    batched = generate_all(engine, items)
+    assert [without_logprobs(a) for a in batched] == [without_logprobs(a) for a in reference]
+    for answer, expected in zip(batched, reference):
+        assert [e["logprob"] for e in answer.logprobs] == pytest.approx(
+            [e["logprob"] for e in expected.logprobs], abs=1e-4
+        )
+    assert not alone and max(widths) >= 4 and len(recomputed) >= 1
+    view = engine.view()
+    assert view.kv_blocks_free == view.kv_blocks and not view.running
+
+
+def without_logprobs(answer):
+    return dataclasses.replace(answer, logprobs=None)
 
 
 class HostCopies(TorchDispatchMode):

@@ -245,6 +245,24 @@ def test_a_family_whose_prompts_prefill_alone_gets_one_a_prefill():
     assert len(group) == 1 and len(scheduler.waiting) == 1
 
 
+def test_a_row_reaching_longrope_s_original_context_is_prefilled_again_and_no_interval_passes_it():
+    scheduler = Scheduler(256, media_token_ids={99}, recompute_at=64)
+    scheduler.pool, released = BlockPool(65, BLOCK), []
+    rows = [ticket(10, max_new=100) for _ in range(3)]
+    for row, t in enumerate(rows):
+        scheduler.pool.grow(row, 10)
+        scheduler.give_row(t, row)
+    lengths = {0: 60, 1: 64, 2: 70}  # before it, at it (its next token sits at position 64), past it
+    assert scheduler.steps_before_recompute(8, lengths) == 4  # row 0 stops at 64
+    assert scheduler.at_recompute(lengths) == [1]
+    rows[1].ids = [5] * 54
+    scheduler.recompute([1], lambda row: released.append(row) or scheduler.pool.release(row))
+    assert released == [1] and scheduler.waiting == [rows[1]] and rows[1].ids == [5] * 54  # resumes with its tokens
+    assert scheduler.steps_before_recompute(8, {0: 64, 2: 70}) == 8
+    assert Scheduler(256, media_token_ids={99}).steps_before_recompute(8, {}) == 8
+    # Broken once each: `<=` for `==` in at_recompute (row 0 taken too), or no cap in steps_before_recompute.
+
+
 def test_a_packed_prefill_counts_a_prompt_without_the_blocks_it_shares_with_the_ones_before_it():
     system = list(range(1000, 1080))  # five whole blocks
     prompts = [system + [n] * 20 for n in range(4)]  # 100 tokens each, 80 of them shared

@@ -11,6 +11,7 @@ from runpod_vlm.engine import decode_kernel
 from runpod_vlm.engine.blocks import BlockPool
 from runpod_vlm.engine.decoder_graphs import StepGraphs
 from runpod_vlm.engine.host_copies import Launched, to_device, to_host
+from runpod_vlm.engine.long_rope import by_position
 from runpod_vlm.engine.memory import kv_layout
 from runpod_vlm.engine.paged_attention import PagedStep, attention_limits, paged
 from runpod_vlm.engine.prefill import Prefill, beside_fx_traces, placeholder_counts_on_the_host
@@ -283,7 +284,7 @@ class PagedDecoder:
             visible = (offsets[None, :] <= length[:, None])[:, None, None, :]
             step = PagedStep(self.keys, self.values, slots, index, visible, query_positions=length[:, None])
         step.limits = self.limits  # Gemma 3's sliding windows, Llama 4's chunks
-        with paged(step):
+        with paged(step), by_position():
             output = beside_fx_traces(
                 self.forwards[bucket],
                 input_ids=rows.token,

@@ -21,6 +21,7 @@ from runpod_vlm.engine.grammar import Grammars
 from runpod_vlm.engine.image_cache import ImageEmbeddingCache
 from runpod_vlm.engine.intake import PREPARED_ON_GPU_BYTES, Intake
 from runpod_vlm.engine.loading import load_model
+from runpod_vlm.engine.long_rope import per_row_long_rope
 from runpod_vlm.engine.memory import kv_pool_tokens
 from runpod_vlm.engine.one_at_a_time import OneAtATime
 from runpod_vlm.engine.paged_attention import use_paged_attention
@@ -49,16 +50,6 @@ log = logging.getLogger("runpod-vlm")
 # this long: a request that arrives during a recording waits for it (100-200 ms on the H200), and a client sending its
 # next request on each answer met one per request in a fresh worker.
 RECORD_AHEAD_AFTER_IDLE_S = 0.25
-
-
-def batched_length(text_config) -> Optional[int]:
-    """The most tokens a request may hold (prompt and answer) to be answered in the batch, where the family's rotary
-    embedding changes past some length (LongRoPE's factors, switched on the highest position of a forward, which
-    rows of different lengths do not share); None: any length."""
-    rope = getattr(text_config, "rope_parameters", None) or {}
-    if rope.get("rope_type") == "longrope":
-        return rope.get("original_max_position_embeddings") or text_config.original_max_position_embeddings
-    return None
 
 
 def _close_at_exit(engine: weakref.ref) -> None:
@@ -101,9 +92,13 @@ class Engine:
         )
         # The queue, the rows, the chunking prompt, the row cap and the KV pool's bookkeeping: the plan of each step.
         self.scheduler = Scheduler(
-            settings.max_batch_tokens, self.media_token_ids, self.context_length, self.adapter.prefills_alone
+            settings.max_batch_tokens,
+            self.media_token_ids,
+            self.context_length,
+            self.adapter.prefills_alone or self.recompute_at is not None,  # a forward's factors fit one prompt
+            self.recompute_at,
         )
-        # The remote-code families' items, and those past the batch's length bound: one at a time.
+        # The items of a family outside the batch (the remote-code ones): one at a time.
         self.alone = OneAtATime(self.loaded, self.tokenizer, self.eos_ids, self.scheduler.context_error)
         self._thread: Optional[threading.Thread] = None
         self._intake: Optional[Intake] = None
@@ -129,15 +124,15 @@ class Engine:
         self.compile = self.use_graphs and self.settings.compile
         # Rows join and leave a running batch through the paged cache; remote-code chat() APIs cannot, and answer
         # one item at a time. Sliding-window layers (Gemma 3) and chunked attention (Llama 4) read their rows' keys
-        # within their limits (`PagedStep.limits`); LongRoPE's short factors (Phi-4) hold while a request stays
-        # within the original context: the batch takes requests that do (`max_slots`), a longer one runs alone.
-        self.max_slots = batched_length(text_config)
+        # within their limits (`PagedStep.limits`); LongRoPE's factors (Phi-4) are chosen per row (long_rope.py).
         kinds = set(getattr(text_config, "layer_types", None) or ())
         self.continuous = (
             self.adapter.native
             and kinds <= {"full_attention", "sliding_attention", "chunked_attention"}
             and use_paged_attention(self.model)
         )
+        # where a row's LongRoPE factors switch: it is prefilled again there (long_rope.py)
+        self.recompute_at = per_row_long_rope(self.model) if self.continuous else None
         if self.compile and self.continuous:
             share_weights(self.model)  # one product a group of projections in the compiled decode step
         self.prefix_caching = self.settings.prefix_caching and self.adapter.prefix_caching and self.continuous
@@ -164,10 +159,8 @@ class Engine:
                 self.timings,
                 image_cache=self.image_cache,
                 prefix_caching=self.prefix_caching,
-                max_slots=self.max_slots,
                 grammars=self._grammars,
                 accept=self._accept,
-                alone=self.alone,
                 gpu_failed=self._gpu_failed,
             )
             self.decoder = decoder

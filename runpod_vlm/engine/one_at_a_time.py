@@ -1,5 +1,5 @@
-"""The one-at-a-time path: the items of the remote-code families and prompts past a family's batch bound (LongRoPE's
-original context), answered by the model's own `generate()` or its repository's `chat()`."""
+"""The one-at-a-time path: the items of a family outside the batch, answered by its repository's `chat()` (the
+remote-code families) or the model's own `generate()` (a model whose attention the paged cache cannot take)."""
 
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ class OneAtATime:
         self.tokenizer, self.eos_ids, self.context_error = tokenizer, eos_ids, context_error
 
     def run(self, ticket: Ticket) -> None:
-        """The remote-code families, and a request past the batch bound: one at a time."""
+        """An item of a family outside the batch, alone."""
         item = ticket.item
         try:
             if item.params.do_sample and item.params.seed is not None:  # one item at a time: the global generator

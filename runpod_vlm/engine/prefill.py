@@ -10,6 +10,7 @@ from typing import Optional
 
 from runpod_vlm.engine.host_copies import Launched, to_device
 from runpod_vlm.engine.intake import on_device
+from runpod_vlm.engine.long_rope import chooses_by_row
 from runpod_vlm.engine.memory import text_model
 from runpod_vlm.engine.paged_attention import PagedStep, paged
 from runpod_vlm.vocabulary import GenerationParams
@@ -84,7 +85,9 @@ class Prefill:
         import torch
 
         self.decoder, self.model, self.vision_graphs_unit = decoder, decoder.model, vision_graphs_unit
-        self.packs: Optional[bool] = None  # whether prompts prefill packed (known at the first prefill; `prefill`)
+        # Whether prompts prefill packed (known at the first prefill; `prefill`). Not where the rotary's factors follow
+        # each row's length (LongRoPE's): a chunk's forward, or a cached prefix, would have another's.
+        self.packs: Optional[bool] = False if chooses_by_row(self.model) else None
         self.prefilled: list = []  # the tokens each prompt of the last prefill computed (its shared blocks' not)
         # A 4-D mask the language model hands on untouched (`_through_language_model`).
         self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=decoder.offsets.device)
@@ -319,7 +322,7 @@ class Prefill:
     def begin_chunks(self, inputs, row: int, params: GenerationParams, prior: int = 0) -> Optional[ChunkedPrefill]:
         """A one-item prompt's embeddings and positions (`_language_model_inputs`) to enter in chunks; None
         where its family's language model takes more, or some of its layers see fewer keys: prefill it whole."""
-        if not self._within_limits(inputs["input_ids"].shape[1] + prior):
+        if self.packs is False or not self._within_limits(inputs["input_ids"].shape[1] + prior):
             return None
         position_ids = self._positions(inputs)
         inputs = self._on_device(inputs)

@@ -61,21 +61,18 @@ class Runner:
         *,
         image_cache,
         prefix_caching: bool,
-        max_slots: Optional[int],
         grammars: Callable[[], Grammars],
         accept: Callable,
-        alone,
         gpu_failed: Callable[[], None],
     ):
         """`loaded` is the model, its processor, adapter and dtype (loading.LoadedModel); `wake` the engine's
         condition, held around each change to the scheduler's queue; `accept(ticket, tokens, logprobs)` takes a row's
-        new tokens; `alone` (one_at_a_time.OneAtATime) answers an item past the batch's length bound (`max_slots`);
-        `gpu_failed()` is called on a fatal GPU error."""
+        new tokens; `gpu_failed()` is called on a fatal GPU error."""
         self.decoder, self.scheduler, self.wake, self.timings = decoder, scheduler, wake, timings
         self.model, self.processor = loaded.model, loaded.processor
         self.adapter, self.dtype = loaded.adapter, loaded.dtype
-        self.image_cache, self.prefix_caching, self.max_slots = image_cache, prefix_caching, max_slots
-        self.grammars, self.accept, self.alone, self.gpu_failed = grammars, accept, alone, gpu_failed
+        self.image_cache, self.prefix_caching = image_cache, prefix_caching
+        self.grammars, self.accept, self.gpu_failed = grammars, accept, gpu_failed
         # Prefills and decode intervals launched, their tokens not yet handed out, in launch order.
         self.launched: collections.deque[InFlight] = collections.deque()
         self._prefix_logged = time.monotonic()  # when the prefix cache's counts were last logged
@@ -161,10 +158,6 @@ class Runner:
                 if error:
                     ticket.finish(error)
             return self._requeue([t for t, e in zip(group, errors) if not e])
-        window = self.max_slots
-        if window is not None and any(n + t.item.params.max_new_tokens > window for t, n in zip(group, prompt_tokens)):
-            # past the length the batch answers for this family (Engine.max_slots): generate() handles it alone
-            return self._requeue(group, limit=1) if len(group) > 1 else self.alone.run(group[0])
         generated = group[0].ids  # resumed (alone): the tokens it had generated follow its prompt
         placeholder = scheduler.resumes_in_chunks(group[0])
         if generated and not placeholder:
@@ -370,6 +363,11 @@ class Runner:
         import torch
 
         decoder, running = self.decoder, self.scheduler.running
+        recompute = self.scheduler.at_recompute(decoder.lengths)
+        if recompute:  # each goes back with every token it has generated
+            self.hand_out_all()
+            with self.wake:
+                self.scheduler.recompute(recompute, decoder.release)
         ahead: dict[int, int] = {}
         for entry in self.launched:
             for row, _ in entry.owners(running):
@@ -381,6 +379,7 @@ class Runner:
             return None
         # A grammar's next mask depends on the token just chosen: constrained rows step one token at a time.
         steps = 1 if decoder.any_constrained else min(decoder.interval, remaining)
+        steps = self.scheduler.steps_before_recompute(steps, decoder.lengths)
         with self.wake:  # a row preempted goes back to the queue
             self.scheduler.make_room(steps, ahead, decoder.lengths, decoder.grow, decoder.release)
         if not running:

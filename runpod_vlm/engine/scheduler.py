@@ -47,12 +47,15 @@ class Scheduler:
         media_token_ids: set,
         context_length: Optional[int] = None,
         prefills_alone: bool = False,
+        recompute_at: Optional[int] = None,
     ):
         """`token_budget`: prompt tokens one prefill takes at most (VLM_MAX_BATCH_TOKENS); `media_token_ids`: the
         model's image and video placeholders; `context_length`: the most tokens a row holds (None: no bound);
-        `prefills_alone`: one prompt a prefill (a family whose batched forward is not each prompt's alone)."""
+        `prefills_alone`: one prompt a prefill (a family whose batched forward is not each prompt's alone);
+        `recompute_at`: a row holding this many tokens is prefilled again, whole, before its next step (LongRoPE's
+        original context, where generate() recomputes its cache with the long factors; long_rope.py)."""
         self.token_budget, self.media_token_ids, self.context_length = token_budget, media_token_ids, context_length
-        self.prefills_alone = prefills_alone
+        self.prefills_alone, self.recompute_at = prefills_alone, recompute_at
         self.pool: Optional[BlockPool] = None  # given with the decoder (its size follows GPU memory)
         self.waiting: list[Ticket] = []  # submitted, not yet given a row, in arrival order
         self.running: dict[int, Ticket] = {}  # decoder row -> the item decoding there
@@ -252,14 +255,31 @@ class Scheduler:
                 except PoolExhausted:
                     self.preempt(max(self.running, key=lambda r: self.running[r].admitted), release)
 
-    def preempt(self, row: int, release: Callable) -> None:
+    def preempt(self, row: int, release: Callable, why: str = "KV cache full") -> None:
         """Free a row and its blocks; its item goes back to the queue's front and is prefilled again later with
         the tokens it had (recompute: a prefill costs less than copying blocks to the host and back)."""
         ticket = self.running.pop(row)
         release(row)
         ticket.row = None
-        log.info("KV cache full: request preempted after %d tokens (it resumes later)", len(ticket.ids))
+        log.info("%s: request preempted after %d tokens (it resumes later)", why, len(ticket.ids))
         self.requeue([ticket])
+
+    def at_recompute(self, lengths: dict) -> list[int]:
+        """The running rows that hold `recompute_at` tokens (`lengths`: tokens in each row's blocks, steps in flight
+        included): each is prefilled again before its next step, once its tokens so far are handed out."""
+        return [row for row in self.running if lengths[row] == self.recompute_at] if self.recompute_at else []
+
+    def recompute(self, rows: list[int], release: Callable) -> None:
+        for row in rows:
+            if row in self.running:  # not ended meanwhile
+                self.preempt(row, release, why="LongRoPE's original context reached")
+
+    def steps_before_recompute(self, steps: int, lengths: dict) -> int:
+        """At most `steps`, so that no row passes `recompute_at` tokens within them."""
+        if self.recompute_at is None:
+            return steps
+        short = [self.recompute_at - lengths[row] for row in self.running if lengths[row] < self.recompute_at]
+        return min([steps, *short])
 
     def step_out_of_memory(self, buckets: list[int], bucket: int, release: Callable) -> None:
         """A decode step of `bucket` rows ran out of memory: a step's memory follows its bucket of rows, so the rows
