@@ -2207,8 +2207,8 @@ def test_requests_in_flight_keep_their_tokens_across_the_switch(monkeypatch, hub
                 threading.Event().wait(0.01)
         return original(self, steps)
 
-    compile_shape = engine.compiler._compile_shape
-    monkeypatch.setattr(engine.compiler, "_compile_shape", lambda *a: release.wait(30) and compile_shape(*a))
+    compile_shape = engine.compiler.compile_shape
+    monkeypatch.setattr(engine.compiler, "compile_shape", lambda *a: release.wait(30) and compile_shape(*a))
     monkeypatch.setattr(FakePagedDecoder, "step", step)
     engine.warm_up()
     out = call(chat("long", max_new_tokens=60))
@@ -2222,10 +2222,10 @@ def test_compiled_shapes_are_switched_to_together_once_all_are_compiled(monkeypa
     # step's requests (torch.compile's tracing state is process-wide); the fake decoder records each forward.
     compiled_engine(monkeypatch, hub, VLM_MAX_BATCH_SIZE="16")
     engine = handler.get_engine()
-    release, compile_shape = threading.Event(), engine.compiler._compile_shape
+    release, compile_shape = threading.Event(), engine.compiler.compile_shape
     monkeypatch.setattr(
         engine.compiler,
-        "_compile_shape",
+        "compile_shape",
         lambda bucket: (bucket != 16 or release.wait(30)) and compile_shape(bucket),
     )
     engine.warm_up()
@@ -2246,10 +2246,10 @@ def test_compiled_shapes_are_switched_to_together_once_all_are_compiled(monkeypa
 def test_a_shape_whose_compile_fails_once_is_compiled_on_a_second_try(monkeypatch, hub):
     compiled_engine(monkeypatch, hub, VLM_MAX_BATCH_SIZE="16")
     engine = handler.get_engine()
-    tries, compile_shape = [], engine.compiler._compile_shape
+    tries, compile_shape = [], engine.compiler.compile_shape
     monkeypatch.setattr(
         engine.compiler,
-        "_compile_shape",
+        "compile_shape",
         lambda bucket: tries.append(bucket) or (tries.count(8) > 1 and compile_shape(bucket)),
     )  # the 8-row shape fails once
     engine.warm_up()
@@ -2277,9 +2277,9 @@ def test_the_engine_thread_gets_the_gil_back_quickly_while_compiling(monkeypatch
     sys.setswitchinterval(0.005)  # Python's default, whatever an earlier engine set
     compiled_engine(monkeypatch, hub)
     engine = handler.get_engine()
-    seen, compile_shape = [], engine.compiler._compile_shape
+    seen, compile_shape = [], engine.compiler.compile_shape
     monkeypatch.setattr(
-        engine.compiler, "_compile_shape", lambda *a: seen.append(sys.getswitchinterval()) or compile_shape(*a)
+        engine.compiler, "compile_shape", lambda *a: seen.append(sys.getswitchinterval()) or compile_shape(*a)
     )
     engine.warm_up()
     assert engine.wait_until_compiled(timeout=30)

@@ -127,7 +127,7 @@ def graph_replay_ms(engine) -> dict:
                 continue
             if name.startswith("prefill"):
                 held = graphs.buffers
-                graphs._fill(shape, held.slots[:0], held.key_slots[:0], [], [])
+                graphs.fill(shape, held.slots[:0], held.key_slots[:0], [], [])
             times = []
             for _ in range(5):
                 torch.cuda.synchronize()

@@ -52,7 +52,7 @@ def main() -> None:
     def prepared(count: int) -> list:
         jobs = [{"task": "vqa", "question": "What is shown?", "image_url": data_uri(448, 448, next(images))}
                 for _ in range(count)]  # fmt: skip
-        return [intake._prepare(handler.read_job_item(job, *handler.served_model())[1]) for job in jobs]
+        return [intake.prepare(handler.read_job_item(job, *handler.served_model())[1]) for job in jobs]
 
     def placed(group: list, profiler=None) -> dict:
         params = [one_token] * len(group)

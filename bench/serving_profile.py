@@ -40,9 +40,9 @@ def intake_timeline(handler, engine) -> dict:
 
         return wrapper
 
-    read, prepare, place = handler.read_job_item, Intake._prepare, Runner._place
+    read, prepare, place = handler.read_job_item, Intake.prepare, Runner._place
     handler.read_job_item = recorded("read", read)
-    Intake._prepare = recorded("intake", prepare)
+    Intake.prepare = recorded("intake", prepare)
     Runner._place = recorded("place", place)
 
     def summary(started: float, ended: float) -> dict:
@@ -95,7 +95,7 @@ def intake_timeline(handler, engine) -> dict:
     result["read_first_2_intake_threads"] = read_first(22000, 2)
     result["read_first_4_intake_threads"] = read_first(23000, 4)
     print(json.dumps(result, indent=2), flush=True)
-    handler.read_job_item, Intake._prepare, Runner._place = read, prepare, place
+    handler.read_job_item, Intake.prepare, Runner._place = read, prepare, place
     try:
         result["vision"] = vision_packed(engine)
     except Exception as error:  # out of memory beside the KV pool: the timeline still counts
@@ -111,7 +111,7 @@ PROMPTS_SPANS = ("_positions", "_on_device", "_language_model_inputs", "prefill_
 @contextlib.contextmanager
 def spans_of(engine):
     """Within the block, each call of the engine's and its decoder's methods named above (and the intake's
-    `_prepare`) appended to the list it gives as (name, thread, start, end) in perf_counter seconds."""
+    `prepare`) appended to the list it gives as (name, thread, start, end) in perf_counter seconds."""
     from bench.timeline import Spans
 
     spans = Spans()
@@ -119,7 +119,7 @@ def spans_of(engine):
     for owner, names in ((engine.runner, RUNNER_SPANS), (decoder, DECODER_SPANS), (decoder.prompts, PROMPTS_SPANS)):
         for name in names:
             spans.wrap(owner, name)
-    spans.wrap(engine.intake(), "_prepare")
+    spans.wrap(engine.intake(), "prepare")
     try:
         yield spans.marks
     finally:

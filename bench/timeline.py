@@ -303,7 +303,7 @@ def main() -> None:
         for name in ("prefill_launch", "begin_chunks", "prefill_chunk"):
             spans.wrap(decoder.prompts, name, f"decoder.{name}")
         spans.wrap(engine.adapter, "collate", "adapter.collate")
-        spans.wrap(Intake, "_prepare", "intake")
+        spans.wrap(Intake, "prepare", "intake")
         spans.wrap(handler, "read_job_item", "read")
         result: dict = {}
         try:

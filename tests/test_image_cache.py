@@ -80,7 +80,7 @@ def test_images_recalled_are_prepared_with_one_row_of_zero_pixels_repeated(tiny_
     """Their pixels are never read: one row stands for them all, so nothing is copied whole on the way to the GPU."""
     engine = serve(tiny_model("qwen2-vl"), VLM_IMAGE_CACHE_MB="64")
     generate_all(engine, items(engine, [chat(1)]))
-    inputs, _, held = engine.intake()._prepare(items(engine, [chat(2)])[0])
+    inputs, _, held = engine.intake().prepare(items(engine, [chat(2)])[0])
     pixels, grids = inputs["pixel_values"], inputs["image_grid_thw"]
     assert held and pixels.stride(0) == 0 and not pixels.any()
     assert pixels.shape[0] == int(grids.prod(-1).sum()) and len(grids) == 2  # the image twice, as processed

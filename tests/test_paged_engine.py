@@ -309,7 +309,7 @@ def test_a_decode_graphs_recording_that_fails_midway_leaves_the_rows_where_they_
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     monkeypatch.setattr(torch.cuda, "CUDAGraph", CUDAGraph)
     monkeypatch.setattr(prefill_graphs, "_capture_stream", None)  # made from the stand-ins, not kept
-    monkeypatch.setattr(prefill_graphs, "_voided", [])
+    monkeypatch.setattr(prefill_graphs, "voided_recordings", [])
     assert generate_all(engine, items) == solo
     # The step that ran out of memory is not recorded again; the others fail apart.
     assert len(decoder.step_graphs.unrecorded) == 1
@@ -742,7 +742,7 @@ def test_a_step_whose_graph_the_compile_kept_from_recording_is_recorded_before_t
 
     recorded: list = []
     monkeypatch.setattr(StepGraphs, "_capture", lambda self, bucket, span: recorded.append(bucket))
-    monkeypatch.setattr(StepGraphs, "_capture_pass", lambda self: None)  # the prefills' graphs: not here
+    monkeypatch.setattr(StepGraphs, "capture_pass", lambda self: None)  # the prefills' graphs: not here
     decoder = engine.start_decoder()
     decoder.step_graphs.enabled = True
     job = {"messages": [{"role": "user", "content": "Hi."}], "max_new_tokens": 1000, "min_new_tokens": 1000}
@@ -814,7 +814,7 @@ def test_image_placeholders_are_counted_on_the_host(family, tiny_model, serve):
     inputs, _ = engine.adapter.batch_inputs(engine.processor, [item], "cpu", engine.dtype)
     decoder = engine.start_decoder()
     assert decoder.prompts.vision_graphs_unit
-    decoder.prompts._check_placeholders(inputs)
+    decoder.prompts.check_placeholders(inputs)
     inner, ids, embeds = engine.model.model, inputs["input_ids"], torch.zeros((*inputs["input_ids"].shape, 4))
     with pytest.raises(ValueError):  # the model's own check, on features of one token
         type(inner).get_placeholder_mask(inner, ids, embeds, image_features=torch.zeros(1, 4))
@@ -824,7 +824,7 @@ def test_image_placeholders_are_counted_on_the_host(family, tiny_model, serve):
     first = int((inputs["input_ids"][0] == image).nonzero()[0])
     inputs["input_ids"][0, first] = inputs["input_ids"][0, first - 1]  # one placeholder fewer
     with pytest.raises(ValueError, match="image_grid_thw"):
-        decoder.prompts._check_placeholders(inputs)
+        decoder.prompts.check_placeholders(inputs)
     with pytest.raises(ValueError, match="image_grid_thw"):  # the prefill itself checks, before the GPU
         decoder.prompts.prefill(inputs, decoder.free_rows()[:1], [item.params])
 
@@ -858,15 +858,15 @@ def test_the_intake_processes_images_on_the_device_while_their_pixels_waiting_th
     engine = serve(tiny_model("qwen2-vl"))
     (item,) = items_of(engine, packed_prefill_jobs()[:1])
     intake, calls = image_device_intake(engine, monkeypatch, image_bytes=1)
-    on_device, _, _ = intake._prepare(item)
-    assert calls == ["cpu"] and intake._held_on_device > 0
-    on_host, _, _ = intake._prepare(item)  # the first item's pixels still wait: no room
+    on_device, _, _ = intake.prepare(item)
+    assert calls == ["cpu"] and intake.held_on_device > 0
+    on_host, _, _ = intake.prepare(item)  # the first item's pixels still wait: no room
     assert calls == ["cpu", None]
     assert on_device.keys() == on_host.keys()
     assert all(torch.equal(on_device[name], on_host[name]) for name in on_device)
     del on_device
-    assert intake._held_on_device == 0
-    intake._prepare(item)
+    assert intake.held_on_device == 0
+    intake.prepare(item)
     assert calls == ["cpu", None, "cpu"]
 
 
@@ -916,8 +916,8 @@ def test_an_item_whose_images_run_out_of_device_memory_is_prepared_on_the_host(t
     engine = serve(tiny_model("qwen2-vl"))
     (item,) = items_of(engine, packed_prefill_jobs()[:1])
     intake, calls = image_device_intake(engine, monkeypatch, image_bytes=1 << 30, fail=fail)
-    inputs, _, _ = intake._prepare(item)
-    assert calls == ["cpu", None] and intake._held_on_device == 0
+    inputs, _, _ = intake.prepare(item)
+    assert calls == ["cpu", None] and intake.held_on_device == 0
     expected, _ = engine.adapter.batch_inputs(engine.processor, [item], "cpu", engine.dtype)
     assert torch.equal(inputs["pixel_values"], expected["pixel_values"])
 
@@ -927,7 +927,7 @@ def test_an_item_whose_images_run_out_of_device_memory_is_prepared_on_the_host(t
 
     intake, calls = image_device_intake(engine, monkeypatch, image_bytes=1 << 30, fail=broken)
     with pytest.raises(ValueError):  # any other error is the item's, not tried again on the host
-        intake._prepare(item)
+        intake.prepare(item)
     assert calls == ["cpu"]
 
 
@@ -948,10 +948,10 @@ def test_the_intake_puts_pixels_for_a_gpu_in_page_locked_memory(tiny_model, serv
     intake = engine.intake()
     assert not intake.pin  # the model is on the CPU
     (item,) = items_of(engine, packed_prefill_jobs()[:1])
-    intake._prepare(item)
+    intake.prepare(item)
     assert locked == []
     monkeypatch.setattr(intake, "pin", True)  # undone after: the next test may serve this same engine
-    inputs, _, _ = intake._prepare(item)
+    inputs, _, _ = intake.prepare(item)
     pixels = inputs["pixel_values"]
     assert pixels.nelement() * pixels.element_size() > STAGED_BYTES
     assert locked == [tuple(pixels.shape)]

@@ -66,10 +66,10 @@ def test_prefills_run_one_dynamic_trace_of_the_layers_compiled_in_the_background
         traces.append(graph)
         return lambda *args: runs.update([number]) or graph.forward(*args)
 
-    compile_prefill = engine.compiler._compile_prefill_layers
+    compile_prefill = engine.compiler.compile_prefill_layers
     monkeypatch.setattr(
         engine.compiler,
-        "_compile_prefill_layers",
+        "compile_prefill_layers",
         lambda options: first_of_prefill.append(len(traces)) or compile_prefill(options),
     )
     layers = decoder_layers(engine.model)
@@ -81,7 +81,7 @@ def test_prefills_run_one_dynamic_trace_of_the_layers_compiled_in_the_background
         assert len(prefill_graphs) == 4 and any("mlp" in traces[n].code for n in prefill_graphs)
         engine.wake_up()  # the engine thread switches at its next step (here: at once, being idle)
         assert wait_for(
-            lambda: all(getattr(layer.forward, "func", None) is compile_module._compiled_or_eager for layer in layers)
+            lambda: all(getattr(layer.forward, "func", None) is compile_module.compiled_or_eager for layer in layers)
         )
         traced = len(traces)
         assert served() == eager and len(traces) == traced  # other lengths: the same trace, never traced here
@@ -118,7 +118,7 @@ def test_a_family_that_prefills_padded_keeps_eager_layers(tiny_model, serve, mon
     monkeypatch.setattr(torch, "compile", lambda fn, dynamic, **options: compile_(fn, dynamic=dynamic, backend=backend))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
     try:
-        assert engine.compiler._compile_prefill_layers({}) == {} and traces == []
+        assert engine.compiler.compile_prefill_layers({}) == {} and traces == []
     finally:
         torch._dynamo.reset()
     assert not any("forward" in vars(layer) for layer in decoder_layers(engine.model))

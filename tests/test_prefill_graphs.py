@@ -189,7 +189,7 @@ def test_no_prefill_graph_is_recorded_while_a_shape_compiles_and_the_shapes_aske
         assert generate_all(engine, items) == solo_generate(engine, items)
         time.sleep(0.3)
         assert not graphs.graphs and set(wanted) <= set(graphs.wanted) and len(tries) < 5
-        engine.start_decoder().step_graphs._capture_pass()  # the compile took the GPU after the engine thread looked
+        engine.start_decoder().step_graphs.capture_pass()  # the compile took the GPU after the engine thread looked
         assert set(wanted) <= set(graphs.wanted)
     engine.wake_up()  # as the compile does when it is done
     assert wait_for(lambda: set(wanted) <= set(graphs.graphs))
@@ -314,7 +314,7 @@ def test_a_voided_recording_keeps_its_graph_and_the_next_recordings_go_to_a_new_
     monkeypatch.setattr(torch.cuda, "MemPool", lambda: types.SimpleNamespace(id=(next(pools), 0)))
     monkeypatch.setattr(torch._C, "_cuda_endAllocateToPool", allocator.end_allocate_to_pool)
     monkeypatch.setattr(prefill_graphs_module, "_capture_stream", None)
-    monkeypatch.setattr(prefill_graphs_module, "_voided", [])
+    monkeypatch.setattr(prefill_graphs_module, "voided_recordings", [])
     monkeypatch.setattr(prefill_graphs_module, "_stuck_pools", set())
     step_graphs = types.SimpleNamespace(pool=None)  # the memory pool every graph records into
     pool = StepGraphs.memory(step_graphs)
@@ -338,7 +338,7 @@ def test_a_voided_recording_keeps_its_graph_and_the_next_recordings_go_to_a_new_
     allocator.fail_begin = True  # a capture_begin that fails after taking the pool: the same
     with pytest.raises(RuntimeError, match="stream is capturing"):
         prefill_graphs_module.record(torch.cuda.CUDAGraph(), new_pool, lambda: None)
-    assert not allocator.taken and len(prefill_graphs_module._voided) == 3
+    assert not allocator.taken and len(prefill_graphs_module.voided_recordings) == 3
     assert StepGraphs.memory(step_graphs) not in (pool, new_pool)
     allocator.fail_begin = False
 
@@ -348,5 +348,5 @@ def test_a_voided_recording_keeps_its_graph_and_the_next_recordings_go_to_a_new_
     pool = StepGraphs.memory(step_graphs)
     with pytest.raises(torch.OutOfMemoryError):  # a recording that failed but ended: nothing to give back or keep
         prefill_graphs_module.record(torch.cuda.CUDAGraph(), pool, lambda: fails("a stand-in"))
-    assert not allocator.taken and len(prefill_graphs_module._voided) == 3
+    assert not allocator.taken and len(prefill_graphs_module.voided_recordings) == 3
     assert StepGraphs.memory(step_graphs) == pool

@@ -128,10 +128,10 @@ def test_a_burst_sharing_a_system_prompt_and_an_image_computes_their_blocks_once
     expected = one_by_one(cold, jobs)
     engine = serve(tiny_model(family), VLM_PREFIX_CACHING="true")
     decoder, computed = engine.start_decoder(), []
-    through = decoder.prompts._through_language_model
+    through = decoder.prompts.through_language_model
     monkeypatch.setattr(
         decoder.prompts,
-        "_through_language_model",
+        "through_language_model",
         lambda step, embeds, *a: computed.append(embeds.shape[1]) or through(step, embeds, *a),
     )
     assert generate_all(engine, items(engine, jobs)) == expected
@@ -150,9 +150,9 @@ def test_a_burst_counts_its_prompts_without_the_blocks_they_share_and_fits_one_p
     engine = serve(tiny_model("qwen2-vl"), VLM_PREFIX_CACHING="true", VLM_MAX_BATCH_TOKENS=str(budget))
     one_by_one(engine, [{"messages": [{"role": "user", "content": "Hi."}], "max_new_tokens": 2}])  # packs, now known
     decoder, prefills = engine.start_decoder(), []
-    through = decoder.prompts._through_language_model
+    through = decoder.prompts.through_language_model
     monkeypatch.setattr(
-        decoder.prompts, "_through_language_model", lambda step, *a: prefills.append(step) or through(step, *a)
+        decoder.prompts, "through_language_model", lambda step, *a: prefills.append(step) or through(step, *a)
     )
     assert generate_all(engine, items(engine, jobs)) == expected
     assert len(prefills) == 1

@@ -112,7 +112,7 @@ def test_sampling_draws_within_each_rows_nucleus_as_argmax_of_p_over_exponential
     )
     sampler = Sampler.__new__(Sampler)
     sampler.vocab_index = torch.arange(vocab)
-    drawn = sampler._sampled(logits.clone(), state)
+    drawn = sampler.sampled(logits.clone(), state)
 
     probs = torch.softmax(logits / state.temperature[:, None], dim=-1)
     sorted_probs, order = probs.sort(dim=-1, descending=True)

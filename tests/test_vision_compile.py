@@ -114,7 +114,7 @@ def test_the_background_compile_compiles_the_vision_blocks_and_the_engine_switch
         warmed = len(traces)
         engine.wake_up()  # the engine thread switches to both at its next step (here: at once, being idle)
         assert wait_for(
-            lambda: all(getattr(b.forward, "func", None) is compile_module._compiled_or_eager for b in blocks)
+            lambda: all(getattr(b.forward, "func", None) is compile_module.compiled_or_eager for b in blocks)
         )
         assert asyncio.run(answers()) == eager and len(traces) == warmed
     finally:

@@ -132,11 +132,11 @@ def test_replays_refill_the_buffers_and_hand_out_copies(tiny_model, serve, gpu_l
             graphs.capture_one(pool=None)
         assert not graphs.wanted
         other = [striped(size).rotate(180) for size in sizes]
-        computed = graphs._computed_helpers
-        graphs._computed_helpers = lambda *args: pytest.fail("the grid's helpers computed again")
+        computed = graphs.computed_helpers
+        graphs.computed_helpers = lambda *args: pytest.fail("the grid's helpers computed again")
         second = features_of_images(engine, other)
         third = image_features(engine, sizes)
-        graphs._computed_helpers = computed
+        graphs.computed_helpers = computed
     assert graphs.replays == 2 and len(graphs.grids) == 1
     expected = features_of_images(engine, other)
     assert not torch.allclose(expected, first_images, atol=1e-3)

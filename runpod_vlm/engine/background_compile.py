@@ -170,10 +170,10 @@ class BackgroundCompiler:
             done = [
                 bucket
                 for bucket in buckets  # a second try: a CUDA graph capture may void the first
-                if not self.closed and (self._compile_shape(bucket) or self._compile_shape(bucket))
+                if not self.closed and (self.compile_shape(bucket) or self.compile_shape(bucket))
             ]
         vision = self._compile_vision_blocks(options) if self.compiles_vision and not self.closed else None
-        prefill = self._compile_prefill_layers(options) if self.compiles_prefill and not self.closed else None
+        prefill = self.compile_prefill_layers(options) if self.compiles_prefill and not self.closed else None
         whole = (vision is not None or not self.compiles_vision) and (prefill is not None or not self.compiles_prefill)
         if len(done) == len(buckets) and whole and not loaded:
             save_compile_artifacts(self.settings, key)
@@ -210,7 +210,7 @@ class BackgroundCompiler:
         log.info("compiled the vision blocks in the background in %.1fs", time.perf_counter() - started)
         return forwards
 
-    def _compile_prefill_layers(self, options: dict):
+    def compile_prefill_layers(self, options: dict):
         """The decoder layers' compiled forwards for prefills, traced on a shadow decoder over a view of the model
         for two prompts packed together, then one prompt in two chunks; none when the family prefills padded, None
         when that failed (prefills stay eager either way)."""
@@ -248,7 +248,7 @@ class BackgroundCompiler:
         log.info("compiled the decoder layers for prefills in the background in %.1fs", time.perf_counter() - started)
         return forwards
 
-    def _compile_shape(self, bucket: int) -> bool:
+    def compile_shape(self, bucket: int) -> bool:
         """Trace and compile one decode shape on a shadow decoder of the same rows (own buffers and a small
         pool of its own), so the engine's own state is never touched from this thread."""
         import torch

@@ -232,7 +232,7 @@ COMPILED_FROM_PATCHES = 4096
 COMPILED_PREFILL_FROM_TOKENS = 3072
 
 
-def _compiled_or_eager(compiled_forward, module, smallest: int, hidden_states, *args, **kwargs):
+def compiled_or_eager(compiled_forward, module, smallest: int, hidden_states, *args, **kwargs):
     import torch
 
     if hidden_states.numel() < smallest * hidden_states.shape[-1]:  # fewer patches or tokens than `smallest`
@@ -248,7 +248,7 @@ def _run(modules: list, forwards: dict, recompile: bool, smallest: int) -> None:
         module.forward = (
             functools.partial(forward, module)
             if recompile
-            else functools.partial(_compiled_or_eager, forward, module, smallest)
+            else functools.partial(compiled_or_eager, forward, module, smallest)
         )
 
 

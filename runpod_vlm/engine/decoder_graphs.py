@@ -89,7 +89,7 @@ class StepGraphs:
         if not self.due(ahead):
             return
         if not self.ahead or any(graphs.demanded() for graphs in self._pass_graphs()):
-            return self._capture_pass()
+            return self.capture_pass()
         bucket, sample = self.ahead.pop(0)
         decoder = self.decoder
         flags = decoder.any_sample, decoder.any_logprobs, decoder.any_constrained
@@ -107,7 +107,7 @@ class StepGraphs:
         decoder = self.decoder
         return [graphs for graphs in (decoder.vision_graphs, decoder.prefill_graphs) if graphs is not None]
 
-    def _capture_pass(self) -> None:
+    def capture_pass(self) -> None:
         """Record a vision pass's or a prefill's graph of a shape met or asked for ahead, unless the background
         compile holds the GPU (then later: a worker's first request meets the compile, and a burst's shapes asked for
         ahead are recorded once it is done)."""

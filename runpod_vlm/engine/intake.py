@@ -46,7 +46,7 @@ class Intake:
         `image_bytes`; past it, or out of its memory, an item's go on the host."""
         self.adapter, self.processor, self.dtype, self.timings = adapter, processor, dtype, timings
         self.image_cache, self.pin = image_cache, pin
-        self.image_device, self.image_bytes, self._held_on_device = image_device, image_bytes, 0
+        self.image_device, self.image_bytes, self.held_on_device = image_device, image_bytes, 0
         self._held_lock = threading.Lock()
         self._stream = None
         if str(image_device).startswith("cuda"):
@@ -62,7 +62,7 @@ class Intake:
         self._first, self._warm = threading.Lock(), False
 
     def submit(self, item: GenerationRequest, when_done: Callable[[], None]) -> Future:
-        future = (self.video_pool if item.videos else self.pool).submit(self._prepare, item)
+        future = (self.video_pool if item.videos else self.pool).submit(self.prepare, item)
         future.add_done_callback(lambda _: when_done())
         return future
 
@@ -70,7 +70,7 @@ class Intake:
         for pool in (self.pool, self.video_pool):
             pool.shutdown(wait=False, cancel_futures=True)
 
-    def _prepare(self, item: GenerationRequest):
+    def prepare(self, item: GenerationRequest):
         """The first call runs alone: a fast tokenizer sets its padding state then, which concurrent calls race for."""
         started = time.perf_counter()
         processor, held = self._recalled(item)
@@ -89,7 +89,7 @@ class Intake:
 
     def _room_on_device(self) -> bool:
         with self._held_lock:
-            return self.image_device is not None and self._held_on_device < self.image_bytes
+            return self.image_device is not None and self.held_on_device < self.image_bytes
 
     def _on_device(self, processor, item: GenerationRequest):
         """`batch_inputs` with the images processed on `image_device`, or (None, None) when that runs out of memory.
@@ -123,12 +123,12 @@ class Intake:
         joins or reads it into tensors of its own)."""
         size = value.untyped_storage().nbytes()
         with self._held_lock:
-            self._held_on_device += size
+            self.held_on_device += size
         weakref.finalize(value, self._release, size)
 
     def _release(self, size: int) -> None:
         with self._held_lock:
-            self._held_on_device -= size
+            self.held_on_device -= size
 
     def _recalled(self, item: GenerationRequest) -> tuple:
         """The processor for `item`, and the image-cache entries it holds on to: where every image's encoding is

@@ -39,7 +39,7 @@ def beside_fx_traces(forward, rewind=None, **kwargs):
 def placeholder_counts_on_the_host(model) -> bool:
     """Make the model's `get_placeholder_mask` skip its check that the prompt's image and video tokens match the
     features, when it has one: the check (and its message's count) reads a GPU tensor back, which waits for every
-    prefill launched before. `Prefill._check_placeholders` checks the same on the host. False if not made."""
+    prefill launched before. `Prefill.check_placeholders` checks the same on the host. False if not made."""
     import inspect
 
     inner = getattr(model, "model", None)
@@ -89,7 +89,7 @@ class Prefill:
         # each row's length (LongRoPE's): a chunk's forward, or a cached prefix, would have another's.
         self.packs: Optional[bool] = False if chooses_by_row(self.model) else None
         self.prefilled: list = []  # the tokens each prompt of the last prefill computed (its shared blocks' not)
-        # A 4-D mask the language model hands on untouched (`_through_language_model`).
+        # A 4-D mask the language model hands on untouched (`through_language_model`).
         self.no_mask = torch.ones((1, 1, 1, 1), dtype=torch.bool, device=decoder.offsets.device)
 
     def _within_limits(self, tokens: int) -> bool:
@@ -102,7 +102,7 @@ class Prefill:
         graphs = self.decoder.vision_graphs
         return graphs.engaged() if graphs is not None else contextlib.nullcontext()
 
-    def _check_placeholders(self, inputs) -> None:
+    def check_placeholders(self, inputs) -> None:
         """What the model's own check would raise (`placeholder_counts_on_the_host`): each image's or video's
         merged patches (its grid, from the host) against its placeholder tokens in the prompts."""
         unit, config = self.vision_graphs_unit, self.model.config
@@ -121,7 +121,7 @@ class Prefill:
         waits for everything the GPU was given before, the prefill before this one too) and the tower takes them
         through its helpers (vision_graphs.py)."""
         if self.vision_graphs_unit:
-            self._check_placeholders(inputs)
+            self.check_placeholders(inputs)
         kept = ("image_grid_thw", "video_grid_thw") if self.decoder.vision_graphs is not None else ()
         return on_device(inputs, self.decoder.offsets.device, kept=kept)
 
@@ -233,7 +233,7 @@ class Prefill:
             visible = (query_prompt[:, None] == key_prompt[None, :]) & (key_at[None, :] <= query_at[:, None])
             visible = to_device(visible, embeds.device)
             step = PagedStep(self.decoder.keys, self.decoder.values, slots, key_slots[None, :], visible[None, None])
-        hidden = self._through_language_model(step, embeds, positions)
+        hidden = self.through_language_model(step, embeds, positions)
         return self.model.get_output_embeddings()(hidden[0, ends - 1]), lengths
 
     def _graphs_take(self, embeds, tokens: int, keys: int, sequences: int) -> bool:
@@ -243,7 +243,7 @@ class Prefill:
         graphs = self.decoder.prefill_graphs if self.decoder.step_graphs.enabled else None
         return bool(graphs and graphs.fits(tokens, keys, sequences)) and varlen.takes(embeds)
 
-    def _through_language_model(self, step: PagedStep, embeds, positions):
+    def through_language_model(self, step: PagedStep, embeds, positions):
         """The language model's last hidden states for `embeds` at `positions`, attending through `step`."""
         with paged(step):  # a run cut off midway wrote some layers' slots: run again, it writes them again
             # A 4-D mask is taken as made: the paged attention needs none, and making one read the positions back.
@@ -368,7 +368,7 @@ class Prefill:
                 part.clone(memory_format=torch.contiguous_format)
                 for part in (chunked.embeds[:, start:end], chunked.positions[..., start:end])
             )
-            hidden = self._through_language_model(step, embeds, positions)
+            hidden = self.through_language_model(step, embeds, positions)
         chunked.done = end
         if end < chunked.length:
             return None

@@ -35,7 +35,8 @@ SMALLEST = 64
 log = logging.getLogger("runpod-vlm")
 
 _capture_stream = None  # the one side stream every graph is recorded on, as torch.cuda.graph keeps one
-_voided: list = []  # graphs whose recording failed: PyTorch's allocators still hold filters that point at them
+# Graphs whose recording failed: PyTorch's allocators still hold filters that point at them.
+voided_recordings: list = []
 _stuck_pools: set = set()  # pools a voided recording left taken by the page-locked allocator
 
 
@@ -70,7 +71,7 @@ def record(graph, pool, forward) -> None:
                 ended = True
         except Exception:
             if not ended:
-                _voided.append(graph)
+                voided_recordings.append(graph)
                 _stuck_pools.add(pool)
                 with contextlib.suppress(RuntimeError):  # failed before taking the pool, or after giving it back
                     torch._C._cuda_endAllocateToPool(torch.cuda.current_device(), pool)
@@ -226,7 +227,7 @@ class PrefillGraphs(ShapeGraphs):
         held.embeds[0, tokens:padded_tokens].zero_()
         held.positions[..., :tokens].copy_(positions)
         held.positions[..., tokens:padded_tokens].zero_()
-        self._fill(shape, slots, key_slots, lengths, key_lengths)
+        self.fill(shape, slots, key_slots, lengths, key_lengths)
         graph = self.graphs.get(shape)
         if graph is not None:
             graph.replay()
@@ -246,13 +247,13 @@ class PrefillGraphs(ShapeGraphs):
         if shape in self.met:
             return
         held = self.buffers
-        self._fill(shape, held.slots[:0], held.key_slots[:0], [], [])
+        self.fill(shape, held.slots[:0], held.key_slots[:0], [], [])
         self._forward(shape)
         self.met.add(shape)
         if held.slots.is_cuda:  # its work memory back to the GPU, as before any recording (`StepGraphs.memory`)
             torch.cuda.empty_cache()
 
-    def _fill(self, shape: tuple, slots, key_slots, lengths: list[int], key_lengths: list[int]) -> None:
+    def fill(self, shape: tuple, slots, key_slots, lengths: list[int], key_lengths: list[int]) -> None:
         """The buffers' slots and starts for a prefill of `shape`: its sequences', then the padding's (one more
         sequence, whose keys and values go to block 0)."""
         import torch
@@ -301,7 +302,7 @@ class PrefillGraphs(ShapeGraphs):
             key_starts=held.starts[1, : sequences + 1],
             longest_keys=keys,
         )
-        hidden = decoder.prompts._through_language_model(step, held.embeds[:, :tokens], held.positions[..., :tokens])
+        hidden = decoder.prompts.through_language_model(step, held.embeds[:, :tokens], held.positions[..., :tokens])
         held.hidden[:, :tokens].copy_(hidden)
 
     def _ready(self, shape: tuple) -> bool:

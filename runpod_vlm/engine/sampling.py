@@ -48,7 +48,7 @@ class Sampler:
             logits = logits.masked_fill((allowed == 0) & rows.constrained[:, None], float("-inf"))
         token = logits.argmax(dim=-1)
         if any_sample:
-            token = torch.where(rows.sample, self._sampled(logits, rows), token)
+            token = torch.where(rows.sample, self.sampled(logits, rows), token)
         if rows.seen is not None:
             rows.seen.scatter_(1, token[:, None], True)
         if logprobs is None:
@@ -56,7 +56,7 @@ class Sampler:
         top_logprob, top_id = logprobs.topk(self.top_k, dim=-1)
         return token, (logprobs.gather(1, token[:, None])[:, 0], top_id, top_logprob)
 
-    def _sampled(self, logits, rows: types.SimpleNamespace):
+    def sampled(self, logits, rows: types.SimpleNamespace):
         """Temperature and top-p sampling, drawn as argmax(p / Exp(1)) so a CUDA graph can hold it. The
         Exp(1) noise is a function of the row's seed, its token's index and the vocabulary index alone, so
         a seeded row draws the same tokens alone, batched or beside any other rows. SAMPLED_TOGETHER rows at a

@@ -134,13 +134,13 @@ class VisionGraphs(ShapeGraphs):
         key = (tuple(grid.flatten().tolist()), padded)
         found = self.grids.get(key)
         if found is None:
-            found = self.grids[key] = self._computed_helpers(grid, patches, padded)
+            found = self.grids[key] = self.computed_helpers(grid, patches, padded)
             if len(self.grids) > HELD_GRIDS:
                 self.grids.popitem(last=False)
         self.grids.move_to_end(key)
         return found
 
-    def _computed_helpers(self, grid, patches: int, padded: int) -> dict:
+    def computed_helpers(self, grid, patches: int, padded: int) -> dict:
         import torch
 
         merge = self.visual.spatial_merge_size
