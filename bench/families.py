@@ -1,12 +1,16 @@
-"""Gemma 3 in the batch, and prompts of one burst sharing their blocks, on the GPU (random weights, bf16, default
-settings, separate jobs through the handler's path):
+"""Gemma 3 and Phi-4-multimodal in the batch, and prompts of one burst sharing their blocks, on the GPU (random
+weights, bf16, default settings, separate jobs through the handler's path):
 
-    python -m bench.families --out OUT [--parts gemma3,shared_prompt]
+    python -m bench.families --out OUT [--parts gemma3,phi4,shared_prompt]
 
   gemma3         Gemma-3-4B shapes: 64 mixed jobs at once (1 to 2 images of 896x896, 8 of them past the 1,024-token
                  sliding window), batched, against the first 8 through the one-at-a-time path (`generate()`, as every
                  Gemma 3 request past its window was answered before it joined the batch) in the same process; and
                  greedy parity of 4 jobs (2 past the window) with eager `generate`.
+  phi4           Phi-4-multimodal shapes: 64 mixed jobs at once, 8 of them crossing LongRoPE's original 4,096 tokens
+                 while they decode (each such row prefilled again there), batched, against the first 8 through the
+                 one-at-a-time path (`generate()`, as every Phi-4 request that could pass 4,096 tokens was answered
+                 before) in the same process; and greedy parity of 4 jobs that stay within it with eager `generate`.
   shared_prompt  Qwen2-VL-2B shapes: 64 jobs at once with one 1,000-token system prompt, each its own 448x448 image
                  and question, against 64 whose system prompts differ from their first word: prompt tokens computed
                  and tokens a second. Each burst runs twice (the first warms its shapes), each time with prompts no
@@ -79,6 +83,63 @@ def gemma3(models: Path, tiny: bool, out: Path) -> dict:
     return {**result, "one_at_a_time_8": alone, "speedup": batched["tokens_per_s"] / alone["tokens_per_s"]}
 
 
+def crossing_job(index: int, rng: random.Random) -> dict:
+    """One 448x448 image and 3,390 bytes of question (a token each): 3,950 prompt tokens, past 4,096 as it answers."""
+    image = {"type": "image_url", "image_url": {"url": data_uri(448, 448, 30000 + index)}}
+    text = {"type": "text", "text": f"Question {index}. " + " ".join(RULES for _ in range(4))[:3390]}
+    tokens = rng.randint(160, 256)
+    request = {"messages": [{"role": "user", "content": [image, text]}], "max_new_tokens": tokens}
+    return {"id": f"crossing-{index}", "input": {**request, "min_new_tokens": tokens, "stream": True}}
+
+
+def phi4(models: Path, tiny: bool, out: Path) -> dict:
+    import torch
+
+    import tools.tiny_models as tiny_models
+
+    folder = models / ("phi4-tiny" if tiny else "phi4-multimodal-6b")
+    if not (folder / "config.json").exists():
+        if tiny:
+            tiny_models.build("phi4-multimodal", folder)
+        else:
+            tiny_models.build("phi4-multimodal", folder, "phi4-multimodal-6b", device="cuda", dtype="bf16")
+            torch.cuda.empty_cache()
+    placement = dict(VLM_DEVICE_MAP="cpu", VLM_DTYPE="fp32") if tiny else dict(VLM_DTYPE="bf16")
+    os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", **placement)
+    import handler
+
+    engine = handler.get_engine()
+    recomputed = []
+    recompute = engine.scheduler.recompute
+    engine.scheduler.recompute = lambda rows, release: recomputed.extend(rows) or recompute(rows, release)
+    warm = compiled(engine)
+    rng = random.Random(5)
+    jobs = mixed_jobs(56, seed=21) + [crossing_job(n, rng) for n in range(8)]
+    rng.shuffle(jobs)
+    asyncio.run(concurrent(handler, mixed_jobs(16, seed=22)))  # warm: graphs and kernels
+    before = dict(engine.timings)
+    batched = asyncio.run(concurrent(handler, jobs))
+    batched["prompt_tokens"] = engine.timings["prompt_tokens"] - before.get("prompt_tokens", 0)
+    batched["rows_prefilled_again"] = len(recomputed)
+    result = {"device": "cpu" if tiny else torch.cuda.get_device_name(), **warm, "batched_64": batched}
+    save(out, result)
+    parity_jobs = [mixed_jobs(4, seed=23)[n] for n in range(4)]
+    items = [handler.read_job_item(job["input"], engine.settings, engine.model_id)[1] for job in parity_jobs]
+    from runpod_vlm.answers import generate_all
+
+    served = generate_all(engine, items)
+    result["parity"] = []
+    for answer, item in zip(served, items):
+        try:
+            result["parity"].append(answer.text == engine.alone.generate(item).text)
+        except Exception as error:  # generate() fails on a generated image token (its image embedding finds no image)
+            result["parity"].append(repr(error))
+    save(out, result)
+    engine.continuous = False  # the one-at-a-time path: each item through generate()
+    alone = asyncio.run(concurrent(handler, jobs[:8]))
+    return {**result, "one_at_a_time_8": alone, "speedup": batched["tokens_per_s"] / alone["tokens_per_s"]}
+
+
 def shared_prompt_jobs(burst: int, shared: bool) -> list[dict]:
     jobs = []
     for n in range(64):
@@ -140,7 +201,7 @@ def main() -> None:
             subprocess.run([*command, "--models", args.models, *(["--tiny"] if args.tiny else [])], check=False)
         return
     started = time.perf_counter()
-    result = {"gemma3": gemma3, "shared_prompt": shared_prompt}[part](Path(args.models), args.tiny, out)
+    result = {"gemma3": gemma3, "phi4": phi4, "shared_prompt": shared_prompt}[part](Path(args.models), args.tiny, out)
     save(out, {**result, "seconds": time.perf_counter() - started})
 
 

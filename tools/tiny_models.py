@@ -32,7 +32,7 @@ FAMILIES = (
     "glm4v",
     "phi4-multimodal",
 )
-SHAPES = ("tiny", "qwen2-vl-2b", "qwen2-vl-7b", "gemma3-4b")
+SHAPES = ("tiny", "qwen2-vl-2b", "qwen2-vl-7b", "gemma3-4b", "phi4-multimodal-6b")
 
 
 def _make_sensitive(model) -> None:

@@ -110,6 +110,21 @@ PHI4_TEMPLATE = (
 )
 
 
+# microsoft/Phi-4-multimodal-instruct's config.json (its Phi-4-mini language model; the vision tower's are the config's
+# defaults): head_dim 128, 3/4 of it rotated, so 48 LongRoPE factors.
+PHI4_TEXT = {
+    "tiny": lambda vocab: dict(vocab_size=vocab, **TINY_TEXT),
+    "phi4-multimodal-6b": lambda vocab: dict(
+        vocab_size=200064,
+        hidden_size=3072,
+        intermediate_size=8192,
+        num_hidden_layers=32,
+        num_attention_heads=24,
+        num_key_value_heads=8,
+    ),
+}
+
+
 def phi4_multimodal_parts(family: str, shape: str):
     import transformers as tf
 
@@ -118,14 +133,12 @@ def phi4_multimodal_parts(family: str, shape: str):
     )
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in PHI4_SPECIAL}
     # The processor writes 256 + ... tokens per image whatever its size: the vision side keeps the real
-    # 448 px crops of 14 px patches; everything else is tiny (the audio encoder is built but never used).
-    vision = dict(
-        **TINY_VISION,
-        image_size=448,
-        patch_size=14,
-        crop_size=448,
-        image_token_id=ids["<|image|>"],
-    )
+    # 448 px crops of 14 px patches; at the tiny shape everything else is tiny (the audio encoder is built but never
+    # used).
+    vision = dict(image_size=448, patch_size=14, crop_size=448, image_token_id=ids["<|image|>"])
+    if shape == "tiny":
+        vision.update(TINY_VISION)
+    factors = 6 if shape == "tiny" else 48
     audio = dict(
         hidden_size=32,
         intermediate_size=64,
@@ -137,8 +150,7 @@ def phi4_multimodal_parts(family: str, shape: str):
         audio_token_id=ids["<|audio|>"],
     )
     config = tf.Phi4MultimodalConfig(
-        vocab_size=len(tokenizer),
-        **TINY_TEXT,
+        **PHI4_TEXT[shape](len(tokenizer)),
         max_position_embeddings=131072,
         original_max_position_embeddings=4096,
         sliding_window=262144,  # as the real config: LongRoPE
@@ -146,8 +158,8 @@ def phi4_multimodal_parts(family: str, shape: str):
             "rope_type": "longrope",
             "rope_theta": 10000.0,
             "partial_rotary_factor": 0.75,
-            "short_factor": [1.0] * 6,
-            "long_factor": [1.5] * 6,
+            "short_factor": [1.0] * factors,
+            "long_factor": [1.5] * factors,
         },
         bos_token_id=ids["<|endoftext|>"],
         eos_token_id=ids["<|endoftext|>"],
