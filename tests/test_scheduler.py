@@ -259,6 +259,9 @@ def test_a_row_reaching_longrope_s_original_context_is_prefilled_again_and_no_in
     scheduler.recompute([1], lambda row: released.append(row) or scheduler.pool.release(row))
     assert released == [1] and scheduler.waiting == [rows[1]] and rows[1].ids == [5] * 54  # resumes with its tokens
     assert scheduler.steps_before_recompute(8, {0: 64, 2: 70}) == 8
+    rows[0].ids = [5, 99, 5]  # it generated an image placeholder, which a prefill would take for an image's
+    scheduler.recompute([0], lambda row: released.append(row))
+    assert released == [1] and 0 in scheduler.running  # it goes on with its keys as they are
     assert Scheduler(256, media_token_ids={99}).steps_before_recompute(8, {}) == 8
     # Broken once each: `<=` for `==` in at_recompute (row 0 taken too), or no cap in steps_before_recompute.
 

@@ -271,8 +271,16 @@ class Scheduler:
 
     def recompute(self, rows: list[int], release: Callable) -> None:
         for row in rows:
-            if row in self.running:  # not ended meanwhile
-                self.preempt(row, release, why="LongRoPE's original context reached")
+            ticket = self.running.get(row)
+            if ticket is None:  # ended meanwhile
+                continue
+            if self.media_token_ids & set(ticket.ids):
+                # A prefill would take it for an image's (generate() fails at the step after such a token).
+                log.warning(
+                    "a row passes LongRoPE's original context with its keys as they are: it generated a placeholder"
+                )
+                continue
+            self.preempt(row, release, why="LongRoPE's original context reached")
 
     def steps_before_recompute(self, steps: int, lengths: dict) -> int:
         """At most `steps`, so that no row passes `recompute_at` tokens within them."""
