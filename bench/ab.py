@@ -56,7 +56,7 @@ def child(tree: str, variant: str, models: str, runs: list[str]) -> dict:
 
     handler = importlib.import_module("handler")  # first: bench's modules put their own checkout ahead on sys.path
     runpod_vlm = importlib.import_module("runpod_vlm")
-    from bench.harness import (
+    from bench.workload import (
         concurrent,
         counted_since,
         counters,
@@ -141,8 +141,8 @@ def graph_replay_ms(engine) -> dict:
 
 def burst(name: str, base: int) -> list[dict]:
     """A burst's jobs, their images numbered from `base`."""
-    from bench.harness import data_uri, mixed_jobs
     from bench.paged import vqa
+    from bench.workload import data_uri, mixed_jobs
 
     if name == "short_32":
         return mixed_jobs(32, seed=5, first_image=base)

@@ -11,7 +11,7 @@ import json
 import logging
 from pathlib import Path
 
-from bench.harness import bench_model, bench_parser, gpu_parity, one_token_job, run_alone, wait_for_recordings
+from bench.workload import bench_model, bench_parser, gpu_parity, one_token_job, run_alone, wait_for_recordings
 
 ROOT = Path(__file__).resolve().parent.parent
 

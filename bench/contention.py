@@ -54,7 +54,7 @@ def child() -> None:
         real = sys.setswitchinterval
         sys.setswitchinterval = lambda value: real(float(forced) if value < 0.005 else value)
     import handler
-    from bench.harness import QUESTIONS, data_uri, run_job
+    from bench.workload import QUESTIONS, data_uri, run_job
 
     class Gate(threading.Event):  # the compile starts when the gate opens, not at the first answer
         def set(self):
@@ -122,7 +122,7 @@ def child() -> None:
 
 
 def main() -> None:
-    from bench.harness import bench_parser
+    from bench.workload import bench_parser
 
     parser = bench_parser(__doc__)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)

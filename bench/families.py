@@ -28,7 +28,7 @@ import random
 import time
 from pathlib import Path
 
-from bench.harness import QUESTIONS, bench_parser, concurrent, data_uri, mixed_jobs
+from bench.workload import QUESTIONS, bench_parser, concurrent, data_uri, mixed_jobs
 
 RULES = " ".join(f"Rule {n}: answer in plain words and name what you see." for n in range(20))  # ~1,000 tokens
 
@@ -154,7 +154,7 @@ def shared_prompt_jobs(burst: int, shared: bool) -> list[dict]:
 def shared_prompt(models: Path, tiny: bool, out: Path) -> dict:
     import torch
 
-    from bench.harness import bench_model
+    from bench.workload import bench_model
 
     bench_model(str(models), tiny)
     import handler

@@ -45,7 +45,7 @@ def copy_bandwidth(torch) -> float:
 
 def main() -> None:
     from bench.decode_attention import replayed_us
-    from bench.harness import bench_parser
+    from bench.workload import bench_parser
 
     parser = bench_parser(__doc__)
     parser.add_argument("--no-sweep", action="store_true")

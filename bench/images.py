@@ -28,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.harness import (
+from bench.workload import (
     QUESTIONS,
     bench_model,
     bench_parser,

@@ -21,7 +21,7 @@ import os
 import time
 from pathlib import Path
 
-from bench.harness import photo_uri
+from bench.workload import photo_uri
 from runpod_vlm.answers import stream_generation
 from runpod_vlm.vocabulary import RequestError
 
@@ -56,7 +56,7 @@ def job(name: str, side: int, seed: int) -> dict:
 
 
 def main() -> None:
-    from bench.harness import bench_parser
+    from bench.workload import bench_parser
 
     parser = bench_parser(__doc__)
     args = parser.parse_args()

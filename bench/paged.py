@@ -1,7 +1,7 @@
 """GPU benchmark of the paged engine (issue 20) at DEFAULT settings, on the whole GPU and capped.
 
 Random weights at Qwen2-VL-2B / 7B shapes (tools/tiny_models.py), loaded through the handler's own
-path; every job is one asyncio task on the handler's path (bench/harness.py's `run_job`). Plain
+path; every job is one asyncio task on the handler's path (bench/workload.py's `run_job`). Plain
 transformers `generate` is measured in the same process as the peer. Each part runs in a fresh
 process, so a memory cap (`torch.cuda.set_per_process_memory_fraction`) holds from the load on:
 
@@ -34,7 +34,7 @@ import threading
 import time
 from pathlib import Path
 
-from bench.harness import (
+from bench.workload import (
     QUESTIONS,
     SIZES,
     bench_parser,
@@ -213,7 +213,7 @@ def child(part: str, args) -> dict:
         wait_for_recordings(engine)
         results["gpu_parity_prefill_replayed"] = gpu_parity(handler, engine, 16)  # the same prefills' shapes, replayed
         wait_for_recordings(engine)  # its groups' new shapes too
-        from bench.harness import one_token_job, run_alone
+        from bench.workload import one_token_job, run_alone
 
         def full(n):
             job = vqa("b1", [data_uri(448, 448, 810_000 + n)], 128)
@@ -235,7 +235,7 @@ def child(part: str, args) -> dict:
         def long_among_short():  # the short jobs of short_32_alone, with other images
             jobs = long_jobs(8) + mixed_jobs(32, seed=5, first_image=830_000)
             random.Random(0).shuffle(jobs)
-            from bench.harness import run_job
+            from bench.workload import run_job
 
             async def run():
                 t0 = time.perf_counter()

@@ -22,8 +22,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench.harness import bench_model, bench_parser, data_uri, gpu_parity
 from bench.timeline import gpu_busy
+from bench.workload import bench_model, bench_parser, data_uri, gpu_parity
 
 ROOT = Path(__file__).resolve().parent.parent
 

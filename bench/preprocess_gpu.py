@@ -15,7 +15,7 @@ import io
 import time
 from pathlib import Path
 
-from bench.harness import SIZES, bench_model, data_uri
+from bench.workload import SIZES, bench_model, data_uri
 from runpod_vlm.families import adapter_for
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -32,9 +32,9 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
-    from bench.harness import bench_parser
     from bench.serving_profile import intake_timeline, ttft_breakdown
     from bench.vision_profile import vision_blocks_compiled, vision_compile, vision_packed
+    from bench.workload import bench_parser
 
     parser = bench_parser(__doc__)
     parser.add_argument("--parts", default="decode,prefill")

@@ -23,8 +23,8 @@ def intake_timeline(handler, engine) -> dict:
 
     import torch
 
-    from bench.harness import concurrent_records, data_uri
     from bench.images import job
+    from bench.workload import concurrent_records, data_uri
     from runpod_vlm.engine.intake import Intake
     from runpod_vlm.engine.runner import Runner
 
@@ -134,7 +134,7 @@ def ttft_breakdown(handler, engine, out: Path) -> dict:
     import statistics
     import threading
 
-    from bench.harness import QUESTIONS, counted_since, counters, data_uri, python_profile, wait_for_recordings
+    from bench.workload import QUESTIONS, counted_since, counters, data_uri, python_profile, wait_for_recordings
 
     def once(n: int) -> dict:
         job = {"task": "vqa", "question": QUESTIONS[0], "image_url": data_uri(448, 448, 8000 + n),
@@ -181,7 +181,7 @@ def ttft_breakdown(handler, engine, out: Path) -> dict:
         result[f"{name}_runs"] = runs
     # bench/paged.py's batch 1, through the handler's path (reading off the event loop, the answer streamed): one
     # token, a new image each time, back to back as there and with the recordings each asked for waited for between.
-    from bench.harness import one_token_job, run_alone
+    from bench.workload import one_token_job, run_alone
 
     def through_handler(n: int, wait: bool) -> dict:
         record = run_alone(handler, engine, one_token_job(n), wait)

@@ -62,7 +62,7 @@ def _parses(text: str) -> bool:
 
 
 def main() -> None:
-    from bench.harness import bench_parser
+    from bench.workload import bench_parser
 
     parser = bench_parser(__doc__)
     args = parser.parse_args()

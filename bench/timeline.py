@@ -26,7 +26,8 @@ import threading
 import time
 from pathlib import Path
 
-from bench.harness import (
+from bench.paged import vqa
+from bench.workload import (
     bench_parser,
     concurrent,
     data_uri,
@@ -35,7 +36,6 @@ from bench.harness import (
     python_profile,
     wait_for_recordings,
 )
-from bench.paged import vqa
 
 ROOT = Path(__file__).resolve().parent.parent
 

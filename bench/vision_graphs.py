@@ -30,7 +30,7 @@ IMAGE_SETS = {
 
 
 def main() -> None:
-    from bench.harness import bench_parser
+    from bench.workload import bench_parser
 
     parser = bench_parser(__doc__, tiny=True)
     args = parser.parse_args()
@@ -38,7 +38,7 @@ def main() -> None:
 
     import torch
 
-    from bench.harness import bench_model
+    from bench.workload import bench_model
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     bench_model(args.models, args.tiny)

@@ -15,7 +15,7 @@ def mixed_items(engine, count: int, seed: int, first_image: int, params, sizes=N
     import base64
     import random
 
-    from bench.harness import QUESTIONS, SIZES, data_uri
+    from bench.workload import QUESTIONS, SIZES, data_uri
     from runpod_vlm.media import decode_image
     from runpod_vlm.vocabulary import GenerationRequest, Turn
 
