@@ -4,19 +4,18 @@
 
 A tree is a checkout of the worker (`git archive REV | tar -x -C PATH`); each worker imports `handler` and
 `runpod_vlm` from its tree, and the jobs from this tree's bench/. Trees go in turns (old, new, old, new, ...) so a
-drift of the machine falls on every one. Each worker, Qwen2-VL-2B shapes at DEFAULT settings, waits for its
-background compile, then runs on new images each time: 64 mixed jobs (warm-up, not counted), then three times 32
-short mixed jobs (bench/paged.py's short_32_alone), 64 uniform (448x448 x 128), 64 mixed jobs and 64 one-token jobs
-of a new 448x448 image (their tokens/s: images a second), all at once, and `batch1`: four uniform jobs one after
-another (`--runs` picks among them; `open_RATE` adds 128
-mixed jobs arriving at RATE a second, Poisson, and 16 mixed jobs one by one first, once: the p95 latency's divisor,
-as bench/paged.py's open loop, and the fit of their latency in their tokens that `p95_latency_vs_alone` divides
-by). A variant `TREE:gc_freeze` freezes the garbage collector's objects after the warm-up; `TREE:after_mixed_256`
-warms up with 256 mixed jobs at once (as bench/paged.py runs them before its short jobs);
-`TREE:served_while_compiling` answers one job before its compile (as a worker started by load), then waits for the
-compile and the recordings it asked for; `TREE:NAME=VALUE,...` sets the worker's environment (e.g.
-VLM_SYNC_INTERVAL=16). Each worker ends by replaying its prefill and vision graphs of the sizes that run compiled
-(`graph_replay_ms`). Results: OUT/ab.json.
+drift of the machine falls on every one. Each worker, Qwen2-VL-2B shapes (`--shape qwen2-vl-7b`: 7B's) at DEFAULT
+settings, waits for its background compile, then runs on new images each time: 64 mixed jobs (warm-up, not counted),
+then three times 32 short mixed jobs (bench/paged.py's short_32_alone), 64 uniform (448x448 x 128), 64 mixed jobs and
+64 one-token jobs of a new 448x448 image (their tokens/s: images a second), all at once, and `batch1`: four uniform
+jobs one after another (`--runs` picks among them; `open_RATE` adds 128 mixed jobs arriving at RATE a second, Poisson,
+and 16 mixed jobs one by one first, once: the p95 latency's divisor, as bench/paged.py's open loop, and the fit of
+their latency in their tokens that `p95_latency_vs_alone` divides by). A variant `TREE:gc_freeze` freezes the garbage
+collector's objects after the warm-up; `TREE:after_mixed_256` warms up with 256 mixed jobs at once (as bench/paged.py
+runs them before its short jobs); `TREE:served_while_compiling` answers one job before its compile (as a worker
+started by load), then waits for the compile and the recordings it asked for; `TREE:NAME=VALUE,...` sets the worker's
+environment (e.g. VLM_SYNC_INTERVAL=16). Each worker ends by replaying its prefill and vision graphs of the sizes that
+run compiled (`graph_replay_ms`). Results: OUT/ab.json.
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BURSTS = ("short_32", "uniform_64", "mixed_64", "images_64", "batch1")
 
 
-def child(tree: str, variant: str, models: str, runs: list[str]) -> dict:
+def child(tree: str, variant: str, models: str, runs: list[str], shape: str = "qwen2-vl-2b") -> dict:
     if "=" in variant:
         os.environ.update(pair.split("=", 1) for pair in variant.split(","))
     sys.path.insert(0, str(Path(tree).resolve()))  # the tree's handler and runpod_vlm, measured
@@ -47,9 +46,9 @@ def child(tree: str, variant: str, models: str, runs: list[str]) -> dict:
 
     import tools.tiny_models as tiny_models
 
-    folder = Path(models) / "qwen2-vl-2b"
+    folder = Path(models) / shape
     if not (folder / "config.json").exists():
-        tiny_models.build("qwen2-vl", folder, "qwen2-vl-2b", device="cuda", dtype="bf16")  # on a CPU: pass a tiny one
+        tiny_models.build("qwen2-vl", folder, shape, device="cuda", dtype="bf16")  # on a CPU: pass a tiny one
         torch.cuda.empty_cache()
     os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", VLM_DTYPE="bf16", VLM_STREAM_INTERVAL_MS="0")
     import importlib
@@ -170,10 +169,12 @@ def main() -> None:
     )
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--runs", default=",".join(BURSTS), help=f"of {', '.join(BURSTS)}, open_RATE (e.g. open_16)")
+    parser.add_argument("--shape", default="qwen2-vl-2b", choices=("qwen2-vl-2b", "qwen2-vl-7b"))
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        return print("RESULT " + json.dumps(child(*args.child, args.models, [r for r in args.runs.split(",") if r])))
+        runs = [r for r in args.runs.split(",") if r]
+        return print("RESULT " + json.dumps(child(*args.child, args.models, runs, args.shape)))
     trees = dict(pair.split("=", 1) for pair in args.tree) or {"here": str(ROOT)}
     workers = [(name, "plain") for name in trees] + [tuple(v.split(":", 1)) for v in args.variant]
     out = Path(args.out)
@@ -183,6 +184,7 @@ def main() -> None:
         for name, variant in workers:
             started = time.perf_counter()
             command = [sys.executable, "-m", __spec__.name, "--models", args.models, "--runs", args.runs]
+            command += ["--shape", args.shape]
             command += ["--child", trees[name], variant]
             done = subprocess.run(command, cwd=ROOT, text=True, capture_output=True)
             label = name if variant == "plain" else f"{name}:{variant}"

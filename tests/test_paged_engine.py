@@ -211,6 +211,8 @@ def test_phi4_rows_within_across_and_past_longrope_s_original_context_decode_in_
     whole-sequence forward's, and generate()'s for the rows that never cross."""
     engine = serve(phi4_with_original_context(tiny_model, tmp_path / "phi4", 64), VLM_SYNC_INTERVAL="2")
     assert engine.continuous and engine.scheduler.recompute_at == 64
+    # its placeholder known (its vision config's): a row that generated one is not prefilled again (test_scheduler.py)
+    assert engine.model.config.vision_config.image_token_id in engine.scheduler.media_token_ids
     items = items_of(engine, [dict(job, logprobs=True) for job in PHI4_ACROSS])
     reference = [uncached_greedy(engine, item) for item in items]
     prompts = [a.prompt_tokens for a in reference]

@@ -137,9 +137,10 @@ class Engine:
             share_weights(self.model)  # one product a group of projections in the compiled decode step
         self.prefix_caching = self.settings.prefix_caching and self.adapter.prefix_caching and self.continuous
         self.packed_vision = self.adapter.packed_vision and use_packed_vision_attention(self.model)
-        config = self.model.config
         names = ("image_token_id", "image_token_index", "video_token_id", "video_token_index", "vision_start_token_id")
-        self.media_token_ids = {v for v in (getattr(config, n, None) for n in names) if isinstance(v, int)}
+        # Phi-4-multimodal's placeholder is its vision config's
+        configs = (self.model.config, getattr(self.model.config, "vision_config", None))
+        self.media_token_ids = {v for c in configs for v in (getattr(c, n, None) for n in names) if isinstance(v, int)}
         log.info("loaded %s (%s) in %.1fs", self.model_id, self.adapter.name, time.perf_counter() - started)
 
     def start_decoder(self) -> PagedDecoder:
