@@ -128,15 +128,15 @@ def phi4(models: Path, tiny: bool, out: Path) -> dict:
     batched["rows_prefilled_again"] = len(recomputed)
     result = {"device": "cpu" if tiny else torch.cuda.get_device_name(), **warm, "batched_64": batched}
     save(out, result)
-    parity_jobs = [mixed_jobs(4, seed=23)[n] for n in range(4)]
-    items = [handler.read_job_item(job["input"], engine.settings, engine.model_id)[1] for job in parity_jobs]
+    asked = [{**job["input"], "logprobs": True, "top_logprobs": 2} for job in mixed_jobs(4, seed=23)]
+    items = [handler.read_job_item(request, engine.settings, engine.model_id)[1] for request in asked]
     from runpod_vlm.answers import generate_all
 
     served = generate_all(engine, items)
     result["parity"] = []
     for answer, item in zip(served, items):
         try:
-            result["parity"].append(answer.text == engine.alone.generate(item).text)
+            result["parity"].append(parity(answer, engine.alone.generate(item)))
         except Exception as error:  # generate() fails on a generated image token (its image embedding finds no image)
             result["parity"].append(repr(error))
     save(out, result)
@@ -146,6 +146,20 @@ def phi4(models: Path, tiny: bool, out: Path) -> dict:
     except RuntimeError as error:  # a job whose answer took an image placeholder: generate() fails at the next step
         return {**result, "one_at_a_time_8": {"error": str(error)[:500]}}
     return {**result, "one_at_a_time_8": alone, "speedup": batched["tokens_per_s"] / alone["tokens_per_s"]}
+
+
+def parity(served, alone) -> dict:
+    """Whether a served answer's tokens are generate()'s; where they part, at which token, and how far apart
+    generate()'s two likeliest tokens were there (a gap of a few hundredths is a tie that bf16's sums can break
+    either way)."""
+    tokens = [[entry["token"] for entry in answer.logprobs] for answer in (served, alone)]
+    first = next((n for n, (a, b) in enumerate(zip(*tokens)) if a != b), None)
+    if first is None and len(tokens[0]) == len(tokens[1]):
+        return {"equal": True}
+    if first is None:
+        return {"equal": False, "lengths": [len(t) for t in tokens]}
+    best, second = (entry["logprob"] for entry in alone.logprobs[first]["top_logprobs"][:2])
+    return {"equal": False, "first_difference": first, "generate_top2_gap": round(best - second, 4)}
 
 
 def shared_prompt_jobs(burst: int, shared: bool) -> list[dict]:

@@ -1,11 +1,11 @@
 """FP8's few-rows product (engine/fp8.py's `weight_only_matmul`) against bf16's and `_scaled_mm`'s (GPU), at the
-language model's shapes of Qwen2-VL-2B (each projection, and the groups engine/projections.py joins) and 1, 8 and
+language model's shapes of Qwen2-VL-2B or 7B (each projection, and the groups engine/projections.py joins) and 1, 8 and
 64 rows: each product recorded 50 times in a CUDA graph, as a decode step runs it, and the graph's replays averaged
 (bench/decode_attention.py's `replayed_us`; the result files up to 2fb4f45 took the best of 5 replays); its
 weight bytes against the copy bandwidth measured in the same run (the floor), and a sweep of the kernel's tiles and
 splits of K beside `tiles`' choice.
 
-    python -m bench.fp8_matmul --out OUT [--no-sweep]
+    python -m bench.fp8_matmul --out OUT [--no-sweep] [--shape 7b]
 
 Results: OUT/fp8-matmul.json.
 """
@@ -16,15 +16,21 @@ import functools
 import json
 from pathlib import Path
 
-HIDDEN, INTERMEDIATE, KV = 1536, 8960, 256  # Qwen2-VL-2B's language model
-SHAPES = {  # name -> (N, K)
-    "q/o": (HIDDEN, HIDDEN),
-    "k or v": (KV, HIDDEN),
-    "q+k+v": (HIDDEN + 2 * KV, HIDDEN),
-    "gate or up": (INTERMEDIATE, HIDDEN),
-    "gate+up": (2 * INTERMEDIATE, HIDDEN),
-    "down": (HIDDEN, INTERMEDIATE),
-}
+LANGUAGE_MODELS = {"2b": (1536, 8960, 256), "7b": (3584, 18944, 512)}  # Qwen2-VL's: hidden, intermediate, k (or v)
+
+
+def shapes(hidden: int, intermediate: int, kv: int) -> dict:
+    """name -> (N, K) of each projection, and of the groups engine/projections.py joins."""
+    return {
+        "q/o": (hidden, hidden),
+        "k or v": (kv, hidden),
+        "q+k+v": (hidden + 2 * kv, hidden),
+        "gate or up": (intermediate, hidden),
+        "gate+up": (2 * intermediate, hidden),
+        "down": (hidden, intermediate),
+    }
+
+
 ROWS = (1, 8, 64)
 REPLAYS = 50  # calls recorded in one CUDA graph
 
@@ -49,6 +55,7 @@ def main() -> None:
 
     parser = bench_parser(__doc__)
     parser.add_argument("--no-sweep", action="store_true")
+    parser.add_argument("--shape", choices=tuple(LANGUAGE_MODELS), default="2b", help="Qwen2-VL's language model")
     args = parser.parse_args()
     import torch
 
@@ -57,9 +64,10 @@ def main() -> None:
     torch.manual_seed(0)
     bandwidth = copy_bandwidth(torch)
     results: dict = {"device": torch.cuda.get_device_name(), "copy_GBps": round(bandwidth / 1e9), "shapes": []}
+    results["language_model"] = args.shape
     print(f"copy bandwidth {bandwidth / 1e9:.0f} GB/s on {results['device']}")
     sweep = [(n, k, s, splits) for n in (16, 32, 64) for k in (128, 256) for s in (3, 4) for splits in (1, 2, 4)]
-    for name, (N, K) in SHAPES.items():
+    for name, (N, K) in shapes(*LANGUAGE_MODELS[args.shape]).items():
         weight_bf16 = torch.randn(N, K, device="cuda", dtype=torch.bfloat16)
         weight, scale = fp8.quantized_rows(weight_bf16)
         column_scale = scale.reshape(-1).contiguous()

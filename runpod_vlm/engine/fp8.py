@@ -106,12 +106,15 @@ def tiles(rows: int, N: int, K: int, device) -> tuple[int, int, int, int]:
     ones (attention's projections, the MLP's down) 16; up to 16 rows, the long K of a narrow one (the down
     projection's) is read in splits, enough programs for four a multiprocessor, whose partial sums a second kernel
     adds (on an H100: 16 us against 22 at 1 row; at 64 rows 31 against 28, unsplit). The fastest tiles of
-    bench/fp8_matmul.py's sweep on an H100 (results/fp8-matmul-h100-2a5a24c.json, fp8-matmul-h100-2fb4f45.json)."""
+    bench/fp8_matmul.py's sweep on an H100 (results/fp8-matmul-h100-2a5a24c.json, fp8-matmul-h100-2fb4f45.json; at 7B's
+    shapes fp8-matmul-7b-h100-8b0d85c.json)."""
     multiprocessors = _multiprocessors(device)
     if N >= 64 * multiprocessors:
         return (32, 128, 3, 1) if rows <= 16 else (64, 128, 2, 1)
     if rows > 16:
         return 16, 256, 3, 1
+    if N > 2048:  # 7B's attention projections and down: 32 columns, 4 splits (fp8-matmul-7b-h100-8b0d85c.json)
+        return 32, 256, 3, 4
     splits = max(1, min(8, -(-4 * multiprocessors // -(-N // 16)), K // SPLIT_MIN_K))
     return 16, 256, 4, splits
 
