@@ -111,10 +111,10 @@ def tiles(rows: int, N: int, K: int, device) -> tuple[int, int, int, int]:
     multiprocessors = _multiprocessors(device)
     if N >= 64 * multiprocessors:
         return (32, 128, 3, 1) if rows <= 16 else (64, 128, 2, 1)
+    if N > 2048:  # 7B's attention projections and down, in 4 splits (fp8-matmul-7b-h100-8b0d85c.json)
+        return (32, 256, 3, 4) if rows <= 16 else (64, 128, 4, 4)
     if rows > 16:
         return 16, 256, 3, 1
-    if N > 2048:  # 7B's attention projections and down: 32 columns, 4 splits (fp8-matmul-7b-h100-8b0d85c.json)
-        return 32, 256, 3, 4
     splits = max(1, min(8, -(-4 * multiprocessors // -(-N // 16)), K // SPLIT_MIN_K))
     return 16, 256, 4, splits
 

@@ -113,8 +113,8 @@ def fp8_cases() -> list[dict]:
     torch.manual_seed(0)
     found = []
     shapes = [(1, 40, 200), (2, 40, 600), (5, 100, 96), (16, 130, 300), (17, 200, 64), (64, 48, 520), (33, 136, 136)]
-    configs = [None] * len(shapes) + [(16, 64, 2, 3), (32, 32, 2, 2)]
-    for (rows, N, K), config in zip(shapes + [(3, 40, 600), (20, 70, 100)], configs):
+    configs = [None] * len(shapes) + [(16, 64, 2, 3), (32, 32, 2, 2), (64, 32, 2, 2)]
+    for (rows, N, K), config in zip(shapes + [(3, 40, 600), (20, 70, 100), (50, 90, 600)], configs):
         weight, scale = fp8.quantized_rows(torch.randn(N, K))
         x = torch.randn(rows, K)
         out = fp8.weight_only_matmul(x, weight, scale.reshape(-1), config)
