@@ -30,7 +30,7 @@ class Ticket:
         stream: bool,
         on_finished: Optional[Callable[[Ticket, Any], None]] = None,
     ):
-        """`on_finished(ticket, result)`: told of every item's end, after its listener (the worker's metrics)."""
+        """`on_finished(ticket, result)`: told of every item's end, before its listener (the worker's metrics)."""
         self.item, self.listener, self.stream, self.on_finished = item, listener, stream, on_finished
         self.submitted_at = time.monotonic()
         self.first_token_at: Optional[float] = None  # when its first token was handed out
@@ -102,12 +102,12 @@ class Ticket:
     def finish(self, result) -> None:
         if not self.done:
             self.done = True
-            self._tell(result)
-            if self.on_finished is not None:
+            if self.on_finished is not None:  # first: a client reading /metrics after its answer finds it counted
                 try:
                     self.on_finished(self, result)
                 except Exception:
                     log.warning("an item's end could not be recorded", exc_info=True)
+            self._tell(result)
 
     def _tell(self, event) -> None:
         try:
