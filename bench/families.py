@@ -43,44 +43,12 @@ def long_job(index: int, rng: random.Random) -> dict:
 
 
 def gemma3(models: Path, tiny: bool, out: Path) -> dict:
-    import torch
-
-    import tools.tiny_models as tiny_models
-
-    folder = models / ("gemma3-tiny" if tiny else "gemma3-4b")
-    if not (folder / "config.json").exists():
-        if tiny:
-            tiny_models.build("gemma3", folder)
-        else:
-            tiny_models.build("gemma3", folder, "gemma3-4b", device="cuda", dtype="bf16")
-            torch.cuda.empty_cache()
-    placement = dict(VLM_DEVICE_MAP="cpu", VLM_DTYPE="fp32") if tiny else dict(VLM_DTYPE="bf16")
-    os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", **placement)
-    import handler
-
-    engine = handler.get_engine()
-    warm = compiled(engine)
+    handler, engine = served_family(models, tiny, "gemma3", "gemma3-4b")
     rng = random.Random(3)
     jobs = mixed_jobs(56, seed=11) + [long_job(n, rng) for n in range(8)]
     rng.shuffle(jobs)
-    asyncio.run(concurrent(handler, mixed_jobs(16, seed=12)))  # warm: graphs and kernels
-    before = dict(engine.timings)
-    batched = asyncio.run(concurrent(handler, jobs))
-    batched["prompt_tokens"] = engine.timings["prompt_tokens"] - before.get("prompt_tokens", 0)
-    result = {"device": "cpu" if tiny else torch.cuda.get_device_name(), **warm, "batched_64": batched}
-    save(out, result)
     parity_jobs = [mixed_jobs(2, seed=13)[0], mixed_jobs(2, seed=14)[0], long_job(20, rng), long_job(21, rng)]
-    items = [handler.read_job_item(job["input"], engine.settings, engine.model_id)[1] for job in parity_jobs]
-    from runpod_vlm.answers import generate_all
-
-    served = generate_all(engine, items)
-    alone_answers = [engine.alone.generate(item) for item in items]
-    result["parity"] = [a.text == b.text for a, b in zip(served, alone_answers)]
-    result["parity_prompt_tokens"] = [a.prompt_tokens for a in alone_answers]
-    save(out, result)
-    engine.continuous = False  # the one-at-a-time path: each item through generate()
-    alone = asyncio.run(concurrent(handler, jobs[:8]))
-    return {**result, "one_at_a_time_8": alone, "speedup": batched["tokens_per_s"] / alone["tokens_per_s"]}
+    return batched_against_alone(handler, engine, jobs, parity_jobs, out, tiny, warm_seed=12)
 
 
 def crossing_job(index: int, rng: random.Random) -> dict:
@@ -93,22 +61,7 @@ def crossing_job(index: int, rng: random.Random) -> dict:
 
 
 def phi4(models: Path, tiny: bool, out: Path) -> dict:
-    import torch
-
-    import tools.tiny_models as tiny_models
-
-    folder = models / ("phi4-tiny" if tiny else "phi4-multimodal-6b")
-    if not (folder / "config.json").exists():
-        if tiny:
-            tiny_models.build("phi4-multimodal", folder)
-        else:
-            tiny_models.build("phi4-multimodal", folder, "phi4-multimodal-6b", device="cuda", dtype="bf16")
-            torch.cuda.empty_cache()
-    placement = dict(VLM_DEVICE_MAP="cpu", VLM_DTYPE="fp32") if tiny else dict(VLM_DTYPE="bf16")
-    os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", **placement)
-    import handler
-
-    engine = handler.get_engine()
+    handler, engine = served_family(models, tiny, "phi4-multimodal", "phi4-multimodal-6b")
     recomputed = []
     recompute = engine.scheduler.recompute
 
@@ -117,24 +70,55 @@ def phi4(models: Path, tiny: bool, out: Path) -> dict:
         recomputed.extend(row for row in rows if row not in engine.scheduler.running)
 
     engine.scheduler.recompute = counted
-    warm = compiled(engine)
     rng = random.Random(5)
     jobs = mixed_jobs(56, seed=21) + [crossing_job(n, rng) for n in range(8)]
     rng.shuffle(jobs)
-    asyncio.run(concurrent(handler, mixed_jobs(16, seed=22)))  # warm: graphs and kernels
+    return batched_against_alone(
+        handler, engine, jobs, mixed_jobs(4, seed=23), out, tiny, warm_seed=22, counts=lambda: len(recomputed)
+    )
+
+
+def served_family(models: Path, tiny: bool, family: str, shape: str):
+    """The handler and its engine serving `family` at `shape` (random weights built into `models` once, bf16), or
+    with `tiny` its tiny model on the CPU."""
+    import torch
+
+    import tools.tiny_models as tiny_models
+
+    folder = models / (f"{family}-tiny" if tiny else shape)
+    if not (folder / "config.json").exists():
+        if tiny:
+            tiny_models.build(family, folder)
+        else:
+            tiny_models.build(family, folder, shape, device="cuda", dtype="bf16")
+            torch.cuda.empty_cache()
+    placement = dict(VLM_DEVICE_MAP="cpu", VLM_DTYPE="fp32") if tiny else dict(VLM_DTYPE="bf16")
+    os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", **placement)
+    import handler
+
+    return handler, handler.get_engine()
+
+
+def batched_against_alone(handler, engine, jobs, parity_jobs, out: Path, tiny: bool, warm_seed: int, counts=None):
+    """Once compiled and warm: `jobs` at once, batched; `parity_jobs` served against generate() alone; the first 8
+    of `jobs` through the one-at-a-time path. `counts()`: the rows prefilled again (Phi-4), if given."""
+    import torch
+
+    from runpod_vlm.answers import generate_all
+
+    warm = compiled(engine)
+    asyncio.run(concurrent(handler, mixed_jobs(16, seed=warm_seed)))  # warm: graphs and kernels
     before = dict(engine.timings)
     batched = asyncio.run(concurrent(handler, jobs))
     batched["prompt_tokens"] = engine.timings["prompt_tokens"] - before.get("prompt_tokens", 0)
-    batched["rows_prefilled_again"] = len(recomputed)
+    if counts is not None:
+        batched["rows_prefilled_again"] = counts()
     result = {"device": "cpu" if tiny else torch.cuda.get_device_name(), **warm, "batched_64": batched}
     save(out, result)
-    asked = [{**job["input"], "logprobs": True, "top_logprobs": 2} for job in mixed_jobs(4, seed=23)]
+    asked = [{**job["input"], "logprobs": True, "top_logprobs": 2} for job in parity_jobs]
     items = [handler.read_job_item(request, engine.settings, engine.model_id)[1] for request in asked]
-    from runpod_vlm.answers import generate_all
-
-    served = generate_all(engine, items)
     result["parity"] = []
-    for answer, item in zip(served, items):
+    for answer, item in zip(generate_all(engine, items), items):
         try:
             result["parity"].append(parity(answer, engine.alone.generate(item)))
         except Exception as error:  # generate() fails on a generated image token (its image embedding finds no image)

@@ -270,6 +270,7 @@ class Scheduler:
         return [row for row in self.running if lengths[row] == self.recompute_at] if self.recompute_at else []
 
     def recompute(self, rows: list[int], release: Callable) -> None:
+        """`rows` (`at_recompute`'s) back to the queue's front, to be prefilled again with the tokens they have."""
         for row in rows:
             ticket = self.running.get(row)
             if ticket is None:  # ended meanwhile
