@@ -116,7 +116,7 @@ def test_sampling_draws_within_each_rows_nucleus_as_argmax_of_p_over_exponential
 
     probs = torch.softmax(logits / state.temperature[:, None], dim=-1)
     sorted_probs, order = probs.sort(dim=-1, descending=True)
-    kept = (sorted_probs.cumsum(dim=-1) - sorted_probs) <= state.top_p[:, None]
+    kept = ((sorted_probs.cumsum(dim=-1) - sorted_probs) <= state.top_p[:, None]) | (state.top_p[:, None] >= 1)
     nucleus = torch.zeros_like(kept).scatter(1, order, kept)
     exponential = -torch.log(counter_uniform(state.seed, state.count, sampler.vocab_index))
     expected = torch.where(nucleus, probs / exponential, torch.zeros_like(probs)).argmax(dim=-1)
@@ -124,6 +124,50 @@ def test_sampling_draws_within_each_rows_nucleus_as_argmax_of_p_over_exponential
     assert nucleus.gather(1, drawn[:, None]).all()
     assert torch.equal(drawn[state.top_p == 0], probs.argmax(dim=-1)[state.top_p == 0])  # top_p 0: greedy
     assert (drawn != probs.argmax(dim=-1)).sum() > rows // 8  # the others do sample
+
+
+def test_rows_whose_top_p_is_1_draw_the_same_without_the_sort_and_keep_every_token(monkeypatch):
+    """No row's top_p below 1: the vocabulary is not sorted, and each row draws what it draws beside a top_p row
+    (then sorted), every token kept: a top_p of 1 masks nothing, even where the float cumulative sum passes 1."""
+    import types
+
+    from runpod_vlm.engine.sampling import Sampler
+
+    rows, vocab = 8, 5000
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(rows, vocab, generator=generator) * 3  # the float cumulative sum passes 1 before the tail
+    state = types.SimpleNamespace(
+        temperature=torch.ones(rows),
+        top_p=torch.ones(rows),
+        seed=torch.arange(rows) * 31,
+        count=torch.zeros(rows, dtype=torch.long),
+    )
+    sampler = Sampler.__new__(Sampler)
+    sampler.vocab_index = torch.arange(vocab)
+    sorted_once = []
+    sort = torch.Tensor.sort
+    monkeypatch.setattr(torch.Tensor, "sort", lambda *a, **k: sorted_once.append(1) or sort(*a, **k))
+    unsorted = sampler.sampled(logits.clone(), state, top_p=False)
+    assert not sorted_once
+    masked = []
+    fill = torch.Tensor.masked_fill_
+    monkeypatch.setattr(torch.Tensor, "masked_fill_", lambda t, m, v: masked.append(int(m.sum())) or fill(t, m, v))
+    beside = sampler.sampled(logits.clone(), state, top_p=True)
+    assert sorted_once and torch.equal(unsorted, beside) and masked == [0]
+    ordered = torch.softmax(logits, dim=-1).sort(dim=-1, descending=True)[0]
+    assert (ordered.cumsum(dim=-1) - ordered > 1).any()  # where `before > top_p` alone would have masked some
+    probs = torch.softmax(logits, dim=-1)
+    exponential = -torch.log(counter_uniform(state.seed, state.count, sampler.vocab_index))
+    assert torch.equal(unsorted, (probs / exponential).argmax(dim=-1))  # no token masked
+
+
+def test_a_decoder_row_flags_its_top_p_only_when_it_samples_below_1():
+    from runpod_vlm.engine.decoder import row_flags
+    from runpod_vlm.vocabulary import GenerationParams
+
+    assert row_flags(GenerationParams(8, 0.7, 0.9, True))[3]
+    assert not row_flags(GenerationParams(8, 0.7, 1.0, True))[3]
+    assert not row_flags(GenerationParams(8, 0.0, 0.5, False))[3]  # greedy: its top_p is not read
 
 
 @pytest.mark.parametrize("seed", [2**63, -(2**63) - 1, int("9" * 4000)], ids=["2^63", "-2^63-1", "4000 digits"])

@@ -18,6 +18,7 @@ from runpod_vlm.engine.prefill import Prefill, beside_fx_traces, placeholder_cou
 from runpod_vlm.engine.prefill_graphs import GRAPH_TOKENS, PrefillGraphs
 from runpod_vlm.engine.sampling import Sampler, row_seed
 from runpod_vlm.engine.vision_graphs import VisionGraphs, tower
+from runpod_vlm.vocabulary import GenerationParams
 
 log = logging.getLogger("runpod-vlm")
 
@@ -28,6 +29,11 @@ SPAN_BUCKETS_FROM = 256  # a decode step gathers each row's slots up to a power-
 def row_buckets(rows: int) -> list[int]:
     """The row counts a decode step runs at: powers of two from 8, and all rows."""
     return sorted({b for b in (8, 16, 32, 64, 128) if b < rows} | {rows})
+
+
+def row_flags(params: GenerationParams) -> tuple:
+    """A row's `PagedDecoder.flags`: it samples, wants logprobs, is constrained, samples within a top_p below 1."""
+    return params.do_sample, params.logprobs, params.json_schema is not None, params.do_sample and params.top_p < 1
 
 
 class PagedDecoder:
@@ -105,9 +111,10 @@ class PagedDecoder:
         )
         self.position = self._position_buffer(model, rows)  # each row's next position, as the family's position ids
         self.lengths: dict[int, int] = {}  # busy row -> tokens in its blocks (host copy of state.length)
-        self.flags: dict[int, tuple] = {}  # busy row -> whether it samples, wants logprobs, is constrained
+        # busy row -> whether it samples, wants logprobs, is constrained, samples within a top_p below 1
+        self.flags: dict[int, tuple] = {}
         self.table_writes: list[tuple] = []  # (row, column, block) not yet in `table` (`write_table`)
-        self.any_sample = self.any_logprobs = self.any_constrained = False
+        self.any_sample = self.any_logprobs = self.any_constrained = self.any_top_p = False
         self.eager_steps = 0  # steps run without a graph (benchmarks)
 
     def _make_graphs(self, model, rows: int, use_graph: bool, prefill_tokens: int) -> None:
@@ -232,8 +239,9 @@ class PagedDecoder:
             new.seen = torch.zeros((len(rows), state.seen.shape[1]), dtype=torch.bool, device=index.device)
             new.seen.scatter_(1, input_ids, True)
         wants_logprobs = any(p.logprobs for p in params)
+        flags = [row_flags(p) for p in params]
         token, logprobs = self.sampler.choose(
-            logits, new, any(p.do_sample for p in params), wants_logprobs, allowed is not None
+            logits, new, any(f[0] for f in flags), wants_logprobs, allowed is not None, any(f[3] for f in flags)
         )
         names = ("min_new", "sample", "temperature", "top_p", "seed", "logprobs", "constrained", "allowed", "seen")
         for name in (*names, "length", "busy"):
@@ -242,16 +250,16 @@ class PagedDecoder:
         state.token[index] = token[:, None]
         state.count[index] = new.count + 1
         self.lengths.update(zip(rows, lengths))
-        self.flags.update((row, (p.do_sample, p.logprobs, p.json_schema is not None)) for row, p in zip(rows, params))
+        self.flags.update(zip(rows, flags))
         self._update_any_sample()
         per_row = [part[:, None] for part in logprobs] if wants_logprobs else []  # one step per row, as a launch's
         return to_host(1, token[:, None], per_row, tuple(rows))
 
     def _update_any_sample(self) -> None:
-        flags = self.flags.values()
-        self.any_sample = any(sample for sample, _, _ in flags)
-        self.any_logprobs = any(logprobs for _, logprobs, _ in flags)
-        self.any_constrained = any(constrained for _, _, constrained in flags)
+        flags = list(self.flags.values())
+        self.any_sample, self.any_logprobs, self.any_constrained, self.any_top_p = (
+            any(f[n] for f in flags) for n in range(4)
+        )
 
     def set_allowed(self, rows: list[int], allowed) -> None:
         """The tokens each of `rows` may take at the next step (a grammar's masks, CPU int32 [len(rows), words])."""
@@ -293,7 +301,7 @@ class PagedDecoder:
                 logits_to_keep=1,
             )
         token, logprobs = self.sampler.choose(
-            output.logits[:, -1, :], rows, self.any_sample, self.any_logprobs, self.any_constrained
+            output.logits[:, -1, :], rows, self.any_sample, self.any_logprobs, self.any_constrained, self.any_top_p
         )
         rows.ring.index_copy_(1, self.ring_index, token[:, None])
         if logprobs is not None:

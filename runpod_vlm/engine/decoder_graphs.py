@@ -34,7 +34,7 @@ class StepGraphs:
 
     def key(self, bucket: int, span: int) -> tuple:
         decoder = self.decoder
-        return bucket, span, decoder.any_sample, decoder.any_logprobs, decoder.any_constrained
+        return bucket, span, decoder.any_sample, decoder.any_logprobs, decoder.any_constrained, decoder.any_top_p
 
     def before_step(self, bucket: int, span: int):
         """The graph of the step about to run, recorded first if it can be (an eager step takes several replays'
@@ -92,15 +92,20 @@ class StepGraphs:
             return self.capture_pass()
         bucket, sample = self.ahead.pop(0)
         decoder = self.decoder
-        flags = decoder.any_sample, decoder.any_logprobs, decoder.any_constrained
-        decoder.any_sample, decoder.any_logprobs, decoder.any_constrained = sample, False, False
+        flags = decoder.any_sample, decoder.any_logprobs, decoder.any_constrained, decoder.any_top_p
+        decoder.any_sample, decoder.any_logprobs, decoder.any_constrained, decoder.any_top_p = (
+            sample,
+            False,
+            False,
+            False,
+        )
         try:
             if self.key(bucket, 0) not in self.graphs and not self._capture_unless_compiling(bucket, 0):
                 self.ahead.insert(0, (bucket, sample))  # the compile took the GPU meanwhile: later
         except Exception:  # captured again when a step needs it
             log.warning("CUDA graph capture ahead of the %d-row steps failed", bucket, exc_info=True)
         finally:
-            decoder.any_sample, decoder.any_logprobs, decoder.any_constrained = flags
+            decoder.any_sample, decoder.any_logprobs, decoder.any_constrained, decoder.any_top_p = flags
 
     def _pass_graphs(self) -> list:
         """The vision passes' and the prefills' graphs, those the decoder has."""

@@ -28,11 +28,18 @@ class Sampler:
         self.penalty = penalty if penalty != 1.0 else None
 
     def choose(
-        self, logits, rows: types.SimpleNamespace, any_sample: bool, with_logprobs: bool = False, masked: bool = False
+        self,
+        logits,
+        rows: types.SimpleNamespace,
+        any_sample: bool,
+        with_logprobs: bool = False,
+        masked: bool = False,
+        any_top_p: bool = True,
     ):
         """Each row's next token from its logits; with `with_logprobs`, also each token's log-probability and the
         `top_k` most likely tokens': log_softmax of the model's own logits, before the repetition penalty, the
-        end-token block of min_new_tokens, temperature and top-p (as generate()'s output_logits, and vLLM's)."""
+        end-token block of min_new_tokens, temperature and top-p (as generate()'s output_logits, and vLLM's).
+        `any_top_p`: whether a sampled row's top_p is below 1 (`sampled`)."""
         import torch
 
         logits = logits.float()
@@ -48,7 +55,7 @@ class Sampler:
             logits = logits.masked_fill((allowed == 0) & rows.constrained[:, None], float("-inf"))
         token = logits.argmax(dim=-1)
         if any_sample:
-            token = torch.where(rows.sample, self.sampled(logits, rows), token)
+            token = torch.where(rows.sample, self.sampled(logits, rows, any_top_p), token)
         if rows.seen is not None:
             rows.seen.scatter_(1, token[:, None], True)
         if logprobs is None:
@@ -56,28 +63,32 @@ class Sampler:
         top_logprob, top_id = logprobs.topk(self.top_k, dim=-1)
         return token, (logprobs.gather(1, token[:, None])[:, 0], top_id, top_logprob)
 
-    def sampled(self, logits, rows: types.SimpleNamespace):
+    def sampled(self, logits, rows: types.SimpleNamespace, top_p: bool = True):
         """Temperature and top-p sampling, drawn as argmax(p / Exp(1)) so a CUDA graph can hold it. The
         Exp(1) noise is a function of the row's seed, its token's index and the vocabulary index alone, so
-        a seeded row draws the same tokens alone, batched or beside any other rows. SAMPLED_TOGETHER rows at a
-        time, in place where it can be: each [rows, vocab] float is 155 MB at 256 rows of a 152k vocabulary, and a
-        256-row step's graph, recorded ahead capped to 24 GB, ran out of memory in its sort (bench/README.md)."""
+        a seeded row draws the same tokens alone, batched or beside any other rows. A row whose top_p is 1 keeps
+        every token (generate() adds no top-p warper for it), and without `top_p` (no row's below 1) the vocabulary
+        is not sorted at all. SAMPLED_TOGETHER rows at a time, in place where it can be: each [rows, vocab] float
+        is 155 MB at 256 rows of a 152k vocabulary, and a 256-row step's graph, recorded ahead capped to 24 GB, ran
+        out of memory in its sort (bench/README.md)."""
         import torch
 
         starts = range(0, logits.shape[0], SAMPLED_TOGETHER)
-        parts = [self._sampled_rows(logits, rows, slice(start, start + SAMPLED_TOGETHER)) for start in starts]
+        parts = [self._sampled_rows(logits, rows, slice(start, start + SAMPLED_TOGETHER), top_p) for start in starts]
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _sampled_rows(self, logits, rows: types.SimpleNamespace, part: slice):
+    def _sampled_rows(self, logits, rows: types.SimpleNamespace, part: slice, top_p: bool):
         import torch
 
         probs = torch.softmax(logits[part] / rows.temperature[part].clamp(min=1e-5)[:, None], dim=-1)
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        before = sorted_probs.cumsum(dim=-1).sub_(sorted_probs)  # the mass of the tokens more likely than each
-        sorted_probs.masked_fill_(before > rows.top_p[part, None], 0.0)
-        del before
-        probs.scatter_(1, order, sorted_probs)
-        del sorted_probs, order
+        if top_p:
+            sorted_probs, order = probs.sort(dim=-1, descending=True)
+            before = sorted_probs.cumsum(dim=-1).sub_(sorted_probs)  # the mass of the tokens more likely than each
+            limit = rows.top_p[part, None]
+            sorted_probs.masked_fill_((before > limit) & (limit < 1), 0.0)
+            del before
+            probs.scatter_(1, order, sorted_probs)
+            del sorted_probs, order
         noise = counter_uniform(rows.seed[part], rows.count[part], self.vocab_index).log_().neg_()  # Exp(1)
         return probs.div_(noise).argmax(dim=-1)
 
