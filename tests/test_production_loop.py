@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
@@ -75,6 +76,30 @@ async def handler(job):
 runpod.serverless.start({"handler": handler, "return_aggregate_stream": True,
                          "concurrency_modifier": lambda current: 4})
 """
+
+
+ENVIRONMENT_WORKER = """
+import json, os, pathlib, time
+names = ("RUNPOD_SKIP_AUTO_SYSTEM_CHECKS", "RUNPOD_SKIP_GPU_CHECK", "RUNPOD_WEBHOOK_GET_JOB")
+pathlib.Path(os.environ["ENV_OUT"]).write_text(json.dumps({name: os.environ.get(name) for name in names}))
+time.sleep(60)
+"""
+
+
+def test_a_worker_on_the_stand_in_has_the_sdks_start_up_checks_off_whatever_its_env_says(tmp_path):
+    """The SDK's start-up checks open a TCP connection to a public address: every worker the tests start against the
+    stand-in has them off and its webhooks on loopback, even where a test's `env` says otherwise."""
+    script, written = tmp_path / "environment_worker.py", tmp_path / "env.json"
+    script.write_text(ENVIRONMENT_WORKER)
+    with JobQueue() as queue:
+        asked = dict(RUNPOD_SKIP_AUTO_SYSTEM_CHECKS="false", RUNPOD_WEBHOOK_GET_JOB="https://api.runpod.ai/v2/x")
+        with worker(queue, "unused", tmp_path / "env.log", script=str(script), ENV_OUT=str(written), **asked):
+            deadline = time.monotonic() + RUN_LIMIT_S
+            while not written.exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            seen = json.loads(written.read_text())
+    assert seen["RUNPOD_SKIP_AUTO_SYSTEM_CHECKS"] == "true" and seen["RUNPOD_SKIP_GPU_CHECK"] == "true"
+    assert seen["RUNPOD_WEBHOOK_GET_JOB"].startswith("http://127.0.0.1:")
 
 
 def test_the_stand_in_speaks_the_sdks_batch_take_and_stream_protocol(tmp_path):

@@ -112,9 +112,12 @@ class JobQueue:
             self._lock.notify_all()
 
     def env(self) -> dict[str, str]:
-        """The variables that point the SDK's production loop at this stand-in."""
+        """The variables that point the SDK's production loop at this stand-in, its start-up checks off: they open a
+        TCP connection to a public address (8.8.8.8) and probe GPUs, and nothing may leave loopback."""
         prefix = f"{self.base}/v2/{ENDPOINT}"
         return {
+            "RUNPOD_SKIP_AUTO_SYSTEM_CHECKS": "true",
+            "RUNPOD_SKIP_GPU_CHECK": "true",
             "RUNPOD_WEBHOOK_GET_JOB": f"{prefix}/job-take/$ID?gpu=loopback",
             "RUNPOD_WEBHOOK_POST_OUTPUT": f"{prefix}/job-done/$RUNPOD_POD_ID/$ID?gpu=loopback",
             "RUNPOD_WEBHOOK_POST_STREAM": f"{prefix}/job-stream/$RUNPOD_POD_ID/$ID?gpu=loopback",
@@ -323,13 +326,9 @@ def worker(
 ) -> Iterator[Worker]:
     """`python handler.py` (or `script`) in the SDK's production loop against `queue`, serving a tiny
     model on CPU; stopped with SIGTERM (then SIGKILL after 30 s) on exit. `env` adds or overrides
-    variables (e.g. RUNPOD_LOG_LEVEL); nothing leaves loopback: the SDK's start-up checks (a TCP
-    connect to 8.8.8.8, GPU probes) are off."""
+    variables (e.g. RUNPOD_LOG_LEVEL), but not `queue.env()`'s: nothing leaves loopback."""
     variables = {k: v for k, v in os.environ.items() if not k.startswith(("VLM_", "RUNPOD_"))}
     variables.update(
-        queue.env(),
-        RUNPOD_SKIP_AUTO_SYSTEM_CHECKS="true",
-        RUNPOD_SKIP_GPU_CHECK="true",
         VLM_MODEL=str(model_folder),
         VLM_ALLOW_ANY="true",
         VLM_DEVICE_MAP="cpu",
@@ -339,6 +338,7 @@ def worker(
         PYTHONUNBUFFERED="1",
     )
     variables.update(env)
+    variables.update(queue.env())  # last: the loopback addresses and the checks off hold whatever `env` says
     log_path = Path(log_path)
     with log_path.open("wb") as log:
         process = subprocess.Popen(
