@@ -31,8 +31,13 @@ def row_buckets(rows: int) -> list[int]:
     return sorted({b for b in (8, 16, 32, 64, 128) if b < rows} | {rows})
 
 
+# Whether any busy row samples, wants logprobs, is constrained, samples within a top_p below 1: each step's graph is
+# recorded for one combination (`StepGraphs.key`).
+STEP_FLAGS = ("any_sample", "any_logprobs", "any_constrained", "any_top_p")
+
+
 def row_flags(params: GenerationParams) -> tuple:
-    """A row's `PagedDecoder.flags`: it samples, wants logprobs, is constrained, samples within a top_p below 1."""
+    """A row's `PagedDecoder.flags`, in STEP_FLAGS' order."""
     return params.do_sample, params.logprobs, params.json_schema is not None, params.do_sample and params.top_p < 1
 
 
@@ -111,10 +116,9 @@ class PagedDecoder:
         )
         self.position = self._position_buffer(model, rows)  # each row's next position, as the family's position ids
         self.lengths: dict[int, int] = {}  # busy row -> tokens in its blocks (host copy of state.length)
-        # busy row -> whether it samples, wants logprobs, is constrained, samples within a top_p below 1
-        self.flags: dict[int, tuple] = {}
+        self.flags: dict[int, tuple] = {}  # busy row -> its `row_flags`
         self.table_writes: list[tuple] = []  # (row, column, block) not yet in `table` (`write_table`)
-        self.any_sample = self.any_logprobs = self.any_constrained = self.any_top_p = False
+        self.set_step_flags((False,) * len(STEP_FLAGS))
         self.eager_steps = 0  # steps run without a graph (benchmarks)
 
     def _make_graphs(self, model, rows: int, use_graph: bool, prefill_tokens: int) -> None:
@@ -257,9 +261,15 @@ class PagedDecoder:
 
     def _update_any_sample(self) -> None:
         flags = list(self.flags.values())
-        self.any_sample, self.any_logprobs, self.any_constrained, self.any_top_p = (
-            any(f[n] for f in flags) for n in range(4)
-        )
+        self.set_step_flags(any(f[n] for f in flags) for n in range(len(STEP_FLAGS)))
+
+    def step_flags(self) -> tuple:
+        """The STEP_FLAGS a step now runs with."""
+        return tuple(getattr(self, name) for name in STEP_FLAGS)
+
+    def set_step_flags(self, flags) -> None:
+        for name, value in zip(STEP_FLAGS, flags, strict=True):
+            setattr(self, name, value)
 
     def set_allowed(self, rows: list[int], allowed) -> None:
         """The tokens each of `rows` may take at the next step (a grammar's masks, CPU int32 [len(rows), words])."""
@@ -300,9 +310,7 @@ class PagedDecoder:
                 use_cache=False,
                 logits_to_keep=1,
             )
-        token, logprobs = self.sampler.choose(
-            output.logits[:, -1, :], rows, self.any_sample, self.any_logprobs, self.any_constrained, self.any_top_p
-        )
+        token, logprobs = self.sampler.choose(output.logits[:, -1, :], rows, *self.step_flags())
         rows.ring.index_copy_(1, self.ring_index, token[:, None])
         if logprobs is not None:
             chosen, top_id, top_logprob = logprobs

@@ -33,8 +33,7 @@ class StepGraphs:
         self.capture_s = 0.0  # seconds spent recording (benchmarks)
 
     def key(self, bucket: int, span: int) -> tuple:
-        decoder = self.decoder
-        return bucket, span, decoder.any_sample, decoder.any_logprobs, decoder.any_constrained, decoder.any_top_p
+        return bucket, span, *self.decoder.step_flags()
 
     def before_step(self, bucket: int, span: int):
         """The graph of the step about to run, recorded first if it can be (an eager step takes several replays'
@@ -92,20 +91,15 @@ class StepGraphs:
             return self.capture_pass()
         bucket, sample = self.ahead.pop(0)
         decoder = self.decoder
-        flags = decoder.any_sample, decoder.any_logprobs, decoder.any_constrained, decoder.any_top_p
-        decoder.any_sample, decoder.any_logprobs, decoder.any_constrained, decoder.any_top_p = (
-            sample,
-            False,
-            False,
-            False,
-        )
+        flags = decoder.step_flags()
+        decoder.set_step_flags((sample, *[False] * (len(flags) - 1)))  # sampled or greedy rows, nothing more
         try:
             if self.key(bucket, 0) not in self.graphs and not self._capture_unless_compiling(bucket, 0):
                 self.ahead.insert(0, (bucket, sample))  # the compile took the GPU meanwhile: later
         except Exception:  # captured again when a step needs it
             log.warning("CUDA graph capture ahead of the %d-row steps failed", bucket, exc_info=True)
         finally:
-            decoder.any_sample, decoder.any_logprobs, decoder.any_constrained, decoder.any_top_p = flags
+            decoder.set_step_flags(flags)
 
     def _pass_graphs(self) -> list:
         """The vision passes' and the prefills' graphs, those the decoder has."""
