@@ -49,15 +49,22 @@ def _joined(members: list):
     kind = type(members[0])
     if any(type(member) is not kind for member in members):
         return None
-    join = getattr(kind, "joined", None)  # FP8's layers join themselves; other quantized layers do not
-    if kind is not torch.nn.Linear and join is None:
+    # Plain layers join here, FP8's join themselves (Fp8Linear.joined); other quantized layers do not.
+    join = _joined_linear if kind is torch.nn.Linear else getattr(kind, "joined", None)
+    if join is None:
         return None
-    first = members[0]
     ends = list(itertools.accumulate(member.out_features for member in members))
     slices = [slice(end - member.out_features, end) for member, end in zip(members, ends)]
-    if kind is not torch.nn.Linear:
-        product = join(members, slices)
-        return None if product is None else (product, slices)
+    product = join(members, slices)
+    return None if product is None else (product, slices)
+
+
+def _joined_linear(members: list, slices: list[slice]):
+    """One plain linear layer over `members`' weights, one after the other, each member's weight and bias becoming
+    views of its `slices` rows; None where they do not join (input sizes, dtypes, devices or biases differ)."""
+    import torch
+
+    first = members[0]
     if not all(
         member.in_features == first.in_features
         and member.weight.dtype == first.weight.dtype
@@ -77,7 +84,7 @@ def _joined(members: list):
         member.weight = torch.nn.Parameter(weight[rows], requires_grad=False)
         if bias is not None:
             member.bias = torch.nn.Parameter(bias[rows], requires_grad=False)
-    return product, slices
+    return product
 
 
 @functools.cache
