@@ -33,8 +33,7 @@ def by_position():
 def per_row_long_rope(model) -> Optional[int]:
     """Give the text model's LongRoPE rotary (if it has one) the choice by position in decode steps; its original
     context (where a row is recomputed), or None."""
-    text = model.get_decoder() if hasattr(model, "get_decoder") else None
-    rotary = getattr(text, "rotary_emb", None)
+    text, rotary = _rotary(model)
     if not chooses_by_row(model):
         if getattr(rotary, "rope_type", None) != "longrope":
             return None
@@ -44,8 +43,13 @@ def per_row_long_rope(model) -> Optional[int]:
 
 def chooses_by_row(model) -> bool:
     """Whether the text model's rotary chooses by position in a decode step (`per_row_long_rope` made it so)."""
+    return getattr(_rotary(model)[1], "by_row", False)
+
+
+def _rotary(model) -> tuple:
+    """The text model and its rotary embedding (None where it has none)."""
     text = model.get_decoder() if hasattr(model, "get_decoder") else None
-    return getattr(getattr(text, "rotary_emb", None), "by_row", False)
+    return text, getattr(text, "rotary_emb", None)
 
 
 def _long_rope_by_row(rotary):
