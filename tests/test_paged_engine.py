@@ -133,13 +133,7 @@ def test_requests_past_a_sliding_window_or_an_attention_chunk_decode_in_the_batc
     )
     spy(monkeypatch, engine.alone, "run", alone, "alone")
     batched = generate_all(engine, items)
-    assert [dataclasses.replace(a, logprobs=None) for a in batched] == [
-        dataclasses.replace(a, logprobs=None) for a in solo
-    ]
-    for answer, reference in zip(batched, solo):
-        assert [e["logprob"] for e in answer.logprobs] == pytest.approx(
-            [e["logprob"] for e in reference.logprobs], abs=1e-4
-        )
+    assert_same_answers(batched, solo)
     assert not alone and max(widths) >= 4
     view = engine.view()
     assert view.kv_blocks_free == view.kv_blocks and not view.running
@@ -228,11 +222,7 @@ def test_phi4_rows_within_across_and_past_longrope_s_original_context_decode_in_
     spy(monkeypatch, engine.alone, "run", alone, "alone")
     spy(monkeypatch, engine.scheduler, "recompute", recomputed, "recompute")
     batched = generate_all(engine, items)
-    assert [without_logprobs(a) for a in batched] == [without_logprobs(a) for a in reference]
-    for answer, expected in zip(batched, reference):
-        assert [e["logprob"] for e in answer.logprobs] == pytest.approx(
-            [e["logprob"] for e in expected.logprobs], abs=1e-4
-        )
+    assert_same_answers(batched, reference)
     assert not alone and max(widths) >= 4 and len(recomputed) >= 1
     view = engine.view()
     assert view.kv_blocks_free == view.kv_blocks and not view.running
@@ -240,6 +230,15 @@ def test_phi4_rows_within_across_and_past_longrope_s_original_context_decode_in_
 
 def without_logprobs(answer):
     return dataclasses.replace(answer, logprobs=None)
+
+
+def assert_same_answers(answers: list, references: list) -> None:
+    """Equal answers (text, tokens, counts), each token's logprob within float error."""
+    assert [without_logprobs(a) for a in answers] == [without_logprobs(a) for a in references]
+    for answer, reference in zip(answers, references):
+        assert [e["logprob"] for e in answer.logprobs] == pytest.approx(
+            [e["logprob"] for e in reference.logprobs], abs=1e-4
+        )
 
 
 class HostCopies(TorchDispatchMode):
