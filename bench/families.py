@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import random
 import time
 from pathlib import Path
 
-from bench.workload import QUESTIONS, bench_parser, concurrent, data_uri, mixed_jobs
+from bench.workload import QUESTIONS, bench_model, bench_parser, concurrent, data_uri, mixed_jobs
 
 RULES = " ".join(f"Rule {n}: answer in plain words and name what you see." for n in range(20))  # ~1,000 tokens
 
@@ -79,21 +78,8 @@ def phi4(models: Path, tiny: bool, out: Path) -> dict:
 
 
 def served_family(models: Path, tiny: bool, family: str, shape: str):
-    """The handler and its engine serving `family` at `shape` (random weights built into `models` once, bf16), or
-    with `tiny` its tiny model on the CPU."""
-    import torch
-
-    import tools.tiny_models as tiny_models
-
-    folder = models / (f"{family}-tiny" if tiny else shape)
-    if not (folder / "config.json").exists():
-        if tiny:
-            tiny_models.build(family, folder)
-        else:
-            tiny_models.build(family, folder, shape, device="cuda", dtype="bf16")
-            torch.cuda.empty_cache()
-    placement = dict(VLM_DEVICE_MAP="cpu", VLM_DTYPE="fp32") if tiny else dict(VLM_DTYPE="bf16")
-    os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true", **placement)
+    """The handler and its engine serving `family` at `shape` (`bench_model`)."""
+    bench_model(str(models), tiny, family, shape)
     import handler
 
     return handler, handler.get_engine()
@@ -159,8 +145,6 @@ def shared_prompt_jobs(burst: int, shared: bool) -> list[dict]:
 
 def shared_prompt(models: Path, tiny: bool, out: Path) -> dict:
     import torch
-
-    from bench.workload import bench_model
 
     bench_model(str(models), tiny)
     import handler

@@ -92,18 +92,21 @@ def bench_parser(doc: str, tiny: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
-def bench_model(models: str, tiny: bool = False) -> Path:
-    """The model a benchmark runs, with the worker's environment set to load it: random weights at Qwen2-VL-2B shapes
-    in bf16 (built into `models` once), or with `tiny` a tiny fp32 one on the CPU (a smoke run)."""
+def bench_model(models: str, tiny: bool = False, family: str = "qwen2-vl", shape: str = "qwen2-vl-2b") -> Path:
+    """The model a benchmark runs, with the worker's environment set to load it: random weights of `family` at
+    `shape` in bf16 (built into `models` once), or with `tiny` a tiny fp32 one on the CPU (a smoke run)."""
     import tools.tiny_models as tiny_models
 
     if tiny:
-        folder = tiny_models.build("qwen2-vl", Path(models) / "qwen2-vl-tiny")
+        folder = tiny_models.build(family, Path(models) / f"{family}-tiny")
         os.environ.update(VLM_DEVICE_MAP="cpu", VLM_DTYPE="fp32")
     else:
-        folder = Path(models) / "qwen2-vl-2b"
+        folder = Path(models) / shape
         if not (folder / "config.json").exists():
-            tiny_models.build("qwen2-vl", folder, "qwen2-vl-2b", device="cuda", dtype="bf16")
+            import torch
+
+            tiny_models.build(family, folder, shape, device="cuda", dtype="bf16")
+            torch.cuda.empty_cache()  # the building copy's memory, let go of before the worker loads it
         os.environ.update(VLM_DTYPE="bf16")
     os.environ.update(VLM_MODEL=str(folder), VLM_ALLOW_ANY="true")
     return folder
